@@ -1,0 +1,1 @@
+"""tilescale: distributed tile programming on stock TileLang."""
