@@ -1,1 +1,46 @@
-"""tilescale: distributed tile programming on stock TileLang."""
+"""tilescale: distributed tile programming on stock TileLang.
+
+Example::
+
+    import torch
+    import tilescale as ts
+
+    ts.init()                                   # under torchrun, tilescale run, mpirun or srun
+    x = ts.zeros((1024,), dtype=torch.float32)  # symmetric: every rank owns a copy
+    ts.peer_view(x, (ts.rank() + 1) % ts.world_size()).fill_(ts.rank())
+    ts.barrier()
+"""
+
+from tilescale.runtime import (
+    backend_name,
+    barrier,
+    current,
+    device,
+    finalize,
+    init,
+    is_initialized,
+    local_rank,
+    rank,
+    world_size,
+)
+from tilescale.symmetric import empty, is_symmetric, peer_ptrs, peer_view, zeros
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backend_name",
+    "barrier",
+    "current",
+    "device",
+    "empty",
+    "finalize",
+    "init",
+    "is_initialized",
+    "is_symmetric",
+    "local_rank",
+    "peer_ptrs",
+    "peer_view",
+    "rank",
+    "world_size",
+    "zeros",
+]

@@ -1,0 +1,58 @@
+"""Symmetric memory on the GPUs of one node through torch symmetric memory (cuMem + IPC).
+
+Every rank's copy is mapped into every process, so a kernel reaches a peer's copy with
+ordinary loads and stores (and TMA) through ``peer_ptrs``. ``buffer_ptrs`` of a torch
+handle are allocation bases; a tensor inside the allocation sits at the same offset on
+every peer (DESIGN.md, pointer rule).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from tilescale.comm.base import CommBackend, SymmetricAllocation
+from tilescale.comm.group import Group
+
+
+class CudaIpcAllocation(SymmetricAllocation):
+    def __init__(self, local: torch.Tensor, handle, rank: int):
+        self._handle = handle
+        self._offset = local.data_ptr() - handle.buffer_ptrs[rank]
+        super().__init__(local.numel(), [p + self._offset for p in handle.buffer_ptrs])
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self._handle.get_buffer(rank, (self.nbytes,), torch.uint8, self._offset)
+
+
+class CudaIpcBackend(CommBackend):
+    """Peer-address symmetric memory for ranks that share a node (NVLink or PCIe peers)."""
+
+    name = "cuda_ipc"
+    device_type = "cuda"
+
+    def __init__(self, group: Group):
+        super().__init__(group)
+        if group.local_world_size != group.world_size:
+            raise RuntimeError(
+                f"the cuda_ipc backend reaches GPUs of one node only, but the job spans "
+                f"{group.world_size // max(group.local_world_size, 1)} nodes; use backend='nvshmem'"
+            )
+        me = torch.cuda.current_device()
+        blocked = [d for d in range(torch.cuda.device_count()) if d != me and not torch.cuda.can_device_access_peer(me, d)]
+        if blocked:
+            raise RuntimeError(f"GPU {me} cannot access peer GPUs {blocked} directly (no P2P): cuda_ipc needs peer access")
+        self._group_name = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self._group_name)
+
+    def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
+        local = symm_mem.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        local.zero_()
+        handle = symm_mem.rendezvous(local, self._group_name)
+        # A peer may write into our copy as soon as it returns: it must see zeros, not our zero_() racing it.
+        torch.cuda.synchronize()
+        handle.barrier()
+        local = local[:nbytes]
+        return local, CudaIpcAllocation(local, handle, self.group.rank)

@@ -1,0 +1,217 @@
+"""The process's place in the job: launcher detection, device binding, process group, backend.
+
+``tilescale.init()`` is the one collective call a program makes before anything else::
+
+    import tilescale as ts
+    ts.init()                       # torchrun, tilescale run, mpirun, srun or plain python
+    print(ts.rank(), ts.world_size(), ts.device())
+    ...
+    ts.finalize()
+
+On a machine with CUDA GPUs each rank binds GPU ``local_rank`` and the process group has
+NCCL for CUDA tensors and gloo for CPU tensors; without GPUs (or with
+``TILESCALE_DEVICE=cpu``, which ``tilescale run --cpu`` sets) the ranks run on the CPU
+path with gloo and POSIX shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tilescale import comm
+from tilescale.launch.environment import LaunchEnv, detect
+
+
+@dataclass
+class Runtime:
+    """Everything ``init`` set up; reach it through :func:`current`."""
+
+    env: LaunchEnv
+    device: torch.device
+    group: comm.Group
+    backend: comm.CommBackend
+    owns_process_group: bool
+
+
+_runtime: Runtime | None = None
+
+
+def _choose_device(device: str | None) -> torch.device:
+    wanted = device or os.environ.get("TILESCALE_DEVICE")
+    if wanted not in (None, "", "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {wanted!r}")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def _bind_gpu(env: LaunchEnv) -> torch.device:
+    count = torch.cuda.device_count()
+    if env.local_world_size > count:
+        raise RuntimeError(
+            f"{env.local_world_size} ranks on this node but only {count} visible GPUs; "
+            "start one rank per GPU (or use --cpu)"
+        )
+    index = env.local_rank % count
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 7:
+        raise RuntimeError(
+            f"GPU {index} ({torch.cuda.get_device_name(index)}) has compute capability {major}.{minor}; "
+            "tilescale needs 7.0 or newer (9.0 for TMA and clusters)"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int]:
+    # mpirun gives no rendezvous address: rank 0 picks one and broadcasts it over MPI.
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError(
+            f"started by {env.launcher} without MASTER_ADDR/MASTER_PORT: export them, or "
+            'install mpi4py (pip install "tilescale[mpi]") so ranks can agree on one'
+        ) from None
+    addr = port = None
+    if env.rank == 0:
+        addr = socket.gethostbyname(socket.gethostname()) if env.local_world_size < env.world_size else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    return MPI.COMM_WORLD.bcast((addr, port), root=0)
+
+
+def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -> None:
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if env.world_size == 1 and env.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    addr, port = env.master_addr, env.master_port
+    if addr is None or port is None:
+        addr, port = _mpi_rendezvous(env)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size, **kwargs
+    )
+
+
+def _job_id(group_store: dist.Store, rank: int, timeout_s: float) -> str:
+    if rank == 0:
+        group_store.set("tilescale/job_id", uuid.uuid4().hex[:12])
+    group_store.wait(["tilescale/job_id"], timedelta(seconds=timeout_s))
+    return group_store.get("tilescale/job_id").decode()
+
+
+def init(backend: str | None = None, *, device: str | None = None, timeout_s: float | None = None) -> Runtime:
+    """Join the job: detect the launcher, bind the GPU, create the process group and backend.
+
+    Example::
+
+        ts.init()                      # GPU when present, CPU path otherwise
+        ts.init(device="cpu")          # force the CPU path (gloo + shared memory)
+
+    ``backend`` names the communication backend (``TILESCALE_BACKEND`` when None, else
+    ``cuda_ipc`` on GPUs and ``host_shm`` on the CPU). Calling ``init`` again returns the
+    existing runtime; asking it for a different backend or device then is an error.
+    If torch.distributed is already initialised (by the user), its group is reused.
+    """
+    global _runtime
+    backend = backend or os.environ.get("TILESCALE_BACKEND") or None
+    if _runtime is not None:
+        if backend not in (None, _runtime.backend.name) or (device not in (None, _runtime.device.type)):
+            raise RuntimeError(
+                f"tilescale is already initialised with backend '{_runtime.backend.name}' on "
+                f"{_runtime.device}; call finalize() before init() with other settings"
+            )
+        return _runtime
+    timeout_s = float(os.environ.get("TILESCALE_INIT_TIMEOUT_S", "300")) if timeout_s is None else timeout_s
+    env = detect()
+    dev = _choose_device(device)
+    if dev.type == "cuda":
+        dev = _bind_gpu(env)
+    owns = not dist.is_initialized()
+    if owns:
+        _init_process_group(env, dev, timeout_s)
+    elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+        env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
+                        env.local_world_size, env.master_addr, env.master_port)
+    store = dist.distributed_c10d._get_default_store()
+    group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
+                       _job_id(store, env.rank, timeout_s))
+    name = backend or comm.default_backend(dev.type)
+    _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns)
+    return _runtime
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`finalize` has not)."""
+    return _runtime is not None
+
+
+def current() -> Runtime:
+    """The runtime set up by :func:`init`; raises if there is none."""
+    if _runtime is None:
+        raise RuntimeError("tilescale is not initialised: call tilescale.init() first")
+    return _runtime
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return current().group.rank
+
+
+def world_size() -> int:
+    """Number of ranks in the job."""
+    return current().group.world_size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node."""
+    return current().group.local_rank
+
+
+def device() -> torch.device:
+    """The device this rank computes on (``cuda:<local GPU>`` or ``cpu``)."""
+    return current().device
+
+
+def backend_name() -> str:
+    """Name of the communication backend in use."""
+    return current().backend.name
+
+
+def barrier(timeout_s: float | None = None) -> None:
+    """Host barrier of all ranks after this rank's queued GPU work has finished.
+
+    Raises ``TimeoutError`` naming the missing ranks instead of hanging.
+    """
+    rt = current()
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    rt.group.barrier(timeout_s=timeout_s)
+
+
+def finalize() -> None:
+    """Leave the job: wait for every rank, release the backend and the process group."""
+    global _runtime
+    if _runtime is None:
+        return
+    rt = _runtime
+    try:
+        barrier()
+    finally:
+        _runtime = None
+        rt.backend.finalize()
+        if rt.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
