@@ -40,15 +40,17 @@ class CudaIpcBackend(CommBackend):
                 f"{group.world_size // max(group.local_world_size, 1)} nodes; use backend='nvshmem'"
             )
         me = torch.cuda.current_device()
-        blocked = [d for d in range(torch.cuda.device_count()) if d != me and not torch.cuda.can_device_access_peer(me, d)]
+        others = [d for d in range(torch.cuda.device_count()) if d != me]
+        blocked = [d for d in others if not torch.cuda.can_device_access_peer(me, d)]
         if blocked:
-            raise RuntimeError(f"GPU {me} cannot access peer GPUs {blocked} directly (no P2P): cuda_ipc needs peer access")
+            raise RuntimeError(f"GPU {me} cannot reach GPUs {blocked} directly (no P2P); cuda_ipc needs peer access")
         self._group_name = dist.group.WORLD.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self._group_name)
 
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
-        local = symm_mem.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        local = symm_mem.empty(max(nbytes, 1), dtype=torch.uint8, device=gpu)
         local.zero_()
         handle = symm_mem.rendezvous(local, self._group_name)
         # A peer may write into our copy as soon as it returns: it must see zeros, not our zero_() racing it.
