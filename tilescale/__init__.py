@@ -11,9 +11,12 @@ Example::
     ts.barrier()
 """
 
+from tilescale.errors import WaitTimeoutError
+from tilescale.jit import jit
 from tilescale.runtime import (
     backend_name,
     barrier,
+    check_device_waits,
     current,
     device,
     finalize,
@@ -21,6 +24,7 @@ from tilescale.runtime import (
     is_initialized,
     local_rank,
     rank,
+    synchronize,
     world_size,
 )
 from tilescale.symmetric import empty, is_symmetric, peer_ptrs, peer_view, zeros
@@ -28,8 +32,10 @@ from tilescale.symmetric import empty, is_symmetric, peer_ptrs, peer_view, zeros
 __version__ = "0.1.0"
 
 __all__ = [
+    "WaitTimeoutError",
     "backend_name",
     "barrier",
+    "check_device_waits",
     "current",
     "device",
     "empty",
@@ -37,10 +43,12 @@ __all__ = [
     "init",
     "is_initialized",
     "is_symmetric",
+    "jit",
     "local_rank",
     "peer_ptrs",
     "peer_view",
     "rank",
+    "synchronize",
     "world_size",
     "zeros",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tilescale import comm
+from tilescale.errors import WAIT_STATUS_FIELDS, WaitTimeoutError, describe_timeout
 from tilescale.launch.environment import LaunchEnv, detect
 
 
@@ -38,6 +40,15 @@ class Runtime:
     group: comm.Group
     backend: comm.CommBackend
     owns_process_group: bool
+    # Where device-side waits report a timeout: host memory the GPU writes directly (pinned,
+    # mapped through UVA), so the host reads it without synchronising. See tilescale.language.sync.
+    wait_status: torch.Tensor
+    # Symmetric counters of T.barrier(), allocated by the first kernel that needs them.
+    sync_workspace: torch.Tensor | None = None
+
+    def wait_timeout_ns(self) -> int:
+        """Bound of every device-side wait, from ``TILESCALE_WAIT_TIMEOUT_S`` (default 60 s)."""
+        return int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9)
 
 
 _runtime: Runtime | None = None
@@ -150,7 +161,8 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
                        _job_id(store, env.rank, timeout_s))
     name = backend or comm.default_backend(dev.type)
-    _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns)
+    status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+    _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status)
     return _runtime
 
 
@@ -191,15 +203,34 @@ def backend_name() -> str:
     return current().backend.name
 
 
+def check_device_waits(name_address: Callable[[int], str | None] | None = None) -> None:
+    """Raise :class:`WaitTimeoutError` if a device-side wait of this rank has timed out.
+
+    Kernels launched through ``tilescale.jit`` call this before every launch (reading host
+    memory only, never synchronising), passing ``name_address`` to name the flag.
+    """
+    rt = current()
+    values = rt.wait_status.tolist()
+    if values[0] == 1:
+        record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
+        name = name_address(record["address"]) if name_address else None
+        raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns() / 1e9))
+
+
+def synchronize() -> None:
+    """Wait for this rank's queued GPU work, then raise if a device-side wait timed out."""
+    if current().device.type == "cuda":
+        torch.cuda.synchronize()
+    check_device_waits()
+
+
 def barrier(timeout_s: float | None = None) -> None:
     """Host barrier of all ranks after this rank's queued GPU work has finished.
 
     Raises ``TimeoutError`` naming the missing ranks instead of hanging.
     """
-    rt = current()
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize()
-    rt.group.barrier(timeout_s=timeout_s)
+    synchronize()
+    current().group.barrier(timeout_s=timeout_s)
 
 
 def finalize() -> None:

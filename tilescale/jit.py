@@ -1,0 +1,200 @@
+"""``tilescale.jit``: compile distributed kernels with TileLang and bind their hidden arguments.
+
+Example::
+
+    @ts.jit
+    def ring_shift(M, N, block_M, dtype="bfloat16"):
+        @T.prim_func
+        def main(A: T.Tensor((M, N), dtype), B: T.Tensor((M, N), dtype)):
+            ...
+        return main
+
+    kernel = ring_shift(4096, 1024, 64)     # compiled once per arguments, then cached
+    kernel(A, B)                            # B symmetric: its peer table is passed for you
+
+The factory is TileLang's lazy style (it returns a ``T.prim_func``); every keyword of
+``tilelang.jit`` is accepted. A kernel's hidden arguments (see
+``tilescale.language.kernel``) are bound per call from the tensors passed, so two kernels,
+or one kernel called with different symmetric tensors, never share address state.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import tilelang
+import torch
+from tvm import tirx
+
+from tilescale import runtime
+from tilescale.language.scale import (
+    PEER_TABLE_SUFFIX,
+    RANK_PARAM,
+    STATUS_PARAM,
+    SYNC_TABLE_PARAM,
+    TIMEOUT_PARAM,
+    build_options,
+)
+from tilescale.symmetric import is_symmetric, peer_ptrs, zeros
+
+# int32 words of the barrier workspace: three counters, each on its own 128-byte line.
+_SYNC_WORDS = 96
+
+
+def _grid_blocks(func: tirx.PrimFunc) -> int | None:
+    """Blocks in the launch grid when they are compile-time constants, else None."""
+    extents: dict[str, int | None] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, tirx.AttrStmt) and node.attr_key == "thread_extent":
+            tag = node.node.thread_tag
+            if tag.startswith("blockIdx"):
+                extents[tag] = int(node.value) if isinstance(node.value, tirx.IntImm) else None
+
+    tirx.stmt_functor.post_order_visit(func.body, visit)
+    if any(v is None for v in extents.values()):
+        return None
+    blocks = 1
+    for v in extents.values():
+        blocks *= v
+    return blocks
+
+
+def _user_params(func: tirx.PrimFunc, hidden: dict[str, str]) -> list[str]:
+    names = []
+    for p in func.params:
+        buf = func.buffer_map.get(p)
+        name = buf.name if buf is not None else p.name
+        if name not in hidden:
+            names.append(name)
+    return names
+
+
+def _normalize_out_idx(out_idx: list[int] | int | None, n_user: int) -> list[int] | None:
+    # Hidden parameters follow the user's, so negative indices count from the user's last.
+    if out_idx is None:
+        return None
+    idx = [out_idx] if isinstance(out_idx, int) else list(out_idx)
+    for i in idx:
+        if not -n_user <= i < n_user:
+            raise IndexError(f"out_idx {i} out of range for a kernel with {n_user} parameters")
+    return [i % n_user for i in idx]
+
+
+class DistributedKernel:
+    """A compiled kernel that fills in its hidden distributed arguments on every call."""
+
+    def __init__(self, func: tirx.PrimFunc, out_idx: list[int] | int | None = None, **compile_kwargs: Any):
+        attrs = func.attrs if func.attrs is not None else {}
+        self.hidden: dict[str, str] = {str(k): str(v) for k, v in dict(attrs.get("tilescale.hidden", {})).items()}
+        world = attrs.get("tilescale.world_size")
+        self.world_size = int(world) if world is not None else None
+        self.params = _user_params(func, self.hidden)
+        outputs = _normalize_out_idx(out_idx, len(self.params)) or []
+        self.inputs = [name for i, name in enumerate(self.params) if i not in outputs]
+        self.grid_blocks = _grid_blocks(func)
+        self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
+        self._last_args: dict[str, torch.Tensor] = {}
+
+    def get_kernel_source(self) -> str:
+        """The generated device source (CUDA C++ for GPU targets)."""
+        return self.kernel.get_kernel_source()
+
+    def _name_address(self, address: int) -> str | None:
+        for name, t in self._last_args.items():
+            start = t.data_ptr()
+            if start <= address < start + t.numel() * t.element_size():
+                return f"{name}[{(address - start) // t.element_size()}]"
+        return None
+
+    def _hidden_value(self, name: str, args: dict[str, Any], rt: runtime.Runtime) -> Any:
+        if name == RANK_PARAM:
+            return rt.group.rank
+        if name == STATUS_PARAM:
+            return rt.wait_status.data_ptr()
+        if name == TIMEOUT_PARAM:
+            return rt.wait_timeout_ns()
+        if name == SYNC_TABLE_PARAM:
+            if rt.sync_workspace is None:
+                rt.sync_workspace = zeros((_SYNC_WORDS,), dtype=torch.int32)
+            return peer_ptrs(rt.sync_workspace)
+        if name.endswith(PEER_TABLE_SUFFIX):
+            arg_name = self.hidden[name]
+            tensor = args[arg_name]
+            if not is_symmetric(tensor):
+                raise TypeError(
+                    f"argument '{arg_name}' is accessed on other ranks by this kernel, so it must be a "
+                    "symmetric tensor (allocate it with tilescale.empty/zeros)"
+                )
+            return peer_ptrs(tensor)
+        raise RuntimeError(f"unknown hidden kernel parameter '{name}'")
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.hidden:
+            return self.kernel(*args)
+        rt = runtime.current()
+        runtime.check_device_waits(self._name_address)
+        if self.world_size is not None and self.world_size != rt.group.world_size:
+            raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
+        if len(args) != len(self.inputs):
+            raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
+        named = dict(zip(self.inputs, args, strict=True))
+        if SYNC_TABLE_PARAM in self.hidden and rt.device.type == "cuda" and self.grid_blocks is not None:
+            sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
+            if self.grid_blocks > sms:
+                raise ValueError(
+                    f"this kernel uses T.barrier() across {self.grid_blocks} blocks, but only {sms} are "
+                    "guaranteed to be resident at once on this GPU; use at most one block per SM"
+                )
+        self._last_args = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        hidden = [self._hidden_value(name, named, rt) for name in self.hidden]
+        return self.kernel(*args, *hidden)
+
+
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | None) -> tirx.PrimFunc:
+    if world is None:
+        func = factory(*args, **kwargs)
+    else:
+        with build_options(world_size=world):
+            func = factory(*args, **kwargs)
+    if not isinstance(func, tirx.PrimFunc):
+        raise TypeError(f"{factory.__name__} must return a T.prim_func, got {type(func).__name__}")
+    return func
+
+
+def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list[int] | int | None = None,
+        **compile_kwargs: Any) -> Any:
+    """Compile a kernel factory (or a ``T.prim_func``) into distributed kernels, cached per arguments.
+
+    Example::
+
+        @ts.jit(out_idx=[-1])
+        def add_one(N):
+            @T.prim_func
+            def main(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+                ...
+            return main
+
+    Keywords are those of ``tilelang.compile`` (``target``, ``execution_backend``,
+    ``pass_configs``, ``compile_flags``, ``verbose``).
+    """
+
+    def wrap(factory: Callable[..., Any] | tirx.PrimFunc) -> Any:
+        if isinstance(factory, tirx.PrimFunc):
+            return DistributedKernel(factory, out_idx, **compile_kwargs)
+
+        @functools.cache
+        def compiled(args: tuple, frozen_kwargs: tuple, world: int | None) -> DistributedKernel:
+            return DistributedKernel(_build(factory, args, dict(frozen_kwargs), world), out_idx, **compile_kwargs)
+
+        @functools.wraps(factory)
+        def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:
+            world = runtime.world_size() if runtime.is_initialized() else None
+            return compiled(args, tuple(sorted(kwargs.items())), world)
+
+        get_kernel.cache_clear = compiled.cache_clear
+        return get_kernel
+
+    return wrap(func) if func is not None else wrap

@@ -1,0 +1,87 @@
+"""``T.prim_func`` and ``T.Kernel`` for distributed kernels.
+
+``T.prim_func`` builds the function exactly as TileLang does, then appends the hidden
+parameters its distributed operations asked for (peer-address tables of symmetric
+arguments, rank, wait status and timeout) and records them in the ``tilescale.hidden``
+attribute so ``tilescale.jit`` can bind them per call. A function without distributed
+operations comes out unchanged. ``T.Kernel`` is TileLang's, with tilescale's device
+helpers in the prelude.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tilelang.language as tl
+from tvm import tirx
+
+from tilescale.language.scale import BuildContext, building
+from tilescale.language.sync import PRELUDE
+
+
+def Kernel(*blocks: int | tirx.PrimExpr, threads: int | list[int] | tuple[int, ...] | None = None,  # noqa: N802
+           prelude: str | None = None, cluster_dims: int | tuple[int, int, int] | list[int] | None = None) -> Any:
+    """TileLang's ``T.Kernel`` with tilescale's device helpers available to the kernel.
+
+    Example::
+
+        with T.Kernel(T.ceildiv(M, 64), threads=128) as bx:
+            ...
+    """
+    return tl.Kernel(*blocks, threads=threads, prelude=PRELUDE + (prelude or ""), cluster_dims=cluster_dims)
+
+
+Kernel.__dict__.update(tl.Kernel.__dict__)  # keep TileLang's launch-factory mark
+
+
+def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc:
+    if not ctx.peer_tables and not ctx.scalars and ctx.sync is None:
+        return func
+    params = list(func.params)
+    buffer_map = dict(func.buffer_map)
+    arguments = list(buffer_map.values())
+    hidden: dict[str, str] = {}
+    for name, (arg, table) in ctx.peer_tables.items():
+        if not any(arg.same_as(b) for b in arguments):
+            raise TypeError(
+                f"remote access to '{name}': only tensor arguments of the kernel can be symmetric "
+                "(allocate the tensor with tilescale.empty and pass it in)"
+            )
+        var = tirx.Var(table.name, "handle")
+        params.append(var)
+        buffer_map[var] = table
+        hidden[table.name] = name
+    if ctx.sync is not None:
+        var = tirx.Var(ctx.sync.name, "handle")
+        params.append(var)
+        buffer_map[var] = ctx.sync
+        hidden[ctx.sync.name] = ""
+    for name, var in ctx.scalars.items():
+        params.append(var)
+        hidden[name] = ""
+    out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
+    out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
+    if hasattr(func, "orig_func"):
+        out.orig_func = func.orig_func
+    return out
+
+
+def prim_func(func: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+    """TileLang's ``T.prim_func`` that also accepts tilescale's distributed operations.
+
+    Example::
+
+        @T.prim_func
+        def main(A: T.Tensor((M, N), "float16"), B: T.Tensor((M, N), "float16")):
+            ...
+    """
+
+    def build(f: Callable[..., Any]) -> Any:
+        if kwargs.get("eager_jit"):
+            return tl.prim_func(f, **kwargs)
+        with building() as ctx:
+            built = tl.prim_func(f, **kwargs)
+        return _with_hidden_params(built, ctx)
+
+    return build(func) if func is not None else build

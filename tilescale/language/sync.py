@@ -1,0 +1,253 @@
+"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``.
+
+Example (a producer block announces a tile it put into its peer's buffer)::
+
+    T.copy(tile, B[bx * 64, 0], dst_pe=peer)        # remote put
+    T.signal(flags[bx], 1, pe=peer)                  # release: the tile is visible first
+    ...
+    T.wait(flags[bx], "ge", 1)                       # acquire, on the consumer
+
+All four are *block-level* operations, like ``T.copy``: every thread of the block must
+reach them (they synchronise the block), and one thread talks to the other devices.
+
+Memory ordering, and why it holds (PTX memory model):
+
+* A remote put may have been lowered to TMA bulk stores whose completion TileLang waits
+  for only until shared memory has been *read* (``tma_store_wait<0, true>``). Before a
+  signal, every thread therefore waits for its own bulk groups to *complete*
+  (``cp.async.bulk.wait_group 0``) and fences the async proxy, so the data is written.
+* ``__syncthreads`` then makes all threads' writes precede thread 0's
+  ``fence.acq_rel.sys`` + ``st/red.release.sys``: release is cumulative, so a peer
+  that observes the flag with ``ld.acquire.sys`` observes the whole block's data.
+* After a wait succeeds, ``__syncthreads`` orders the acquiring thread before all others,
+  and ``fence.proxy.async`` lets later TMA loads see what the generic proxy acquired.
+
+Every wait is bounded by ``TILESCALE_WAIT_TIMEOUT_S`` (a kernel argument, no recompile).
+The first wait to expire records rank, block, flag address, expected and observed values
+in a status record the host reads; all other waits of the job then give up at once, the
+kernel ends, and the host raises :class:`tilescale.WaitTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import tilelang.language as tl
+from tvm import tirx
+
+from tilescale.language.remote import remote_buffer
+from tilescale.language.scale import STATUS_PARAM, TIMEOUT_PARAM, current_context
+
+COMPARISONS = {"eq": 0, "ne": 1, "ge": 2, "gt": 3, "le": 4, "lt": 5}
+SIGNAL_OPS = {"set": 0, "add": 1}
+
+PRELUDE = r"""
+namespace tilescale {
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool is_leader() {
+  return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+}
+
+__device__ __forceinline__ long long block_id() {
+  return blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+}
+
+// This thread's earlier global writes, TMA bulk stores included, are complete.
+__device__ __forceinline__ void complete_writes() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void after_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ bool compare(int cmp, int observed, int expected) {
+  switch (cmp) {
+    case 0: return observed == expected;
+    case 1: return observed != expected;
+    case 2: return observed >= expected;
+    case 3: return observed > expected;
+    case 4: return observed <= expected;
+    default: return observed < expected;
+  }
+}
+
+// Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
+// the job has already timed out (then the status record tells the host what happened).
+__device__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
+                     long long timeout_ns, int kind) {
+  volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
+  unsigned long long start = now_ns();
+  int observed = load_acquire(addr);
+  for (unsigned int i = 1; !compare(cmp, observed, expected); ++i) {
+    if ((i & 255u) == 0) {
+      if (status[0] != 0) return false;
+      if ((long long)(now_ns() - start) > timeout_ns) {
+        unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
+        if (atomicCAS(state, 0ull, 2ull) == 0ull) {
+          status[1] = rank; status[2] = block_id(); status[3] = (long long)addr;
+          status[4] = cmp; status[5] = expected; status[6] = observed; status[7] = kind;
+          __threadfence_system();
+          status[0] = 1;
+          __threadfence_system();
+          printf("tilescale: rank %d block %lld timed out waiting on flag %p (cmp %d, expected %d, observed %d)\n",
+                 rank, block_id(), (const void*)addr, cmp, expected, observed);
+        }
+        return false;
+      }
+    }
+    observed = load_acquire(addr);
+  }
+  return true;
+}
+
+__device__ __forceinline__ void block_signal(int* addr, int value, int op) {
+  complete_writes();
+  __syncthreads();
+  if (is_leader()) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    if (op == 0) store_release(addr, value); else add_release(addr, value);
+  }
+}
+
+__device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
+                                           int rank, long long timeout_ns) {
+  if (is_leader()) spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+  __syncthreads();
+  after_acquire();
+}
+
+__device__ __forceinline__ void block_fence() {
+  complete_writes();
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  __syncthreads();
+}
+
+// Barrier of every block of every rank. Workspace (int32, per rank): [0] blocks arrived,
+// [32] completed barriers (epoch), [64] arrivals from ranks. Counters only grow, so
+// ranks that run the same sequence of barriers agree on every target without resets.
+__device__ void grid_barrier(const void* peer_table, int rank, int world, long long status_addr,
+                             long long timeout_ns) {
+  const long long* peers = reinterpret_cast<const long long*>(peer_table);
+  complete_writes();
+  __syncthreads();
+  if (is_leader()) {
+    int* ws = reinterpret_cast<int*>(peers[rank]);
+    int blocks = gridDim.x * gridDim.y * gridDim.z;
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    int epoch = load_acquire(ws + 32);
+    int arrived = atomicAdd(ws, 1);
+    if (arrived == blocks - 1) {
+      ws[0] = 0;
+      __threadfence();
+      for (int p = 0; p < world; ++p) add_release(reinterpret_cast<int*>(peers[p]) + 64, 1);
+      spin(ws + 64, 2, world * (epoch + 1), status_addr, rank, timeout_ns, 1);
+      store_release(ws + 32, epoch + 1);
+    } else {
+      spin(ws + 32, 2, epoch + 1, status_addr, rank, timeout_ns, 1);
+    }
+  }
+  __syncthreads();
+  after_acquire();
+}
+
+}  // namespace tilescale
+"""
+
+
+def _status_args() -> list[tirx.PrimExpr]:
+    ctx = current_context()
+    return [ctx.scalar(STATUS_PARAM, "int64"), ctx.rank, ctx.scalar(TIMEOUT_PARAM, "int64")]
+
+
+def _int32_flag(flag: tirx.BufferLoad, what: str) -> tirx.BufferLoad:
+    if not isinstance(flag, tirx.BufferLoad):
+        raise TypeError(f"{what} takes one element of a flag tensor, e.g. flags[i]; got {type(flag).__name__}")
+    if str(flag.buffer.dtype) != "int32":
+        raise TypeError(f"{what}: flag tensor '{flag.buffer.name}' must be int32, not {flag.buffer.dtype}")
+    return flag
+
+
+def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | tirx.PrimExpr | None = None,
+           op: str = "set") -> tirx.PrimExpr:
+    """Set (``op="set"``) or add to (``op="add"``) ``flag`` on rank ``pe`` with release semantics.
+
+    Example::
+
+        T.signal(flags[bx], 1, pe=peer, op="add")
+
+    Everything this block wrote before (local or remote, TMA included) is visible to whoever
+    observes the new value. ``pe=None`` signals this rank's own copy.
+    """
+    if op not in SIGNAL_OPS:
+        raise ValueError(f"T.signal op must be one of {sorted(SIGNAL_OPS)}, got {op!r}")
+    flag = _int32_flag(flag, "T.signal")
+    if pe is not None:
+        flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
+    return tl.call_extern("handle", "tilescale::block_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
+
+
+def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """Block until this rank's ``flag`` compares ``cmp`` to ``value``, with acquire semantics.
+
+    Example::
+
+        T.wait(flags[bx], "ge", step + 1)
+
+    ``cmp`` is one of ``eq ne ge gt le lt``. The wait is bounded (see module docs).
+    """
+    if cmp not in COMPARISONS:
+        raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
+    flag = _int32_flag(flag, "T.wait")
+    return tl.call_extern("handle", "tilescale::block_wait", tl.address_of(flag), COMPARISONS[cmp], value,
+                          *_status_args())
+
+
+def fence() -> tirx.PrimExpr:
+    """Order this block's earlier global writes (local, remote, TMA) before its later ones, system-wide."""
+    return tl.call_extern("handle", "tilescale::block_fence")
+
+
+def barrier() -> tirx.PrimExpr:
+    """Synchronise at the innermost ``T.Scale``: in ``T.Scale("device")``, every block of every rank.
+
+    Example::
+
+        with T.Scale("device"):
+            T.copy(tile, B[bx * 64, 0], dst_pe=peer)
+            T.barrier()            # all puts of all ranks have landed
+
+    Writes before the barrier (remote ones included) are visible to every block of every
+    rank after it. All blocks of the grid must be resident at once: the jit refuses grids
+    larger than the GPU's SM count. Reusable any number of times (e.g. inside loops); kernels
+    that use it must not run concurrently with each other.
+    """
+    ctx = current_context()
+    if not ctx.scales:
+        raise RuntimeError("T.barrier() must be inside a T.Scale(...) scope, which says what it synchronises")
+    table = ctx.sync_table()
+    status, rank, timeout = _status_args()
+    return tl.call_extern("handle", "tilescale::grid_barrier", table.data, rank, ctx.world, status, timeout)
