@@ -11,6 +11,7 @@ Example::
     ts.barrier()
 """
 
+from tilescale import ops
 from tilescale.errors import WaitTimeoutError
 from tilescale.jit import jit
 from tilescale.runtime import (
@@ -45,6 +46,7 @@ __all__ = [
     "is_symmetric",
     "jit",
     "local_rank",
+    "ops",
     "peer_ptrs",
     "peer_view",
     "rank",

@@ -1,0 +1,57 @@
+"""Examples, ops and failure paths on real GPUs (skipped without two CUDA devices)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = Path(__file__).resolve().parent / "ranks"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+def run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilescale.launch", "run", "-n", "2", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example", ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter"])
+def test_example(example):
+    proc = run(f"examples/{example}.py", timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_symmetric_tensors_under_mpirun():
+    proc = run("--launcher", "mpirun", "examples/symmetric_tensors.py")
+    assert proc.returncode == 0
+    assert proc.stdout.count("neighbour exchange correct") == 2
+
+
+@pytest.mark.timeout(300)
+def test_wait_timeout_is_reported_on_both_ranks():
+    proc = run(str(RANKS / "wait_timeout.py"), env={"TILESCALE_WAIT_TIMEOUT_S": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] rank 0: WaitTimeoutError: rank 0, block 0: T.wait timed out" in proc.stdout
+    assert "flags[1] >= 1 (observed 0)" in proc.stdout
+    assert "[rank 1] rank 1: WaitTimeoutError: rank 1, block 0: T.barrier() timed out" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_non_symmetric_argument_is_refused():
+    proc = run(str(RANKS / "non_symmetric_arg.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("TypeError: argument 'B' is accessed on other ranks") == 2

@@ -1,0 +1,61 @@
+"""What the library kernels share: launch sizing, dtype names, symmetric workspaces."""
+
+from __future__ import annotations
+
+import torch
+
+from tilescale import runtime
+from tilescale.symmetric import empty, is_symmetric
+
+TORCH_TO_TL = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+}
+
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def tl_dtype(t: torch.Tensor) -> str:
+    """TileLang's name of ``t``'s dtype; TypeError for dtypes the kernels do not handle."""
+    if t.dtype not in TORCH_TO_TL:
+        raise TypeError(f"dtype {t.dtype} is not supported; use one of {sorted(map(str, TORCH_TO_TL))}")
+    return TORCH_TO_TL[t.dtype]
+
+
+def check_input(t: torch.Tensor, name: str) -> None:
+    """Inputs must be contiguous tensors on this rank's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dev = runtime.device()
+    if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
+        raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def grid_for(num_tiles: int) -> int:
+    """Persistent grid size: one block per SM at most, so device-scope barriers are safe."""
+    dev = runtime.device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return max(1, min(num_tiles, sms))
+
+
+def workspace(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A symmetric scratch tensor reused across calls (allocating it is collective)."""
+    k = (key, numel, dtype)
+    if k not in _workspaces:
+        _workspaces[k] = empty((numel,), dtype=dtype)
+    return _workspaces[k]
+
+
+def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
+    """``t`` itself when symmetric, else a symmetric workspace holding a copy of it."""
+    if is_symmetric(t):
+        return t.reshape(-1)
+    staged = workspace(key, t.numel(), t.dtype)
+    staged.copy_(t.reshape(-1))
+    return staged
