@@ -37,11 +37,20 @@ def check_input(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def grid_for(num_tiles: int) -> int:
-    """Persistent grid size: one block per SM at most, so device-scope barriers are safe."""
+def vector_width(numel: int, like: torch.Tensor) -> int:
+    """Elements per 16-byte vector that evenly divide ``numel``: the kernels' sizes are
+    ``vectors * width``, so TileLang can prove 16-byte accesses aligned and in bounds."""
+    width = max(1, 16 // like.element_size())
+    while numel % width:
+        width //= 2
+    return width
+
+
+def sm_count() -> int:
+    """Blocks a persistent kernel launches at most: one per SM, so every block is resident
+    and device-scope barriers cannot deadlock."""
     dev = runtime.device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    return max(1, min(num_tiles, sms))
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
 def workspace(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, grid_for, symmetric_or_staged, tl_dtype, workspace
+from tilescale.ops._common import check_input, sm_count, symmetric_or_staged, tl_dtype, vector_width, workspace
 from tilescale.symmetric import is_symmetric
 
 # Elements per tile: 16 KiB of 16-bit data, moved as one contiguous (TMA bulk) copy.
@@ -25,9 +25,12 @@ ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 @jit
-def all_gather_kernel(n: int, world: int, dtype: str, block: int, grid: int):
+def all_gather_kernel(world: int, dtype: str, vec: int, block: int, sms: int):
     # Rows of ``out`` are ranks: a tile that runs past the end of a row is cut at the row's
     # end by TileLang's bounds checks instead of spilling into the next rank's row.
+    n = T.dynamic("n_vectors") * vec
+    grid = T.min(T.ceildiv(n, block), sms)
+
     @T.prim_func
     def main(x: T.Tensor((1, n), dtype), out: T.Tensor((world, n), dtype)):
         with T.Kernel(grid, threads=128) as bx:
@@ -45,7 +48,7 @@ def all_gather_kernel(n: int, world: int, dtype: str, block: int, grid: int):
 
 
 @jit
-def reduce_kernel(rows: int, cols: int, dtype: str, block: int, grid: int, push: bool):
+def reduce_kernel(rows: int, dtype: str, vec: int, block: int, sms: int, push: bool):
     """Sum row ``r`` of ``src`` over all ranks, where r is this rank (``rows > 1``) or 0.
 
     ``rows == world``: rank r owns row r (reduce-scatter, or the first half of a two-shot
@@ -53,6 +56,8 @@ def reduce_kernel(rows: int, cols: int, dtype: str, block: int, grid: int, push:
     ``rows == 1``: every rank reduces everything into its own ``out`` (one-shot all-reduce).
     """
     out_rows = rows if push else 1
+    cols = T.dynamic("col_vectors") * vec
+    grid = T.min(T.ceildiv(cols, block), sms)
 
     @T.prim_func
     def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((out_rows, cols), dtype)):
@@ -98,7 +103,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise ValueError(f"out must be a symmetric {x.dtype} tensor of shape {shape}")
     n = x.numel()
     target = out if out is not None else workspace("all_gather.out", world * n, x.dtype)
-    all_gather_kernel(n, world, tl_dtype(x), BLOCK, grid_for(-(-n // BLOCK)))(x.view(1, n), target.view(world, n))
+    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), BLOCK, sm_count())(x.view(1, n), target.view(world, n))
     return out if out is not None else target.view(shape).clone()
 
 
@@ -116,7 +121,7 @@ def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     src = symmetric_or_staged(x, "reduce_scatter.in")
     chunk = x.numel() // world
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    kernel = reduce_kernel(world, chunk, tl_dtype(x), BLOCK, grid_for(-(-chunk // BLOCK)), False)
+    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), BLOCK, sm_count(), False)
     kernel(src.view(world, chunk), out.view(1, chunk))
     return out
 
@@ -138,7 +143,7 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
     if algorithm == "one_shot":
         src = symmetric_or_staged(x, "all_reduce.in")
         out = torch.empty_like(x)
-        reduce_kernel(1, n, tl_dtype(x), BLOCK, grid_for(-(-n // BLOCK)), False)(src.view(1, n), out.view(1, n))
+        reduce_kernel(1, tl_dtype(x), vector_width(n, x), BLOCK, sm_count(), False)(src.view(1, n), out.view(1, n))
         return out
     # Two-shot: rank r reduces chunk r and pushes it to everyone. The staging buffer is padded
     # to world equal chunks; the padding is never read back.
@@ -146,6 +151,6 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
     src = workspace("all_reduce.in", world * chunk, x.dtype)
     src[:n].copy_(x.reshape(-1))
     target = workspace("all_reduce.out", world * chunk, x.dtype)
-    kernel = reduce_kernel(world, chunk, tl_dtype(x), BLOCK, grid_for(-(-chunk // BLOCK)), True)
+    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), BLOCK, sm_count(), True)
     kernel(src.view(world, chunk), target.view(world, chunk))
     return target[:n].view(x.shape).clone()

@@ -8,13 +8,16 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, grid_for, tl_dtype
+from tilescale.ops._common import check_input, sm_count, tl_dtype, vector_width
 
 BLOCK = 8192
 
 
 @jit
-def put_kernel(n: int, dtype: str, block: int, grid: int):
+def put_kernel(dtype: str, vec: int, block: int, sms: int):
+    n = T.dynamic("n_vectors") * vec
+    grid = T.min(T.ceildiv(n, block), sms)
+
     @T.prim_func
     def main(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype), peer: T.int32):
         with T.Kernel(grid, threads=128) as bx:
@@ -28,7 +31,10 @@ def put_kernel(n: int, dtype: str, block: int, grid: int):
 
 
 @jit
-def get_kernel(n: int, dtype: str, block: int, grid: int):
+def get_kernel(dtype: str, vec: int, block: int, sms: int):
+    n = T.dynamic("n_vectors") * vec
+    grid = T.min(T.ceildiv(n, block), sms)
+
     @T.prim_func
     def main(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype), peer: T.int32):
         with T.Kernel(grid, threads=128) as bx:
@@ -58,8 +64,7 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
     _check_peer(peer)
-    n = src.numel()
-    put_kernel(n, tl_dtype(src), BLOCK, grid_for(-(-n // BLOCK)))(src.reshape(-1), dst.reshape(-1), peer)
+    put_kernel(tl_dtype(src), vector_width(src.numel(), src), BLOCK, sm_count())(src.reshape(-1), dst.reshape(-1), peer)
 
 
 def get(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
@@ -73,5 +78,4 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
     _check_peer(peer)
-    n = src.numel()
-    get_kernel(n, tl_dtype(src), BLOCK, grid_for(-(-n // BLOCK)))(src.reshape(-1), dst.reshape(-1), peer)
+    get_kernel(tl_dtype(src), vector_width(src.numel(), src), BLOCK, sm_count())(src.reshape(-1), dst.reshape(-1), peer)
