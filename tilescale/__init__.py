@@ -11,7 +11,15 @@ Example::
     ts.barrier()
 """
 
-from tilescale import ops
+from pathlib import Path as _Path
+
+# In a source checkout, comm/ and launch/ sit beside this package (pyproject maps them to
+# tilescale.comm / tilescale.launch when installed); let a checkout on sys.path, such as the
+# current directory of `python -m ...`, find them the same way.
+if (_Path(__file__).parent.parent / "comm" / "group.py").is_file():
+    __path__.append(str(_Path(__file__).parent.parent))
+
+from tilescale import ops  # noqa: E402
 from tilescale.errors import WaitTimeoutError
 from tilescale.jit import jit
 from tilescale.runtime import (
