@@ -1,0 +1,438 @@
+"""``tilescale run``: start the ranks of a tilescale program on this node.
+
+::
+
+    tilescale run -n 4 --cpu train.py --steps 10             # 4 ranks on the CPU path
+    tilescale run -n 8 train.py                               # one rank per GPU
+    tilescale run --nnodes 2 --node-rank 0 --master-addr gpu01 train.py   # once on every node
+    tilescale run --launcher mpirun -n 4 train.py             # through MPICH's mpiexec
+
+Three launchers start the ranks:
+
+``auto`` (the default)
+    Our own spawner. Every local rank is ``sys.executable SCRIPT ARGS`` in its own session
+    (so a rank's children can be stopped with it), with the torchrun variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) in its
+    environment and stdin closed. Reader threads copy each rank's stdout and stderr line by
+    line to ours, prefixed ``[rank N] ``. The launcher fails fast: as soon as one rank exits
+    non-zero or dies of a signal it names the rank, sends SIGTERM to the process groups of
+    the others, SIGKILL after ``--timeout-kill`` seconds, and exits with that rank's status
+    (128 + signal number for a signal). SIGINT/SIGTERM sent to the launcher are forwarded
+    the same way.
+``torchrun``
+    ``python -m torch.distributed.run`` with the same options.
+``mpirun``
+    The ``mpiexec`` of MPICH (hydra), one node only. The ranks learn their place from
+    PMI_RANK/PMI_SIZE; only MASTER_ADDR/MASTER_PORT are added.
+
+Whatever the launcher, NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are given to every rank, and a
+different value exported by the user is overridden with a warning, since multicast objects
+are a shared, scarce resource that must never be used on shared hosts. ``--cpu`` adds
+TILESCALE_DEVICE=cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+PROG = "tilescale run"
+
+# Variables that keep NVLink multicast (NVLS) off, with the value that means "off".
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# What the auto launcher sets for each rank; inherited values would mislead rank detection under mpirun.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+DEFAULT_MULTINODE_PORT = 29500
+_POLL_S = 0.05
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def _exit_status(returncode: int) -> int:
+    """A shell-style exit status: a process killed by signal N becomes 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name} ({-returncode})"
+
+
+def free_port(host: str) -> int:
+    """A TCP port that is free on ``host`` right now (found by binding port 0).
+
+    Another process may take it before the ranks bind it; that race is accepted for a
+    single-node run.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.bind(address)
+        return sock.getsockname()[1]
+
+
+def default_nproc(cpu: bool) -> int:
+    """One rank per CUDA GPU that torch sees, or one rank on the CPU path."""
+    if cpu:
+        return 1
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def extra_env(environ: Mapping[str, str], cpu: bool) -> dict[str, str]:
+    """The variables every launcher adds for the ranks: multicast off, unbuffered output, device.
+
+    A multicast variable the user exported with another value is overridden, with a warning.
+    """
+    extra = dict(MULTICAST_OFF)
+    for name, off in MULTICAST_OFF.items():
+        if name in environ and environ[name] != off:
+            _say(
+                f"warning: overriding {name}={environ[name]} with {name}={off}: "
+                "NVLink multicast must stay off on shared hosts"
+            )
+    extra["PYTHONUNBUFFERED"] = "1"
+    if cpu:
+        extra["TILESCALE_DEVICE"] = "cpu"
+    return extra
+
+
+class _SignalTrap:
+    """While active, SIGINT/SIGTERM sent to the launcher are recorded instead of ending it.
+
+    ``signum`` is the first signal received; ``pending`` the ones not yet forwarded.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.pending: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _record(self, signum: int, _frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.pending.append(signum)
+
+    def __enter__(self) -> _SignalTrap:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+# --- the auto launcher -----------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    def join_readers(self, timeout: float) -> None:
+        """Wait (bounded: a leftover child of the rank may hold its pipes open) for its output."""
+        deadline = time.monotonic() + timeout
+        for reader in self.readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def _pump(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with lock:
+                out.write(f"{prefix}{line}\n")
+                out.flush()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    # The rank leads its own process group (start_new_session); an unreaped rank keeps the
+    # group id valid, so this cannot hit an unrelated group.
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # the rank moved itself to another group
+            os.killpg(proc.pid, signum)
+
+
+def _stop(ranks: Sequence[_Rank], signum: int, grace: float) -> None:
+    """Send ``signum`` to every running rank's process group, SIGKILL what is left after ``grace`` s."""
+    for r in ranks:
+        _signal_group(r.proc, signum)
+    deadline = time.monotonic() + grace
+    while any(r.proc.poll() is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    for r in ranks:
+        _signal_group(r.proc, signal.SIGKILL)
+    for r in ranks:
+        r.proc.wait()
+
+
+def spawn_ranks(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    node_rank: int,
+    nnodes: int,
+    master_addr: str,
+    master_port: int,
+    extra: Mapping[str, str],
+    grace: float,
+) -> int:
+    """Start ``nproc`` local ranks of ``script``, stream their output, and fail fast.
+
+    Returns 0 when every rank exits 0, else the exit status of the first failing rank.
+    """
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    base.update(extra)
+    base.update(
+        WORLD_SIZE=str(nnodes * nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    lock = threading.Lock()
+    ranks: list[_Rank] = []
+    with _SignalTrap() as trap:
+        try:
+            for local_rank in range(nproc):
+                rank = node_rank * nproc + local_rank
+                proc = subprocess.Popen(
+                    [sys.executable, script, *script_args],
+                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(local_rank)},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                r = _Rank(rank, proc)
+                for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                    reader = threading.Thread(target=_pump, args=(pipe, f"[rank {rank}] ", out, lock), daemon=True)
+                    reader.start()
+                    r.readers.append(reader)
+                ranks.append(r)
+            return _monitor(ranks, trap, lock, grace)
+        finally:
+            _stop(ranks, signal.SIGTERM, grace)
+            for r in ranks:
+                r.join_readers(timeout=2.0)
+
+
+def _monitor(ranks: Sequence[_Rank], trap: _SignalTrap, lock: threading.Lock, grace: float) -> int:
+    while True:
+        if trap.signum is not None:
+            with lock:
+                _say(f"received {signal.Signals(trap.signum).name}; stopping all ranks")
+            _stop(ranks, trap.signum, grace)
+            return 128 + trap.signum
+        codes = [r.proc.poll() for r in ranks]
+        for r, code in zip(ranks, codes, strict=True):
+            if code:
+                r.join_readers(timeout=1.0)  # let its last words (a traceback) come out first
+                with lock:
+                    _say(f"rank {r.rank} (pid {r.proc.pid}) {_describe_exit(code)}; stopping the other ranks")
+                _stop(ranks, signal.SIGTERM, grace)
+                return _exit_status(code)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(_POLL_S)
+
+
+# --- torchrun and mpirun ---------------------------------------------------------------
+
+
+def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run a launcher in its own session, forward SIGINT/SIGTERM to it, return its exit status.
+
+    The launcher stops its own ranks on those signals, so there is no SIGKILL escalation here
+    (killing torchrun or mpiexec would orphan the ranks); signal it again to insist.
+    """
+    with _SignalTrap() as trap:
+        proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+        while proc.poll() is None:
+            while trap.pending:
+                proc.send_signal(trap.pending.pop(0))
+            time.sleep(_POLL_S)
+    return 128 + trap.signum if trap.signum is not None else _exit_status(proc.returncode)
+
+
+def run_torchrun(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    node_rank: int,
+    nnodes: int,
+    master_addr: str,
+    master_port: int,
+    extra: Mapping[str, str],
+) -> int:
+    """Start the ranks through ``python -m torch.distributed.run``; return its exit status."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc),
+        "--nnodes", str(nnodes),
+        "--node-rank", str(node_rank),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--tee", "3",
+        script, *script_args,
+    ]  # fmt: skip
+    return _run_forwarding(cmd, {**os.environ, **extra})
+
+
+def find_mpiexec() -> str | None:
+    """MPICH's mpiexec: the one installed beside this Python (the ``mpich`` wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def run_mpirun(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    extra: Mapping[str, str],
+) -> int:
+    """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        _say('no mpiexec found (next to this Python or on PATH); install MPICH with: pip install "tilescale[mpi]"')
+        return 2
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    if "Open MPI" in version.stdout + version.stderr:
+        _say(f'{mpiexec} is Open MPI\'s; --launcher mpirun needs MPICH: pip install "tilescale[mpi]"')
+        return 2
+    genv = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), **extra}
+    cmd = [mpiexec, "-n", str(nproc), "-prepend-rank"]
+    for name, value in genv.items():
+        cmd += ["-genv", name, value]
+    cmd += [sys.executable, script, *script_args]
+    # Hydra passes our whole environment on: drop torchrun variables so ranks detect MPI.
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    code = _run_forwarding(cmd, env)
+    if code:
+        _say(f"mpirun exited with code {code}")
+    return code
+
+
+# --- command line ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tilescale`` argument parser."""
+    parser = argparse.ArgumentParser(prog="tilescale", description="Tools for tilescale programs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="start the ranks of a program",
+        description="Start the ranks of SCRIPT on this node (run it once per node for several nodes).",
+    )
+    run.add_argument(
+        "-n", "--nproc-per-node", type=int, metavar="N",
+        help="ranks on this node (default: the number of CUDA GPUs, 1 without GPUs or with --cpu)",
+    )  # fmt: skip
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    run.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (default 0)")
+    run.add_argument("--master-addr", default="127.0.0.1", help="address of the node of rank 0 (default 127.0.0.1)")
+    run.add_argument(
+        "--master-port", type=int,
+        help=f"rendezvous port (default: a free port on one node, {DEFAULT_MULTINODE_PORT} on several)",
+    )  # fmt: skip
+    run.add_argument(
+        "--launcher", choices=("auto", "torchrun", "mpirun"), default="auto",
+        help="auto: tilescale's own spawner (default); torchrun; mpirun: MPICH's mpiexec, one node",
+    )  # fmt: skip
+    run.add_argument("--cpu", action="store_true", help="run on the CPU path (sets TILESCALE_DEVICE=cpu)")
+    run.add_argument(
+        "--timeout-kill", type=float, default=5.0, metavar="SECONDS",
+        help="auto launcher: grace period between SIGTERM and SIGKILL when stopping ranks (default 5)",
+    )  # fmt: skip
+    run.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for SCRIPT")
+    return parser
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    if args.nnodes < 1:
+        return "--nnodes must be at least 1"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be in 0..{args.nnodes - 1}"
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        return "--nproc-per-node must be at least 1"
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        return "--master-port must be in 1..65535"
+    if args.timeout_kill < 0:
+        return "--timeout-kill must not be negative"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tilescale`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        parser.exit(2, f"{PROG}: error: {problem}\n")
+    if not Path(args.script).is_file():
+        _say(f"script not found: {args.script}")
+        return 2
+    if args.launcher == "mpirun" and args.nnodes > 1:
+        _say(
+            "--launcher mpirun starts ranks on this node only; for --nnodes > 1 use your site's "
+            "mpirun/mpiexec with a hostfile (see the launch/ docs and launch/slurm.sbatch)"
+        )
+        return 2
+    if args.nnodes > 1 and args.master_addr in ("127.0.0.1", "localhost", "::1"):
+        _say(f"warning: --nnodes {args.nnodes} with --master-addr {args.master_addr}; other nodes cannot reach it")
+
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.cpu)
+    if args.master_port is not None:
+        port = args.master_port
+    elif args.nnodes > 1:
+        port = DEFAULT_MULTINODE_PORT
+    else:
+        try:
+            port = free_port(args.master_addr)
+        except OSError as err:
+            _say(f"cannot find a free port on --master-addr {args.master_addr}: {err}")
+            return 2
+    extra = extra_env(os.environ, args.cpu)
+    where = {"nproc": nproc, "master_addr": args.master_addr, "master_port": port, "extra": extra}
+    if args.launcher == "mpirun":
+        return run_mpirun(args.script, args.script_args, **where)
+    placement = {"node_rank": args.node_rank, "nnodes": args.nnodes, **where}
+    if args.launcher == "torchrun":
+        return run_torchrun(args.script, args.script_args, **placement)
+    return spawn_ranks(args.script, args.script_args, grace=args.timeout_kill, **placement)

@@ -1,0 +1,304 @@
+"""Tests for ``tilescale run`` (launch/cli.py): every test starts the launcher and its ranks as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tilescale.launch.cli import MULTICAST_OFF, TORCHRUN_VARS, find_mpiexec, main
+
+# Ranks print the variables they were given as one JSON object per line. Each line is one
+# write: print() writes the text and the newline separately, and MPICH hydra's -prepend-rank
+# output is not line-atomic, so two ranks' print() lines can interleave under mpirun.
+SHOW_ENV = r"""
+    import json, os, sys
+    names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TILESCALE_DEVICE", "PYTHONUNBUFFERED", "PMI_RANK", "PMI_SIZE",
+             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"]
+    sys.stdout.write(json.dumps({n: os.environ.get(n) for n in names}) + "\n")
+    sys.stderr.write("hello on stderr\n")
+"""
+
+needs_mpiexec = pytest.mark.skipif(find_mpiexec() is None, reason='needs MPICH: pip install "tilescale[mpi]"')
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without anything a launcher (or the user) might have exported."""
+    drop = {*TORCHRUN_VARS, *MULTICAST_OFF, "MASTER_ADDR", "MASTER_PORT", "TILESCALE_DEVICE", "PMI_RANK", "PMI_SIZE"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def write_script(tmp_path: Path, body: str, name: str = "rank.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def launcher_cmd(*args: object) -> list[str]:
+    return [sys.executable, "-m", "tilescale.launch", "run", *map(str, args)]
+
+
+def tilescale_run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(launcher_cmd(*args), env=env or clean_env(), capture_output=True, text=True, timeout=50)
+
+
+def rank_envs(stdout: str, prefix: str = "[rank {}] ") -> dict[int, dict[str, str | None]]:
+    """Parse the SHOW_ENV lines of every rank, keyed by the rank in the output prefix."""
+    envs = {}
+    for line in stdout.splitlines():
+        for rank in range(16):
+            tag = prefix.format(rank)
+            if line.startswith(tag):
+                envs[rank] = json.loads(line[len(tag) :])
+    return envs
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie nobody reaped does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# --- the auto launcher -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_four_cpu_ranks_get_torchrun_env_and_prefixed_output(tmp_path):
+    result = tilescale_run("-n", 4, "--cpu", write_script(tmp_path, SHOW_ENV))
+    assert result.returncode == 0, result.stderr
+    envs = rank_envs(result.stdout)
+    assert sorted(envs) == [0, 1, 2, 3]
+    port = envs[0]["MASTER_PORT"]
+    assert port is not None and 0 < int(port) < 65536
+    for rank, env in envs.items():
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "4"
+        assert env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["MASTER_PORT"] == port
+        assert env["TILESCALE_DEVICE"] == "cpu"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert {name: env[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+        assert f"[rank {rank}] hello on stderr" in result.stderr.splitlines()
+    assert "warning" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_node_rank_offsets_global_ranks(tmp_path):
+    script = write_script(tmp_path, SHOW_ENV)
+    result = tilescale_run(
+        "--nnodes", 2, "--node-rank", 1, "-n", 2, "--master-addr", "10.1.2.3", "--master-port", 29555, "--cpu", script
+    )
+    assert result.returncode == 0, result.stderr
+    envs = rank_envs(result.stdout)
+    assert sorted(envs) == [2, 3]
+    for rank, env in envs.items():
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(rank - 2)
+        assert env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "1"
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "29555")
+
+
+@pytest.mark.timeout(60)
+def test_exported_multicast_switch_is_forced_off_with_a_warning(tmp_path):
+    env = clean_env(NCCL_NVLS_ENABLE="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    result = tilescale_run("-n", 1, "--cpu", write_script(tmp_path, SHOW_ENV), env=env)
+    assert result.returncode == 0, result.stderr
+    assert rank_envs(result.stdout)[0]["NCCL_NVLS_ENABLE"] == "0"
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, result.stderr  # the variable already off is left alone
+    assert "NCCL_NVLS_ENABLE=1" in warnings[0]
+
+
+@pytest.mark.timeout(60)
+def test_failed_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
+    # Rank 0 starts a child of its own and sleeps; rank 1 fails once both are running.
+    pids = tmp_path / "pids"
+    script = write_script(
+        tmp_path,
+        f"""
+        import os, subprocess, sys, time
+        from pathlib import Path
+        pids = Path({str(pids)!r})
+        if os.environ["RANK"] == "0":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            (pids.parent / "tmp").write_text(f"{{os.getpid()}} {{child.pid}}")
+            (pids.parent / "tmp").rename(pids)
+            time.sleep(60)
+        while not pids.exists():
+            time.sleep(0.02)
+        print("rank 1 gives up", file=sys.stderr)
+        sys.exit(3)
+        """,
+    )
+    start = time.monotonic()
+    result = tilescale_run("-n", 2, "--cpu", script)
+    assert time.monotonic() - start < 10
+    assert result.returncode == 3
+    assert "[rank 1] rank 1 gives up" in result.stderr
+    summary = [line for line in result.stderr.splitlines() if line.startswith("tilescale run: rank 1 (pid ")]
+    assert len(summary) == 1 and "exited with code 3" in summary[0], result.stderr
+    # The whole process group of rank 0 went, its child included.
+    assert all(wait_gone(int(pid)) for pid in pids.read_text().split())
+
+
+@pytest.mark.timeout(60)
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
+    ready = tmp_path / "ready"
+    script = write_script(
+        tmp_path,
+        f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        ready = Path({str(ready)!r})
+        if os.environ["RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            ready.write_text(str(os.getpid()))
+            time.sleep(60)
+        while not ready.exists() or not ready.read_text():
+            time.sleep(0.02)
+        sys.exit(4)
+        """,
+    )
+    start = time.monotonic()
+    result = tilescale_run("-n", 2, "--cpu", "--timeout-kill", 1, script)
+    assert time.monotonic() - start < 15
+    assert result.returncode == 4, result.stderr
+    assert wait_gone(int(ready.read_text()))
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_a_signal_is_reported(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+    )
+    result = tilescale_run("-n", 2, "--cpu", script)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 1 (pid " in result.stderr and "killed by SIGKILL (9)" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_sigint_to_the_launcher_stops_every_rank(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import os, time
+        print("ready", os.getpid())
+        time.sleep(60)
+        """,
+    )
+    proc = subprocess.Popen(launcher_cmd("-n", 2, "--cpu", script), env=clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 128 + signal.SIGINT
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert all(wait_gone(pid) for pid in pids)
+
+
+# --- refusals (in-process: nothing gets started) ----------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_missing_script_exits_2_with_a_message(tmp_path, capsys):
+    assert main(["run", "-n", "2", "--cpu", str(tmp_path / "nowhere.py")]) == 2
+    err = capsys.readouterr().err
+    assert "script not found" in err and "nowhere.py" in err
+
+
+@pytest.mark.timeout(30)
+def test_mpirun_launcher_refuses_several_nodes(tmp_path, capsys):
+    script = write_script(tmp_path, "pass\n")
+    assert main(["run", "--launcher", "mpirun", "--nnodes", "2", "-n", "2", str(script)]) == 2
+    assert "hostfile" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--nnodes", "2", "--node-rank", "2"],
+        ["-n", "0"],
+        ["--launcher", "srun"],
+        ["--master-port", "70000"],
+        ["-n", "two"],
+    ],
+)
+def test_bad_arguments_exit_2(tmp_path, capsys, args):
+    script = write_script(tmp_path, "pass\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args, str(script)])
+    assert exc.value.code == 2
+    assert "tilescale run: error:" in capsys.readouterr().err
+
+
+# --- torchrun and mpirun ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_launcher_on_cpu(tmp_path):
+    result = tilescale_run("--launcher", "torchrun", "-n", 2, "--cpu", write_script(tmp_path, SHOW_ENV))
+    assert result.returncode == 0, result.stderr
+    envs = [json.loads(line.split(":", 1)[1]) for line in result.stdout.splitlines() if line.startswith("[default")]
+    assert sorted(env["RANK"] for env in envs) == ["0", "1"]
+    for env in envs:
+        assert env["WORLD_SIZE"] == "2"
+        assert env["TILESCALE_DEVICE"] == "cpu"
+        assert {name: env[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+
+
+@needs_mpiexec
+@pytest.mark.timeout(60)
+def test_mpirun_launcher_runs_ranks_with_pmi_env(tmp_path):
+    env = clean_env(RANK="5", WORLD_SIZE="9")  # stale torchrun variables must not reach the ranks
+    result = tilescale_run("--launcher", "mpirun", "-n", 2, write_script(tmp_path, SHOW_ENV), env=env)
+    assert result.returncode == 0, result.stderr
+    envs = rank_envs(result.stdout, prefix="[{}] ")
+    assert sorted(envs) == [0, 1]
+    for rank, rank_env in envs.items():
+        assert (rank_env["PMI_RANK"], rank_env["PMI_SIZE"]) == (str(rank), "2")
+        assert rank_env["RANK"] is None and rank_env["WORLD_SIZE"] is None
+        assert rank_env["MASTER_ADDR"] == "127.0.0.1"
+        assert rank_env["MASTER_PORT"] == envs[0]["MASTER_PORT"]
+        assert {name: rank_env[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+
+
+@needs_mpiexec
+@pytest.mark.timeout(60)
+def test_mpirun_launcher_reports_a_failed_rank(tmp_path):
+    # Hydra does not stop the other ranks when one exits non-zero (only on a crash or
+    # MPI_Abort), so rank 0 here finishes on its own.
+    script = write_script(tmp_path, 'import os, sys\nsys.exit(3 if os.environ["PMI_RANK"] == "1" else 0)\n')
+    result = tilescale_run("--launcher", "mpirun", "-n", 2, script)
+    assert result.returncode == 3
+    assert "tilescale run: mpirun exited with code 3" in result.stderr
