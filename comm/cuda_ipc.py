@@ -45,8 +45,6 @@ class CudaIpcBackend(CommBackend):
         if blocked:
             raise RuntimeError(f"GPU {me} cannot reach GPUs {blocked} directly (no P2P); cuda_ipc needs peer access")
         self._group_name = dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self._group_name)
 
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
         gpu = torch.device("cuda", torch.cuda.current_device())

@@ -50,7 +50,12 @@ class Group:
         try:
             self.store.wait(keys, timedelta(seconds=timeout_s))
         except Exception as err:  # c10d raises its own error types, by version
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            try:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            except Exception:  # the store's host (rank 0) is gone
+                raise RuntimeError(
+                    f"rank {self.rank}: lost the job's store while waiting at '{tag}': rank 0 has exited or crashed"
+                ) from err
             raise TimeoutError(
                 f"rank {self.rank}: ranks {missing} did not reach '{tag}' within {timeout_s:g} s "
                 f"(did they crash, or call collective operations in a different order?)"

@@ -309,7 +309,10 @@ def run_torchrun(
 
 
 def find_mpiexec() -> str | None:
-    """MPICH's mpiexec: the one installed beside this Python (the ``mpich`` wheel), else on PATH."""
+    """MPICH's mpiexec: ``TILESCALE_MPIEXEC`` if set, else the one beside this Python (the
+    ``mpich`` wheel), else the first on PATH."""
+    if os.environ.get("TILESCALE_MPIEXEC"):
+        return os.environ["TILESCALE_MPIEXEC"]
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)

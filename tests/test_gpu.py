@@ -46,7 +46,7 @@ def test_wait_timeout_is_reported_on_both_ranks():
     proc = run(str(RANKS / "wait_timeout.py"), env={"TILESCALE_WAIT_TIMEOUT_S": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] rank 0: WaitTimeoutError: rank 0, block 0: T.wait timed out" in proc.stdout
-    assert "flags[1] >= 1 (observed 0)" in proc.stdout
+    assert "waiting for flags[1] >= 1 (observed 0)" in proc.stdout
     assert "[rank 1] rank 1: WaitTimeoutError: rank 1, block 0: T.barrier() timed out" in proc.stdout
 
 

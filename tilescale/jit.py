@@ -37,10 +37,7 @@ from tilescale.language.scale import (
     TIMEOUT_PARAM,
     build_options,
 )
-from tilescale.symmetric import is_symmetric, peer_ptrs, zeros
-
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line.
-_SYNC_WORDS = 96
+from tilescale.symmetric import is_symmetric, peer_ptrs
 
 
 def _grid_blocks(func: tirx.PrimFunc) -> int | None:
@@ -96,18 +93,10 @@ class DistributedKernel:
         self.inputs = [name for i, name in enumerate(self.params) if i not in outputs]
         self.grid_blocks = _grid_blocks(func)
         self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
-        self._last_args: dict[str, torch.Tensor] = {}
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
         return self.kernel.get_kernel_source()
-
-    def _name_address(self, address: int) -> str | None:
-        for name, t in self._last_args.items():
-            start = t.data_ptr()
-            if start <= address < start + t.numel() * t.element_size():
-                return f"{name}[{(address - start) // t.element_size()}]"
-        return None
 
     def _hidden_value(self, name: str, args: dict[str, Any], rt: runtime.Runtime) -> Any:
         if name == RANK_PARAM:
@@ -117,8 +106,6 @@ class DistributedKernel:
         if name == TIMEOUT_PARAM:
             return rt.wait_timeout_ns()
         if name == SYNC_TABLE_PARAM:
-            if rt.sync_workspace is None:
-                rt.sync_workspace = zeros((_SYNC_WORDS,), dtype=torch.int32)
             return peer_ptrs(rt.sync_workspace)
         if name.endswith(PEER_TABLE_SUFFIX):
             arg_name = self.hidden[name]
@@ -135,7 +122,7 @@ class DistributedKernel:
         if not self.hidden:
             return self.kernel(*args)
         rt = runtime.current()
-        runtime.check_device_waits(self._name_address)
+        runtime.check_device_waits()
         if self.world_size is not None and self.world_size != rt.group.world_size:
             raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
         if len(args) != len(self.inputs):
@@ -148,7 +135,7 @@ class DistributedKernel:
                     f"this kernel uses T.barrier() across {self.grid_blocks} blocks, but only {sms} are "
                     "guaranteed to be resident at once on this GPU; use at most one block per SM"
                 )
-        self._last_args = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        rt.last_kernel_args = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         hidden = [self._hidden_value(name, named, rt) for name in self.hidden]
         return self.kernel(*args, *hidden)
 

@@ -20,7 +20,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -43,8 +43,10 @@ class Runtime:
     # Where device-side waits report a timeout: host memory the GPU writes directly (pinned,
     # mapped through UVA), so the host reads it without synchronising. See tilescale.language.sync.
     wait_status: torch.Tensor
-    # Symmetric counters of T.barrier(), allocated by the first kernel that needs them.
+    # Symmetric counters of T.barrier() (see tilescale.language.sync), set by init.
     sync_workspace: torch.Tensor | None = None
+    # Tensor arguments of the last distributed kernel launched, to name a timed-out flag.
+    last_kernel_args: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def wait_timeout_ns(self) -> int:
         """Bound of every device-side wait, from ``TILESCALE_WAIT_TIMEOUT_S`` (default 60 s)."""
@@ -52,6 +54,9 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+
+# int32 words of the barrier workspace: three counters, each on its own 128-byte line.
+SYNC_WORKSPACE_WORDS = 96
 
 
 def _choose_device(device: str | None) -> torch.device:
@@ -163,6 +168,11 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     name = backend or comm.default_backend(dev.type)
     status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
     _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status)
+    # Allocated now, while every rank is known to be here, rather than collectively inside
+    # the first barrier kernel's launch, where a rank that failed earlier would stall it.
+    from tilescale.symmetric import zeros
+
+    _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS,), dtype=torch.int32)
     return _runtime
 
 
@@ -213,8 +223,16 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     values = rt.wait_status.tolist()
     if values[0] == 1:
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
-        name = name_address(record["address"]) if name_address else None
+        name = (name_address or _name_in_last_kernel)(record["address"])
         raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns() / 1e9))
+
+
+def _name_in_last_kernel(address: int) -> str | None:
+    for name, t in current().last_kernel_args.items():
+        start = t.data_ptr()
+        if start <= address < start + t.numel() * t.element_size():
+            return f"{name}[{(address - start) // t.element_size()}]"
+    return None
 
 
 def synchronize() -> None:
@@ -240,7 +258,10 @@ def finalize() -> None:
         return
     rt = _runtime
     try:
-        barrier()
+        # No wait-status check here: a job ending after a reported timeout must still end.
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        rt.group.barrier()
     finally:
         _runtime = None
         rt.backend.finalize()

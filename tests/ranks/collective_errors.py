@@ -7,11 +7,11 @@ Markers (one line each, checked by tests/test_symmetric.py):
 ``AFTER-MISMATCH-OK rank=<r>``                           an agreeing allocation still works
 ``TIMEOUT rank=0 seconds=<t> msg=<message>``             rank 0, on the TimeoutError
 ``SKIPPED rank=1``                                       rank 1, which never called ts.empty
+``JOB <id>``                                             the job id in /dev/shm names
 """
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -32,7 +32,8 @@ def expect_error(kind: type[Exception], marker: str, call) -> None:
 
 
 def main() -> None:
-    ts.init()
+    rt = ts.init()
+    print(f"JOB {rt.group.job_id}", flush=True)
     rank = ts.rank()
     assert ts.world_size() == 2
 
@@ -49,8 +50,8 @@ def main() -> None:
     ts.barrier()
     print(f"AFTER-MISMATCH-OK rank={rank}", flush=True)
 
-    # Rank 1 skips the next allocation; rank 0 must time out naming it instead of hanging.
-    os.environ["TILESCALE_COLLECTIVE_TIMEOUT_S"] = os.environ.get("TEST_SKIP_TIMEOUT_S", "3")
+    # Rank 1 skips the next allocation; rank 0 must time out (after TILESCALE_COLLECTIVE_TIMEOUT_S,
+    # which the test sets) naming it instead of hanging.
     store = ts.current().group.store
     if rank == 0:
         expect_error(TimeoutError, "TIMEOUT", lambda: ts.empty((8,), dtype=torch.float32))

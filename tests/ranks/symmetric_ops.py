@@ -6,7 +6,9 @@ Every check is an assert; the last line a rank prints is ``SYMMETRIC-OK rank=<r>
 from __future__ import annotations
 
 import gc
+import os
 import sys
+import threading
 
 import torch
 
@@ -14,6 +16,7 @@ import tilescale as ts
 
 R, C = 4, 6
 DTYPES = (torch.float32, torch.bfloat16, torch.int32)
+REINIT_WATCHDOG_S = 8
 
 
 def tagged(rank: int, dtype: torch.dtype, shape=(R, C)) -> torch.Tensor:
@@ -82,8 +85,8 @@ def main() -> None:
     assert ts.peer_ptrs(cols)[rank].item() - ts.peer_ptrs(y)[rank].item() == 4
 
     ts.barrier()
-    ts.peer_view(rows, right).fill_(100 + rank)           # rows 2.. of the right neighbour
-    ts.peer_view(cols, right)[:2] += 1000 * (rank + 1)    # odd columns of its rows 0 and 1
+    ts.peer_view(rows, right).fill_(100 + rank)  # rows 2.. of the right neighbour
+    ts.peer_view(cols, right)[:2] += 1000 * (rank + 1)  # odd columns of its rows 0 and 1
     ts.barrier()
     expect = torch.zeros(R, C)
     expect[2:] = 100 + left
@@ -147,6 +150,42 @@ def main() -> None:
     # The memory itself stays valid as long as the tensors live.
     assert torch.equal(tensors[torch.int32], tagged(left, torch.int32))
     print(f"SYMMETRIC-OK rank={rank} world={world}", flush=True)
+    reinit(rt)
+
+
+def reinit(old: object) -> None:
+    """init() again after finalize(), while the old runtime is still referenced (as ``rt = ts.init()`` keeps it).
+
+    Prints ``REINIT-OK rank=<r>`` or ``REINIT-FAILED rank=<r> <error>``; never raises, so a
+    failure here does not hide the checks above. A watchdog ends the rank (status 0) if this
+    part hangs: a broken rendezvous can sit in gloo's connect for a minute.
+    """
+    who = os.environ.get("RANK", os.environ.get("PMI_RANK"))
+
+    def give_up() -> None:
+        print(f"REINIT-FAILED rank={who} hung for {REINIT_WATCHDOG_S} s", flush=True)
+        os._exit(0)
+
+    watchdog = threading.Timer(REINIT_WATCHDOG_S, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    os.environ["TILESCALE_COLLECTIVE_TIMEOUT_S"] = "5"
+    try:
+        rt = ts.init(timeout_s=REINIT_WATCHDOG_S)
+        assert rt is not old
+        print(f"JOB {rt.group.job_id}", flush=True)
+        rank, world = ts.rank(), ts.world_size()
+        x = ts.zeros((8,), dtype=torch.int32)
+        ts.barrier()
+        ts.peer_view(x, (rank + 1) % world).fill_(rank + 1)
+        ts.barrier()
+        assert x.tolist() == [(rank - 1) % world + 1] * 8, x
+        ts.finalize()
+        print(f"REINIT-OK rank={rank}", flush=True)
+    except Exception as err:
+        msg = f"{type(err).__name__}: {err}".replace("\n", " ")
+        print(f"REINIT-FAILED rank={who} {msg}", flush=True)
+    watchdog.cancel()
 
 
 if __name__ == "__main__":

@@ -47,3 +47,4 @@ try:
     print(f"rank {ts.rank()}: NO ERROR")
 except ts.WaitTimeoutError as err:
     print(f"rank {ts.rank()}: WaitTimeoutError: {err}")
+ts.finalize()

@@ -70,12 +70,6 @@ __device__ __forceinline__ void after_acquire() {
 #endif
 }
 
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
@@ -97,13 +91,25 @@ __device__ __forceinline__ bool compare(int cmp, int observed, int expected) {
 
 // Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
 // the job has already timed out (then the status record tells the host what happened).
+template <bool kSystem>
+__device__ __forceinline__ int poll(const int* p) {
+  int v;
+  if (kSystem) asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// kSystem: the flag is written by other GPUs (acquire at system scope); otherwise only by
+// blocks of this GPU (acquire at GPU scope, which stays in L2).
+template <bool kSystem>
 __device__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
                      long long timeout_ns, int kind) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
-  int observed = load_acquire(addr);
+  int observed = poll<kSystem>(addr);
   for (unsigned int i = 1; !compare(cmp, observed, expected); ++i) {
-    if ((i & 255u) == 0) {
+    // The status record lives in host memory: look at it, and at the clock, rarely.
+    if ((i & 1023u) == 0) {
       if (status[0] != 0) return false;
       if ((long long)(now_ns() - start) > timeout_ns) {
         unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
@@ -119,7 +125,7 @@ __device__ bool spin(const int* addr, int cmp, int expected, long long status_ad
         return false;
       }
     }
-    observed = load_acquire(addr);
+    observed = poll<kSystem>(addr);
   }
   return true;
 }
@@ -135,7 +141,7 @@ __device__ __forceinline__ void block_signal(int* addr, int value, int op) {
 
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
                                            int rank, long long timeout_ns) {
-  if (is_leader()) spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+  if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
   __syncthreads();
   after_acquire();
 }
@@ -158,16 +164,18 @@ __device__ void grid_barrier(const void* peer_table, int rank, int world, long l
     int* ws = reinterpret_cast<int*>(peers[rank]);
     int blocks = gridDim.x * gridDim.y * gridDim.z;
     asm volatile("fence.acq_rel.sys;" ::: "memory");
-    int epoch = load_acquire(ws + 32);
+    int epoch = poll<false>(ws + 32);
     int arrived = atomicAdd(ws, 1);
     if (arrived == blocks - 1) {
       ws[0] = 0;
       __threadfence();
       for (int p = 0; p < world; ++p) add_release(reinterpret_cast<int*>(peers[p]) + 64, 1);
-      spin(ws + 64, 2, world * (epoch + 1), status_addr, rank, timeout_ns, 1);
-      store_release(ws + 32, epoch + 1);
+      spin<true>(ws + 64, 2, world * (epoch + 1), status_addr, rank, timeout_ns, 1);
+      // GPU scope suffices: the peers' data was acquired at system scope just above, and
+      // causality order is transitive, so blocks acquiring the epoch see it too.
+      asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(ws + 32), "r"(epoch + 1) : "memory");
     } else {
-      spin(ws + 32, 2, epoch + 1, status_addr, rank, timeout_ns, 1);
+      spin<false>(ws + 32, 2, epoch + 1, status_addr, rank, timeout_ns, 1);
     }
   }
   __syncthreads();
