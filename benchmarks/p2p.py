@@ -54,6 +54,43 @@ def seeded(seed: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, device=ts.device(), dtype=torch.bfloat16, generator=g)
 
 
+def measure(nbytes: int, rank: int, right: int, left: int, iters: int) -> dict:
+    """Check, then time, ``nbytes`` moved from every rank to its right neighbour four ways."""
+    n = nbytes // 2
+    src = seeded(rank, n)
+    dst = ts.zeros((n,), dtype=torch.bfloat16)
+    got = torch.empty_like(src)
+    ts.barrier()
+    ts.ops.put(src, dst, right)
+    ts.barrier()
+    check_close("put", dst, seeded(left, n), atol=0, rtol=0)
+    ts.ops.get(dst, got, right)  # right's dst holds what I put there
+    ts.synchronize()
+    check_close("get", got, src, atol=0, rtol=0)
+
+    peer_dst = ts.peer_view(dst, right)
+    recv = torch.empty_like(src)
+
+    def nccl() -> None:
+        ops = [dist.P2POp(dist.isend, src, right), dist.P2POp(dist.irecv, recv, left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    timings = {
+        "put": time_fn(lambda: ts.ops.put(src, dst, right), iters=iters, barrier=dist.barrier),
+        "get": time_fn(lambda: ts.ops.get(dst, got, right), iters=iters, barrier=dist.barrier),
+        "copy_engine": time_fn(lambda: peer_dst.copy_(src), iters=iters, barrier=dist.barrier),
+        "nccl": time_fn(nccl, iters=iters, barrier=dist.barrier),
+    }
+    check_close("nccl", recv, seeded(left, n), atol=0, rtol=0)
+    row = {"bytes": nbytes, "size": fmt_bytes(nbytes)}
+    for name, t in timings.items():
+        row[f"{name}_GBps"] = bandwidth_gbps(nbytes, t.median_ms)
+        row[f"{name}_ms"] = t.median_ms
+    row["put_vs_copy_engine"] = row["put_GBps"] / row["copy_engine_GBps"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--min-kib", type=int, default=4)
@@ -68,39 +105,7 @@ def main() -> None:
     report = Report("p2p", columns=["bytes", "size", "put_GBps", "get_GBps", "copy_engine_GBps", "nccl_GBps",
                                     "put_vs_copy_engine", "put_ms", "copy_engine_ms", "nccl_ms"])
     for nbytes in progress(sizes, "p2p", fmt=fmt_bytes):
-        n = nbytes // 2
-        src = seeded(rank, n)
-        dst = ts.zeros((n,), dtype=torch.bfloat16)
-        got = torch.empty_like(src)
-        ts.barrier()
-        ts.ops.put(src, dst, right)
-        ts.barrier()
-        check_close("put", dst, seeded(left, n), atol=0, rtol=0)
-        ts.ops.get(dst, got, right)  # right's dst holds what I put there
-        ts.synchronize()
-        check_close("get", got, src, atol=0, rtol=0)
-
-        peer_dst = ts.peer_view(dst, right)
-        recv = torch.empty_like(src)
-
-        def nccl() -> None:
-            ops = [dist.P2POp(dist.isend, src, right), dist.P2POp(dist.irecv, recv, left)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-
-        timings = {
-            "put": time_fn(lambda: ts.ops.put(src, dst, right), iters=args.iters, barrier=dist.barrier),
-            "get": time_fn(lambda: ts.ops.get(dst, got, right), iters=args.iters, barrier=dist.barrier),
-            "copy_engine": time_fn(lambda: peer_dst.copy_(src), iters=args.iters, barrier=dist.barrier),
-            "nccl": time_fn(nccl, iters=args.iters, barrier=dist.barrier),
-        }
-        check_close("nccl", recv, seeded(left, n), atol=0, rtol=0)
-        row = {"bytes": nbytes, "size": fmt_bytes(nbytes)}
-        for name, t in timings.items():
-            row[f"{name}_GBps"] = bandwidth_gbps(nbytes, t.median_ms)
-            row[f"{name}_ms"] = t.median_ms
-        row["put_vs_copy_engine"] = row["put_GBps"] / row["copy_engine_GBps"]
-        report.add(row)
+        report.add(measure(nbytes, rank, right, left, args.iters))
 
     latency = Report("p2p-latency", columns=["what", "bytes", "us"])
     if world == 2:
@@ -120,9 +125,9 @@ def main() -> None:
         t = time_fn(round_trips, warmup=2, iters=10)
         latency.add({"what": "put+signal round trip (1 block)", "bytes": 2 * n, "us": t.median_ms * 1e3 / iters})
     sms = torch.cuda.get_device_properties(ts.device()).multi_processor_count
+    unused = torch.zeros(1, dtype=torch.int32, device=ts.device())
     for grid in (1, sms):
         kernel = barriers(grid, 100)
-        unused = torch.zeros(1, dtype=torch.int32, device=ts.device())
         t = time_fn(lambda k=kernel: k(unused), warmup=2, iters=10, barrier=dist.barrier)
         latency.add({"what": f"T.barrier() ({grid} blocks per rank)", "bytes": 0, "us": t.median_ms * 1e3 / 100})
     ts.synchronize()
