@@ -27,16 +27,22 @@ def default_backend(device_type: str) -> str:
     return "cuda_ipc" if device_type == "cuda" else "host_shm"
 
 
-def create(name: str, group: Group, device_type: str) -> CommBackend:
-    """Instantiate backend ``name`` for ``group`` on ``device_type`` ("cuda" or "cpu")."""
+def check(name: str, device_type: str) -> None:
+    """Raise unless backend ``name`` exists and runs on ``device_type`` ("cuda" or "cpu")."""
     if name in _PLANNED:
         raise NotImplementedError(f"backend '{name}': {_PLANNED[name]}")
     if name not in _BACKENDS:
         raise ValueError(f"unknown communication backend '{name}'; choose one of {sorted(_BACKENDS)}")
-    module, cls, needs = _BACKENDS[name]
+    needs = _BACKENDS[name][2]
     if needs != device_type:
         raise ValueError(f"backend '{name}' runs on {needs} devices, but this process uses {device_type}")
+
+
+def create(name: str, group: Group, device_type: str) -> CommBackend:
+    """Instantiate backend ``name`` for ``group`` on ``device_type`` ("cuda" or "cpu")."""
+    check(name, device_type)
+    module, cls, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)(group)
 
 
-__all__ = ["CommBackend", "Group", "SymmetricAllocation", "create", "default_backend"]
+__all__ = ["CommBackend", "Group", "SymmetricAllocation", "check", "create", "default_backend"]

@@ -59,7 +59,7 @@ class HostShmBackend(CommBackend):
             g.barrier(f"{tag}/mapped")
         finally:
             os.unlink(names[g.rank])
-        copies: list[torch.Tensor | None] = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in maps]
+        copies: list[torch.Tensor | None] = [torch.frombuffer(m, dtype=torch.uint8, count=size)[:nbytes] for m in maps]
         local = copies[g.rank]
         ptrs = [t.data_ptr() for t in copies]
         copies[g.rank] = None  # the user's tensor alone keeps this rank's copy alive

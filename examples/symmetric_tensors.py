@@ -49,9 +49,9 @@ def main(rows: int = 256, cols: int = 1024) -> None:
     buf = torch.empty_like(mine)
 
     def sendrecv() -> None:
-        reqs = [dist.isend(mine, right), dist.irecv(buf, left)]
-        for r in reqs:
-            r.wait()
+        ops = [dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, buf, left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
 
     t_dist = timed(sendrecv)
     print(f"rank {rank}/{world} on {dev}: neighbour exchange correct; "

@@ -41,6 +41,8 @@ class LaunchEnv:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise ValueError(f"environment variable {name} is missing: the launcher set only part of its variables")
     try:
         return int(env[name])
     except ValueError:
@@ -50,7 +52,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
 def _slurm_tasks_on_node(env: Mapping[str, str]) -> int:
     # SLURM_TASKS_PER_NODE looks like "4(x2),3": the count for node i of the step.
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    node = int(env.get("SLURM_NODEID", "0"))
+    node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     if not spec:
         return 1
     counts: list[int] = []
@@ -121,12 +123,17 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
             _int(env, "SLURM_LOCALID"),
             _slurm_tasks_on_node(env),
             _slurm_master_addr(env),
-            29500 + int(env.get("SLURM_JOB_ID", "0")) % 20000,
+            29500 + (_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0) % 20000,
         )
     else:
         launched = LaunchEnv("none", 0, 1, 0, 1)
     if not 0 <= launched.rank < launched.world_size:
         raise ValueError(f"{launched.launcher}: rank {launched.rank} outside world size {launched.world_size}")
+    if not 0 <= launched.local_rank < launched.local_world_size:
+        raise ValueError(
+            f"{launched.launcher}: local rank {launched.local_rank} outside local world size "
+            f"{launched.local_world_size}"
+        )
     addr = env.get("MASTER_ADDR") or launched.master_addr
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else launched.master_port
     return LaunchEnv(

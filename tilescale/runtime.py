@@ -54,6 +54,9 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+# Counts init() calls: each session's store keys get their own prefix, so a re-init that
+# meets the previous session's store (torch may reuse its server) never reads stale keys.
+_session = 0
 
 # int32 words of the barrier workspace: three counters, each on its own 128-byte line.
 SYNC_WORKSPACE_WORDS = 96
@@ -142,7 +145,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     existing runtime; asking it for a different backend or device then is an error.
     If torch.distributed is already initialised (by the user), its group is reused.
     """
-    global _runtime
+    global _runtime, _session
     backend = backend or os.environ.get("TILESCALE_BACKEND") or None
     if _runtime is not None:
         if backend not in (None, _runtime.backend.name) or (device not in (None, _runtime.device.type)):
@@ -154,25 +157,33 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     timeout_s = float(os.environ.get("TILESCALE_INIT_TIMEOUT_S", "300")) if timeout_s is None else timeout_s
     env = detect()
     dev = _choose_device(device)
+    name = backend or comm.default_backend(dev.type)
+    comm.check(name, dev.type)
     if dev.type == "cuda":
         dev = _bind_gpu(env)
     owns = not dist.is_initialized()
     if owns:
         _init_process_group(env, dev, timeout_s)
-    elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
-        env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
-                        env.local_world_size, env.master_addr, env.master_port)
-    store = dist.distributed_c10d._get_default_store()
-    group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
-                       _job_id(store, env.rank, timeout_s))
-    name = backend or comm.default_backend(dev.type)
-    status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
-    _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status)
-    # Allocated now, while every rank is known to be here, rather than collectively inside
-    # the first barrier kernel's launch, where a rank that failed earlier would stall it.
-    from tilescale.symmetric import zeros
+    try:
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
+                            env.local_world_size, env.master_addr, env.master_port)
+        _session += 1
+        store = dist.PrefixStore(f"tilescale/{_session}", dist.distributed_c10d._get_default_store())
+        group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
+                           _job_id(store, env.rank, timeout_s))
+        status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status)
+        # Allocated now, while every rank is known to be here, rather than collectively inside
+        # the first barrier kernel's launch, where a rank that failed earlier would stall it.
+        from tilescale.symmetric import zeros
 
-    _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS,), dtype=torch.int32)
+        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS,), dtype=torch.int32)
+    except BaseException:
+        _runtime = None
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     return _runtime
 
 
@@ -265,5 +276,6 @@ def finalize() -> None:
     finally:
         _runtime = None
         rt.backend.finalize()
+        rt.group.store = None  # a runtime object kept by the caller must not keep the store alive
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -72,9 +72,10 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
         raise ValueError(f"symmetric allocation #{tag.split('/')[1]} differs across ranks: {detail}")
     nbytes = math.prod(dims) * dtype.itemsize
     local, allocation = rt.backend.allocate(nbytes, tag)
-    key = local.data_ptr()
+    storage = local.untyped_storage()
+    key = storage.data_ptr()
     _registry[key] = _Entry(allocation, local.device, {})
-    weakref.finalize(local.untyped_storage(), _registry.pop, key, None)
+    weakref.finalize(storage, _registry.pop, key, None)
     return local.view(dtype).view(dims)
 
 
@@ -86,11 +87,11 @@ def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
 
 
 def _lookup(t: torch.Tensor) -> tuple[_Entry, int] | None:
-    storage = t.untyped_storage()
-    entry = _registry.get(storage.data_ptr())
+    entry = _registry.get(t.untyped_storage().data_ptr())
     if entry is None:
         return None
-    return entry, t.data_ptr() - storage.data_ptr()
+    # Not t.data_ptr(): torch reports 0 for tensors without elements.
+    return entry, t.storage_offset() * t.element_size()
 
 
 def is_symmetric(t: torch.Tensor) -> bool:
