@@ -30,7 +30,6 @@ from tvm import tirx
 
 from tilescale import runtime
 from tilescale.language.scale import (
-    PEER_TABLE_SUFFIX,
     RANK_PARAM,
     STATUS_PARAM,
     SYNC_TABLE_PARAM,
@@ -93,41 +92,24 @@ class DistributedKernel:
         self.inputs = [name for i, name in enumerate(self.params) if i not in outputs]
         self.grid_blocks = _grid_blocks(func)
         self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
+        self._checked_for: runtime.Runtime | None = None
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
         return self.kernel.get_kernel_source()
 
-    def _hidden_value(self, name: str, args: dict[str, Any], rt: runtime.Runtime) -> Any:
-        if name == RANK_PARAM:
-            return rt.group.rank
-        if name == STATUS_PARAM:
-            return rt.wait_status.data_ptr()
-        if name == TIMEOUT_PARAM:
-            return rt.wait_timeout_ns()
-        if name == SYNC_TABLE_PARAM:
-            return peer_ptrs(rt.sync_workspace)
-        if name.endswith(PEER_TABLE_SUFFIX):
-            arg_name = self.hidden[name]
-            tensor = args[arg_name]
-            if not is_symmetric(tensor):
-                raise TypeError(
-                    f"argument '{arg_name}' is accessed on other ranks by this kernel, so it must be a "
-                    "symmetric tensor (allocate it with tilescale.empty/zeros)"
-                )
-            return peer_ptrs(tensor)
-        raise RuntimeError(f"unknown hidden kernel parameter '{name}'")
+    def _runtime_values(self, rt: runtime.Runtime) -> dict[str, Any]:
+        return {
+            RANK_PARAM: rt.group.rank,
+            STATUS_PARAM: rt.wait_status.data_ptr(),
+            TIMEOUT_PARAM: rt.wait_timeout_ns(),
+            SYNC_TABLE_PARAM: peer_ptrs(rt.sync_workspace),
+        }
 
-    def __call__(self, *args: Any) -> Any:
-        if not self.hidden:
-            return self.kernel(*args)
-        rt = runtime.current()
-        runtime.check_device_waits()
+    def _check_launch(self, rt: runtime.Runtime) -> None:
+        """Checks that hold for every call in this job: done at its first call."""
         if self.world_size is not None and self.world_size != rt.group.world_size:
             raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
-        if len(args) != len(self.inputs):
-            raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
-        named = dict(zip(self.inputs, args, strict=True))
         if SYNC_TABLE_PARAM in self.hidden and rt.device.type == "cuda" and self.grid_blocks is not None:
             sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
             if self.grid_blocks > sms:
@@ -135,8 +117,31 @@ class DistributedKernel:
                     f"this kernel uses T.barrier() across {self.grid_blocks} blocks, but only {sms} are "
                     "guaranteed to be resident at once on this GPU; use at most one block per SM"
                 )
-        rt.last_kernel_args = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
-        hidden = [self._hidden_value(name, named, rt) for name in self.hidden]
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.hidden:
+            return self.kernel(*args)
+        rt = runtime.current()
+        runtime.check_device_waits()
+        if len(args) != len(self.inputs):
+            raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
+        if self._checked_for is not rt:
+            self._check_launch(rt)
+            self._checked_for = rt
+        values = self._runtime_values(rt)
+        hidden = []
+        for name, arg_name in self.hidden.items():
+            if name in values:
+                hidden.append(values[name])
+                continue
+            tensor = args[self.inputs.index(arg_name)]
+            if not is_symmetric(tensor):
+                raise TypeError(
+                    f"argument '{arg_name}' is accessed on other ranks by this kernel, so it must be a "
+                    "symmetric tensor (allocate it with tilescale.empty/zeros)"
+                )
+            hidden.append(peer_ptrs(tensor))
+        rt.last_kernel_args = (self.inputs, args)
         return self.kernel(*args, *hidden)
 
 

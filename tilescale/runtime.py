@@ -20,7 +20,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -43,10 +43,17 @@ class Runtime:
     # Where device-side waits report a timeout: host memory the GPU writes directly (pinned,
     # mapped through UVA), so the host reads it without synchronising. See tilescale.language.sync.
     wait_status: torch.Tensor
+
+    @property
+    def wait_status_view(self):
+        """``wait_status`` as a numpy array (reading it costs no torch dispatch)."""
+        if not hasattr(self, "_status_np"):
+            self._status_np = self.wait_status.numpy()
+        return self._status_np
     # Symmetric counters of T.barrier() (see tilescale.language.sync), set by init.
     sync_workspace: torch.Tensor | None = None
-    # Tensor arguments of the last distributed kernel launched, to name a timed-out flag.
-    last_kernel_args: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
+    last_kernel_args: tuple[list[str], tuple] = ([], ())
 
     def wait_timeout_ns(self) -> int:
         """Bound of every device-side wait, from ``TILESCALE_WAIT_TIMEOUT_S`` (default 60 s)."""
@@ -231,15 +238,18 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     memory only, never synchronising), passing ``name_address`` to name the flag.
     """
     rt = current()
-    values = rt.wait_status.tolist()
-    if values[0] == 1:
+    if rt.wait_status_view[0] == 1:  # a plain host-memory read: this runs before every launch
+        values = rt.wait_status.tolist()
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
         name = (name_address or _name_in_last_kernel)(record["address"])
         raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns() / 1e9))
 
 
 def _name_in_last_kernel(address: int) -> str | None:
-    for name, t in current().last_kernel_args.items():
+    names, args = current().last_kernel_args
+    for name, t in zip(names, args, strict=True):
+        if not isinstance(t, torch.Tensor):
+            continue
         start = t.data_ptr()
         if start <= address < start + t.numel() * t.element_size():
             return f"{name}[{(address - start) // t.element_size()}]"

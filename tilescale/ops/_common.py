@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tilescale import runtime
@@ -49,7 +51,11 @@ def vector_width(numel: int, like: torch.Tensor) -> int:
 def sm_count() -> int:
     """Blocks a persistent kernel launches at most: one per SM, so every block is resident
     and device-scope barriers cannot deadlock."""
-    dev = runtime.device()
+    return _sm_count(runtime.device())
+
+
+@functools.cache
+def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 

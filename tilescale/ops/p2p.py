@@ -3,6 +3,8 @@
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
+from dataclasses import dataclass
+
 import torch
 
 import tilescale.language as T
@@ -10,50 +12,62 @@ from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, sm_count, tl_dtype, vector_width
 
-BLOCK = 8192
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How a transfer kernel moves data.
+
+    ``block`` elements per tile; ``threads`` per block; at most ``blocks_per_sm`` blocks
+    per SM (more blocks keep more bytes in flight); ``staged`` tiles pass through shared
+    memory (a TMA bulk copy where TileLang can use one), otherwise every thread moves
+    16-byte vectors from global to global memory directly.
+    """
+
+    block: int = 8192
+    threads: int = 128
+    blocks_per_sm: int = 1
+    staged: bool = True
+
+
+DEFAULT_PLAN = CopyPlan()
 
 
 @jit
-def put_kernel(dtype: str, vec: int, block: int, sms: int):
+def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
     n = T.dynamic("n_vectors") * vec
-    grid = T.min(T.ceildiv(n, block), sms)
+    grid = T.min(T.ceildiv(n, plan.block), sms * plan.blocks_per_sm)
 
     @T.prim_func
     def main(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype), peer: T.int32):
-        with T.Kernel(grid, threads=128) as bx:
-            tile = T.alloc_shared((block,), dtype)
-            for t in T.serial(T.ceildiv(T.ceildiv(n, block) - bx, grid)):
-                base = (bx + t * grid) * block
-                T.copy(src[base], tile)
-                T.copy(tile, dst[base], dst_pe=peer)
+        with T.Kernel(grid, threads=plan.threads) as bx:
+            tile = T.alloc_shared((plan.block,), dtype)
+            for t in T.serial(T.ceildiv(T.ceildiv(n, plan.block) - bx, grid)):
+                base = (bx + t * grid) * plan.block
+                if plan.staged and get:
+                    T.copy(src[base], tile, src_pe=peer)
+                    T.copy(tile, dst[base])
+                elif plan.staged:
+                    T.copy(src[base], tile)
+                    T.copy(tile, dst[base], dst_pe=peer)
+                elif get:
+                    T.copy(src[base:base + plan.block], dst[base:base + plan.block], src_pe=peer)
+                else:
+                    T.copy(src[base:base + plan.block], dst[base:base + plan.block], dst_pe=peer)
 
     return main
 
 
-@jit
-def get_kernel(dtype: str, vec: int, block: int, sms: int):
-    n = T.dynamic("n_vectors") * vec
-    grid = T.min(T.ceildiv(n, block), sms)
-
-    @T.prim_func
-    def main(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype), peer: T.int32):
-        with T.Kernel(grid, threads=128) as bx:
-            tile = T.alloc_shared((block,), dtype)
-            for t in T.serial(T.ceildiv(T.ceildiv(n, block) - bx, grid)):
-                base = (bx + t * grid) * block
-                T.copy(src[base], tile, src_pe=peer)
-                T.copy(tile, dst[base])
-
-    return main
-
-
-def _check_peer(peer: int) -> None:
+def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get: bool) -> None:
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
     world = runtime.world_size()
     if not 0 <= peer < world:
         raise IndexError(f"peer {peer} out of range for world size {world}")
+    kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get)
+    kernel(src.reshape(-1), dst.reshape(-1), peer)
 
 
-def put(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
+def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN) -> None:
     """Write ``src`` into rank ``peer``'s copy of the symmetric tensor ``dst`` (no synchronisation).
 
     Example::
@@ -61,13 +75,10 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
         ts.ops.put(x, y, peer=1); ts.barrier()        # y on rank 1 now holds x
     """
     check_input(src, "src")
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
-    _check_peer(peer)
-    put_kernel(tl_dtype(src), vector_width(src.numel(), src), BLOCK, sm_count())(src.reshape(-1), dst.reshape(-1), peer)
+    _launch(src, dst, peer, plan, get=False)
 
 
-def get(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
+def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN) -> None:
     """Read rank ``peer``'s copy of the symmetric tensor ``src`` into the local ``dst``.
 
     Example::
@@ -75,7 +86,4 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int) -> None:
         ts.barrier(); ts.ops.get(y, x, peer=0)        # x now holds rank 0's y
     """
     check_input(dst, "dst")
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
-    _check_peer(peer)
-    get_kernel(tl_dtype(src), vector_width(src.numel(), src), BLOCK, sm_count())(src.reshape(-1), dst.reshape(-1), peer)
+    _launch(src, dst, peer, plan, get=True)
