@@ -2,7 +2,8 @@
 
 One-shot: every rank reads every peer's buffer and sums it (fewest steps: for latency).
 Two-shot: rank r sums chunk r from everyone and pushes the result to everyone (each byte
-crosses the links once each way: for bandwidth). Both accumulate in fp32.
+crosses the links once each way: for bandwidth). Both accumulate in fp32 and, like
+``dist.all_reduce``, work in place; on a symmetric tensor they need no extra copy.
 
     tilescale run -n 2 examples/all_reduce.py
 """
@@ -29,11 +30,16 @@ def bench(fn, iters: int = 50) -> float:
 def main() -> None:
     ts.init()
     for numel in (4096, 65536, 1000003, 16 * 2**20):
-        x = torch.randn(numel, device=ts.device(), dtype=torch.bfloat16)
-        got = ts.ops.all_reduce(x)
+        x = ts.empty((numel,), dtype=torch.bfloat16)  # symmetric: reduced where it is
+        x.copy_(torch.randn(numel, device=ts.device(), dtype=torch.bfloat16))
         ref = x.float()
         dist.all_reduce(ref)
-        torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+        ts.ops.all_reduce(x)
+        torch.testing.assert_close(x.float(), ref, rtol=1e-2, atol=1e-2)
+        plain = torch.randn(numel, device=ts.device(), dtype=torch.bfloat16)  # not symmetric: staged
+        ref = plain.float()
+        dist.all_reduce(ref)
+        torch.testing.assert_close(ts.ops.all_reduce(plain).float(), ref, rtol=1e-2, atol=1e-2)
         nccl_buf = x.clone()
         t_ts = bench(lambda x=x: ts.ops.all_reduce(x))
         t_nccl = bench(lambda b=nccl_buf: dist.all_reduce(b))

@@ -1,10 +1,14 @@
 """Collectives as tilescale kernels: every byte moves through remote tile copies over NVLink.
 
 ``all_gather`` pushes each rank's shard into every peer's output; ``reduce_scatter`` and
-``all_reduce`` pull peers' data and reduce in fp32. All three bracket the exchange with
+``all_reduce`` pull peers' data and reduce in fp32. Each kernel brackets its exchange with
 device-scope barriers: the first says every rank's buffers are ready to be written or read,
 the second that every exchange has landed (and that inputs may be reused). Peers are
 visited starting at ``rank + 1`` so that no rank is read or written by everyone at once.
+
+Buffers are viewed as ``(rows, cols)`` with one row per rank where ranks own parts: a tile
+that runs past the end of a row is cut there by TileLang's bounds checks instead of
+spilling into the next rank's row.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -18,70 +22,77 @@ from tilescale.jit import jit
 from tilescale.ops._common import check_input, sm_count, symmetric_or_staged, tl_dtype, vector_width, workspace
 from tilescale.symmetric import is_symmetric
 
-# Elements per tile: 16 KiB of 16-bit data, moved as one contiguous (TMA bulk) copy.
-BLOCK = 8192
+# Elements per tile and threads per block (benchmarks/copy_plans.py: direct 16-byte copies
+# of 16384-element tiles by 256 threads were among the fastest for puts and gets).
+BLOCK = 16384
+THREADS = 256
+# Reductions hold a tile in registers (fp32 accumulator + one peer's part).
+REDUCE_BLOCK = 4096
 # One-shot all-reduce (every rank reduces everything) up to this many bytes, two-shot above.
 ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 @jit
-def all_gather_kernel(world: int, dtype: str, vec: int, block: int, sms: int):
-    # Rows of ``out`` are ranks: a tile that runs past the end of a row is cut at the row's
-    # end by TileLang's bounds checks instead of spilling into the next rank's row.
+def all_gather_kernel(world: int, dtype: str, vec: int, sms: int):
     n = T.dynamic("n_vectors") * vec
-    grid = T.min(T.ceildiv(n, block), sms)
+    grid = T.min(T.ceildiv(n, BLOCK), sms)
 
     @T.prim_func
     def main(x: T.Tensor((1, n), dtype), out: T.Tensor((world, n), dtype)):
-        with T.Kernel(grid, threads=128) as bx:
+        with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
-                tile = T.alloc_shared((1, block), dtype)
                 T.barrier()
-                for t in T.serial(T.ceildiv(T.ceildiv(n, block) - bx, grid)):
-                    base = (bx + t * grid) * block
-                    T.copy(x[0, base], tile)
+                for t in T.serial(T.ceildiv(T.ceildiv(n, BLOCK) - bx, grid)):
+                    base = (bx + t * grid) * BLOCK
                     for p in T.serial(ranks):
-                        T.copy(tile, out[rank, base], dst_pe=(rank + 1 + p) % ranks)
+                        T.copy(x[0:1, base:base + BLOCK], out[rank:rank + 1, base:base + BLOCK],
+                               dst_pe=(rank + 1 + p) % ranks)
                 T.barrier()
 
     return main
 
 
 @jit
-def reduce_kernel(rows: int, dtype: str, vec: int, block: int, sms: int, push: bool):
-    """Sum row ``r`` of ``src`` over all ranks, where r is this rank (``rows > 1``) or 0.
+def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
+    """Sum row ``r`` of the symmetric ``src`` over all ranks (r = this rank, or 0 if one row).
 
-    ``rows == world``: rank r owns row r (reduce-scatter, or the first half of a two-shot
-    all-reduce, which with ``push`` writes the sum into row r of every rank's ``out``).
-    ``rows == 1``: every rank reduces everything into its own ``out`` (one-shot all-reduce).
+    ``mode``:
+    * ``"scatter"``: the sum goes to this rank's ``out`` (reduce-scatter);
+    * ``"push"``: the sum replaces row r of every rank's ``src`` (two-shot all-reduce, in
+      place: rank r alone reads and writes row r, so no rank overwrites what another reads);
+    * ``"local"`` (one row): every rank sums everything into ``out``, and after a barrier
+      (everyone has read ``src``) copies it back into ``src`` (one-shot all-reduce, in place).
     """
-    out_rows = rows if push else 1
     cols = T.dynamic("col_vectors") * vec
-    grid = T.min(T.ceildiv(cols, block), sms)
+    grid = T.min(T.ceildiv(cols, REDUCE_BLOCK), sms)
+    tiles = T.ceildiv(cols, REDUCE_BLOCK)
 
     @T.prim_func
-    def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((out_rows, cols), dtype)):
-        with T.Kernel(grid, threads=256) as bx:
+    def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((1, cols), dtype)):
+        with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
-                acc = T.alloc_fragment((1, block), "float32")
-                part = T.alloc_fragment((1, block), dtype)
-                tile = T.alloc_shared((1, block), dtype)
+                acc = T.alloc_fragment((1, REDUCE_BLOCK), "float32")
+                part = T.alloc_fragment((1, REDUCE_BLOCK), dtype)
                 row = rank % rows
                 T.barrier()
-                for t in T.serial(T.ceildiv(T.ceildiv(cols, block) - bx, grid)):
-                    base = (bx + t * grid) * block
+                for t in T.serial(T.ceildiv(tiles - bx, grid)):
+                    base = (bx + t * grid) * REDUCE_BLOCK
                     T.clear(acc)
                     for p in T.serial(ranks):
                         T.copy(src[row, base], part, src_pe=(rank + p) % ranks)
-                        for i, j in T.Parallel(1, block):
+                        for i, j in T.Parallel(1, REDUCE_BLOCK):
                             acc[i, j] += T.cast(part[i, j], "float32")
-                    T.copy(acc, tile)
-                    if push:
+                    T.copy(acc, part)
+                    if mode == "push":
                         for p in T.serial(ranks):
-                            T.copy(tile, out[row, base], dst_pe=(rank + 1 + p) % ranks)
+                            T.copy(part, src[row, base], dst_pe=(rank + 1 + p) % ranks)
                     else:
-                        T.copy(tile, out[0, base])
+                        T.copy(part, out[0, base])
                 T.barrier()
+                if mode == "local":
+                    for t in T.serial(T.ceildiv(tiles - bx, grid)):
+                        base = (bx + t * grid) * REDUCE_BLOCK
+                        T.copy(out[0:1, base:base + REDUCE_BLOCK], src[0:1, base:base + REDUCE_BLOCK])
 
     return main
 
@@ -103,7 +114,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise ValueError(f"out must be a symmetric {x.dtype} tensor of shape {shape}")
     n = x.numel()
     target = out if out is not None else workspace("all_gather.out", world * n, x.dtype)
-    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), BLOCK, sm_count())(x.view(1, n), target.view(world, n))
+    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count())(x.view(1, n), target.view(world, n))
     return out if out is not None else target.view(shape).clone()
 
 
@@ -113,6 +124,9 @@ def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     Example::
 
         y = ts.ops.reduce_scatter(x)         # (x.shape[0] // world, *x.shape[1:])
+
+    A symmetric ``x`` is read in place by the peers; any other is first staged into a
+    symmetric buffer.
     """
     check_input(x, "x")
     world = runtime.world_size()
@@ -121,18 +135,22 @@ def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     src = symmetric_or_staged(x, "reduce_scatter.in")
     chunk = x.numel() // world
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), BLOCK, sm_count(), False)
+    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter")
     kernel(src.view(world, chunk), out.view(1, chunk))
     return out
 
 
 def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
-    """Sum ``x`` over ranks (fp32 accumulation), returning a new tensor on every rank.
+    """Sum ``x`` over ranks in place (fp32 accumulation), like ``dist.all_reduce``; returns ``x``.
 
     Example::
 
-        y = ts.ops.all_reduce(x)                      # one-shot when small, two-shot when large
-        y = ts.ops.all_reduce(x, algorithm="two_shot")
+        ts.ops.all_reduce(x)                          # one-shot when small, two-shot when large
+        ts.ops.all_reduce(x, algorithm="two_shot")
+
+    A symmetric ``x`` is reduced where it is, with no extra copies; any other ``x`` is staged
+    through a symmetric buffer (and so is a two-shot ``x`` whose size the world size does
+    not divide).
     """
     check_input(x, "x")
     world = runtime.world_size()
@@ -142,15 +160,18 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
     n = x.numel()
     if algorithm == "one_shot":
         src = symmetric_or_staged(x, "all_reduce.in")
-        out = torch.empty_like(x)
-        reduce_kernel(1, tl_dtype(x), vector_width(n, x), BLOCK, sm_count(), False)(src.view(1, n), out.view(1, n))
-        return out
-    # Two-shot: rank r reduces chunk r and pushes it to everyone. The staging buffer is padded
-    # to world equal chunks; the padding is never read back.
-    chunk = -(-n // world)
-    src = workspace("all_reduce.in", world * chunk, x.dtype)
-    src[:n].copy_(x.reshape(-1))
-    target = workspace("all_reduce.out", world * chunk, x.dtype)
-    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), BLOCK, sm_count(), True)
-    kernel(src.view(world, chunk), target.view(world, chunk))
-    return target[:n].view(x.shape).clone()
+        scratch = workspace("all_reduce.scratch", n, x.dtype)
+        kernel = reduce_kernel(1, tl_dtype(x), vector_width(n, x), sm_count(), "local")
+        kernel(src.view(1, n), scratch.view(1, n))
+    else:
+        chunk = -(-n // world)
+        if is_symmetric(x) and chunk * world == n:
+            src = x.reshape(-1)
+        else:
+            src = workspace("all_reduce.in", world * chunk, x.dtype)
+            src[:n].copy_(x.reshape(-1))
+        kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push")
+        kernel(src.view(world, chunk), src[:chunk].view(1, chunk))  # ``out`` unused when pushing
+    if src.data_ptr() != x.data_ptr():
+        x.copy_(src[:n].view(x.shape))
+    return x

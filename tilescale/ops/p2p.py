@@ -29,7 +29,9 @@ class CopyPlan:
     staged: bool = True
 
 
-DEFAULT_PLAN = CopyPlan()
+# benchmarks/copy_plans.py on 2x H200: direct copies of 16384-element tiles, 256 threads, two
+# blocks per SM, were within 1% of the fastest put and get at 64 MiB (311 and 284 GB/s).
+DEFAULT_PLAN = CopyPlan(block=16384, threads=256, blocks_per_sm=2, staged=False)
 
 
 @jit
