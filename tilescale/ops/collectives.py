@@ -27,7 +27,7 @@ from tilescale.symmetric import is_symmetric
 BLOCK = 16384
 THREADS = 256
 # Reductions hold a tile in registers (fp32 accumulator + one peer's part).
-REDUCE_BLOCK = 4096
+REDUCE_BLOCK = 8192
 # One-shot all-reduce (every rank reduces everything) up to this many bytes, two-shot above.
 ONE_SHOT_MAX_BYTES = 256 * 1024
 
