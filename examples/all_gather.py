@@ -11,19 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-
-
-def bench(fn, iters: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    ts.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+from tilescale.testing import do_bench
 
 
 def main(rows: int = 8192, cols: int = 4096) -> None:
@@ -41,8 +29,8 @@ def main(rows: int = 8192, cols: int = 4096) -> None:
     dist.all_gather_into_tensor(ragged_ref, ragged)
     torch.testing.assert_close(ts.ops.all_gather(ragged), ragged_ref, rtol=0, atol=0)
 
-    t_ts = bench(lambda: ts.ops.all_gather(x, out=out))
-    t_nccl = bench(lambda: dist.all_gather_into_tensor(ref, x))
+    t_ts = do_bench(lambda: ts.ops.all_gather(x, out=out))
+    t_nccl = do_bench(lambda: dist.all_gather_into_tensor(ref, x))
     received = x.nbytes * (world - 1)
     if ts.rank() == 0:
         print(f"all_gather of {x.nbytes / 2**20:.0f} MiB per rank correct: tilescale {t_ts:.3f} ms "

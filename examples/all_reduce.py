@@ -12,19 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-
-
-def bench(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    ts.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+from tilescale.testing import do_bench
 
 
 def main() -> None:
@@ -41,8 +29,8 @@ def main() -> None:
         dist.all_reduce(ref)
         torch.testing.assert_close(ts.ops.all_reduce(plain).float(), ref, rtol=1e-2, atol=1e-2)
         nccl_buf = x.clone()
-        t_ts = bench(lambda x=x: ts.ops.all_reduce(x))
-        t_nccl = bench(lambda b=nccl_buf: dist.all_reduce(b))
+        t_ts = do_bench(lambda x=x: ts.ops.all_reduce(x), iters=50)
+        t_nccl = do_bench(lambda b=nccl_buf: dist.all_reduce(b), iters=50)
         if ts.rank() == 0:
             print(f"all_reduce {x.nbytes / 1024:9.0f} KiB correct: tilescale {t_ts * 1e3:8.1f} us, "
                   f"NCCL {t_nccl * 1e3:8.1f} us ({t_nccl / t_ts:.2f}x)")

@@ -10,19 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-
-
-def bench(fn, iters: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    ts.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+from tilescale.testing import do_bench
 
 
 def main(rows: int = 8192, cols: int = 4096) -> None:
@@ -36,8 +24,8 @@ def main(rows: int = 8192, cols: int = 4096) -> None:
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
 
     nccl_out = torch.empty(rows // world, cols, device=ts.device(), dtype=torch.bfloat16)
-    t_ts = bench(lambda: ts.ops.reduce_scatter(x))
-    t_nccl = bench(lambda: dist.reduce_scatter_tensor(nccl_out, x))
+    t_ts = do_bench(lambda: ts.ops.reduce_scatter(x))
+    t_nccl = do_bench(lambda: dist.reduce_scatter_tensor(nccl_out, x))
     if ts.rank() == 0:
         print(f"reduce_scatter of {x.nbytes / 2**20:.0f} MiB per rank correct: tilescale {t_ts:.3f} ms, "
               f"NCCL {t_nccl:.3f} ms ({t_nccl / t_ts:.2f}x)")
