@@ -90,6 +90,12 @@ class DistributedKernel:
         self.params = _user_params(func, self.hidden)
         outputs = _normalize_out_idx(out_idx, len(self.params)) or []
         self.inputs = [name for i, name in enumerate(self.params) if i not in outputs]
+        remote_outputs = sorted({arg for arg in self.hidden.values() if arg} - set(self.inputs))
+        if remote_outputs:
+            raise TypeError(
+                f"out_idx makes {', '.join(map(repr, remote_outputs))} an output the kernel allocates, but the "
+                "kernel accesses it on other ranks, so it must be a symmetric tensor passed in: drop it from out_idx"
+            )
         self.grid_blocks = _grid_blocks(func)
         self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
         self._checked_for: runtime.Runtime | None = None

@@ -43,11 +43,19 @@ PEER_TABLE_SUFFIX = "__peers"
 class BuildContext:
     """What the distributed operations of one ``T.prim_func`` ask of the host."""
 
-    world: int
     scales: list[str] = field(default_factory=list)
     peer_tables: dict[str, tuple[tirx.Buffer, tirx.Buffer]] = field(default_factory=dict)
     scalars: dict[str, tirx.Var] = field(default_factory=dict)
     sync: tirx.Buffer | None = None
+    _world: int | None = None
+
+    @property
+    def world(self) -> int:
+        """The world size, looked up only when a distributed operation needs it, so that
+        single-GPU programs build without a job."""
+        if self._world is None:
+            self._world = _build_world_size()
+        return self._world
 
     def scalar(self, name: str, dtype: str) -> tirx.Var:
         """The hidden scalar parameter ``name`` (created on first use)."""
@@ -120,7 +128,7 @@ def building() -> Iterator[BuildContext]:
     """Open the build context of one ``T.prim_func`` (nesting is an error)."""
     if getattr(_state, "context", None) is not None:
         raise RuntimeError("a tilescale T.prim_func cannot be defined while another one is being built")
-    ctx = BuildContext(world=_build_world_size())
+    ctx = BuildContext()
     _state.context = ctx
     try:
         yield ctx
