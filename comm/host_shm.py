@@ -9,6 +9,7 @@ like CUDA IPC mappings, the address table is therefore per process.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -64,3 +65,9 @@ class HostShmBackend(CommBackend):
         ptrs = [t.data_ptr() for t in copies]
         copies[g.rank] = None  # the user's tensor alone keeps this rank's copy alive
         return local, HostShmAllocation(nbytes, copies, ptrs)
+
+    def finalize(self) -> None:
+        # The CPU execution path's job-wide lock file (tilescale.interpreter), if it made one.
+        if self.group.rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{_SHM_DIR}/tilescale-{self.group.job_id}.lock")

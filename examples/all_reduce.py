@@ -6,6 +6,7 @@ crosses the links once each way: for bandwidth). Both accumulate in fp32 and, li
 ``dist.all_reduce``, work in place; on a symmetric tensor they need no extra copy.
 
     tilescale run -n 2 examples/all_reduce.py
+    tilescale run -n 4 --cpu examples/all_reduce.py        # the CPU path, with small sizes
 """
 
 import torch
@@ -17,7 +18,9 @@ from tilescale.testing import do_bench
 
 def main() -> None:
     ts.init()
-    for numel in (4096, 65536, 1000003, 16 * 2**20):
+    baseline = "NCCL" if ts.device().type == "cuda" else "gloo"
+    sizes = (4096, 65536, 1000003, 16 * 2**20) if ts.device().type == "cuda" else (4096, 65536, 100003)
+    for numel in sizes:
         x = ts.empty((numel,), dtype=torch.bfloat16)  # symmetric: reduced where it is
         x.copy_(torch.randn(numel, device=ts.device(), dtype=torch.bfloat16))
         ref = x.float()
@@ -33,7 +36,7 @@ def main() -> None:
         t_nccl = do_bench(lambda b=nccl_buf: dist.all_reduce(b), iters=50)
         if ts.rank() == 0:
             print(f"all_reduce {x.nbytes / 1024:9.0f} KiB correct: tilescale {t_ts * 1e3:8.1f} us, "
-                  f"NCCL {t_nccl * 1e3:8.1f} us ({t_nccl / t_ts:.2f}x)")
+                  f"{baseline} {t_nccl * 1e3:8.1f} us ({t_nccl / t_ts:.2f}x)")
     ts.finalize()
 
 

@@ -6,6 +6,7 @@ contiguous tiles), through the peer-address table that tilescale passes as a hid
 argument. ``T.barrier()`` ends the kernel only when every rank's tiles have landed.
 
     tilescale run -n 2 examples/ring_shift.py
+    tilescale run -n 4 --cpu examples/ring_shift.py        # the CPU path, with small shapes
 """
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 import tilescale as ts
 import tilescale.language as T
+from tilescale.testing import do_bench
 
 
 @ts.jit
@@ -29,9 +31,10 @@ def ring_shift(M, N, block_M, dtype="bfloat16"):
     return main
 
 
-def main(M: int = 4096, N: int = 1024, block_M: int = 32) -> None:
+def main() -> None:
     ts.init()
     rank, world = ts.rank(), ts.world_size()
+    M, N, block_M = (4096, 1024, 32) if ts.device().type == "cuda" else (256, 64, 32)
     A = torch.randn(M, N, device=ts.device(), dtype=torch.bfloat16)
     B = ts.empty((M, N), dtype=torch.bfloat16)
     kernel = ring_shift(M, N, block_M)
@@ -42,16 +45,7 @@ def main(M: int = 4096, N: int = 1024, block_M: int = 32) -> None:
     dist.all_gather(everyone, A)
     torch.testing.assert_close(B, everyone[(rank - 1) % world], rtol=0, atol=0)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        kernel(A, B)
-    ts.barrier()
-    start.record()
-    for _ in range(50):
-        kernel(A, B)
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end) / 50
+    ms = do_bench(lambda: kernel(A, B))
     print(f"rank {rank}: ring shift correct; {A.nbytes / 2**20:.0f} MiB in {ms:.3f} ms "
           f"({A.nbytes / ms / 1e6:.0f} GB/s per rank, barrier included)")
     ts.finalize()

@@ -20,8 +20,10 @@ or one kernel called with different symmetric tensors, never share address state
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tilelang
@@ -97,7 +99,14 @@ class DistributedKernel:
                 "kernel accesses it on other ranks, so it must be a symmetric tensor passed in: drop it from out_idx"
             )
         self.grid_blocks = _grid_blocks(func)
-        self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
+        if _runs_on_cpu(compile_kwargs):
+            if outputs:
+                raise NotImplementedError("CPU path: out_idx is not supported; pass output tensors in")
+            from tilescale.interpreter import CpuKernel
+
+            self.kernel = CpuKernel(func)
+        else:
+            self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
         self._checked_for: runtime.Runtime | None = None
 
     def get_kernel_source(self) -> str:
@@ -151,12 +160,30 @@ class DistributedKernel:
         return self.kernel(*args, *hidden)
 
 
-def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | None) -> tirx.PrimFunc:
-    if world is None:
+def _runs_on_cpu(compile_kwargs: dict) -> bool:
+    """Kernels of a job on the CPU path run in tilescale's interpreter, unless a target is named."""
+    return runtime.is_initialized() and runtime.device().type == "cpu" and compile_kwargs.get("target") is None
+
+
+@contextlib.contextmanager
+def _source_lines() -> Iterator[None]:
+    # The interpreter names kernel source lines in its errors: have TileLang record them.
+    saved = os.environ.get("TILELANG_ENABLE_IR_SPAN")
+    os.environ["TILELANG_ENABLE_IR_SPAN"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TILELANG_ENABLE_IR_SPAN"]
+        else:
+            os.environ["TILELANG_ENABLE_IR_SPAN"] = saved
+
+
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | None,
+           cpu: bool) -> tirx.PrimFunc:
+    spans = _source_lines() if cpu else contextlib.nullcontext()
+    with spans, build_options(world_size=world) if world is not None else contextlib.nullcontext():
         func = factory(*args, **kwargs)
-    else:
-        with build_options(world_size=world):
-            func = factory(*args, **kwargs)
     if not isinstance(func, tirx.PrimFunc):
         raise TypeError(f"{factory.__name__} must return a T.prim_func, got {type(func).__name__}")
     return func
@@ -185,7 +212,8 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
 
         @functools.cache
         def compiled(args: tuple, frozen_kwargs: tuple, world: int | None) -> DistributedKernel:
-            return DistributedKernel(_build(factory, args, dict(frozen_kwargs), world), out_idx, **compile_kwargs)
+            func = _build(factory, args, dict(frozen_kwargs), world, _runs_on_cpu(compile_kwargs))
+            return DistributedKernel(func, out_idx, **compile_kwargs)
 
         @functools.wraps(factory)
         def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:

@@ -136,3 +136,18 @@ def peer_ptrs(t: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(ptrs, dtype=torch.int64, device=entry.device)
         entry.ptr_tables[offset] = table
     return table
+
+
+def host_regions() -> list[tuple[int, int, torch.Tensor, int, int]]:
+    """Peers' copies of every live symmetric allocation, as mapped into this process.
+
+    One ``(address, nbytes, uint8 tensor, key of this rank's copy, peer rank)`` per peer
+    copy; the CPU execution path resolves the addresses in peer tables with it.
+    """
+    me = current().group.rank
+    regions = []
+    for key, entry in list(_registry.items()):
+        for peer, ptr in enumerate(entry.allocation.peer_ptrs):
+            if peer != me:
+                regions.append((ptr, entry.allocation.nbytes, entry.allocation.peer(peer), key, peer))
+    return regions

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
-from tilescale.runtime import barrier
+from tilescale.runtime import barrier, device
 
 
 def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> float:
@@ -17,11 +18,17 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
         ms = do_bench(lambda: ts.ops.all_gather(x, out=out))
 
     All ranks start the timed loop together (a host barrier after the warm-up). Timed with
-    CUDA events on GPUs; the benchmarks in ``benchmarks/`` report medians of single calls.
+    CUDA events on GPUs, with the host clock on the CPU path; the benchmarks in
+    ``benchmarks/`` report medians of single calls.
     """
     for _ in range(warmup):
         fn()
     barrier()
+    if device().type != "cuda":
+        begin = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - begin) * 1e3 / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):

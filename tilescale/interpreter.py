@@ -1,0 +1,734 @@
+"""The CPU execution path: run a tilescale kernel by interpreting its tile program with torch.
+
+Why an interpreter: TileLang's C target cannot build fragments, ``T.gemm`` or the
+distributed operations, and rewriting those for it would be a second compiler. The
+program ``T.prim_func`` builds is already at the level the language is defined at (tile
+copies, tile GEMMs, fills, reductions, parallel loops over tiles, the distributed
+externs), so each of those is executed here as one torch operation on the tile. Parallel
+loops run vectorised: their loop variables become broadcast index tensors. The result is
+the same program, with the same tail (bounds) semantics as TileLang's lowering, fast
+enough for tests and debugging, and a checker the GPU cannot be:
+
+* an element access of a global tensor (local or a peer's) outside its shape raises
+  ``IndexError`` naming the tensor, the index, the rank and the kernel's source line; a
+  tile copy whose region lies entirely outside its tensor does too (a copy that only runs
+  past the end is cut at the end, exactly as on the GPU);
+* a wait that times out raises ``WaitTimeoutError`` listing every rank's pending wait,
+  so a deadlock reads as a wait graph;
+* a construct the interpreter does not know raises ``NotImplementedError`` naming it and
+  its source line, never a wrong result.
+
+Blocks of a grid run one after another, or as threads when the kernel uses
+``T.barrier()`` (which needs every block alive at once). Code inside a block runs once
+per block, as TileLang's block-level semantics say; thread-level code
+(``T.get_thread_binding``) sees thread 0 only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tilelang.ir import get_stmt_span, span_to_location
+from tvm import tirx
+
+from tilescale import runtime
+from tilescale.errors import WaitTimeoutError
+from tilescale.symmetric import host_regions
+
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_MATH = {
+    "tirx.exp": torch.exp, "tirx.exp2": torch.exp2, "tirx.log": torch.log, "tirx.log2": torch.log2,
+    "tirx.sqrt": torch.sqrt, "tirx.rsqrt": torch.rsqrt, "tirx.tanh": torch.tanh, "tirx.sigmoid": torch.sigmoid,
+    "tirx.fabs": torch.abs, "tirx.abs": torch.abs, "tirx.floor": torch.floor, "tirx.ceil": torch.ceil,
+    "tirx.round": torch.round, "tirx.sin": torch.sin, "tirx.cos": torch.cos, "tirx.erf": torch.erf,
+}
+_COMPARE = {0: "==", 1: "!=", 2: ">=", 3: ">", 4: "<=", 5: "<"}
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    name = str(dtype)
+    if name not in _TORCH_DTYPES:
+        raise NotImplementedError(f"CPU path: dtype {name} is not supported")
+    return _TORCH_DTYPES[name]
+
+
+def _compare(cmp: int, observed: int, expected: int) -> bool:
+    return {0: observed == expected, 1: observed != expected, 2: observed >= expected,
+            3: observed > expected, 4: observed <= expected, 5: observed < expected}[cmp]
+
+
+@dataclass
+class _Memory:
+    """A host memory area an address can fall in: a kernel argument or a symmetric copy."""
+
+    start: int
+    nbytes: int
+    data: torch.Tensor  # uint8, covering the area
+    label: str
+
+
+@dataclass
+class _Pointer:
+    """An element address: the tensor viewed at that element and a name for messages."""
+
+    flat: torch.Tensor  # one-element view
+    label: str
+
+
+class _Abort(Exception):
+    """Another block of this launch failed: stop quietly, the first error is reported."""
+
+
+class _Launch:
+    """State shared by the blocks of one kernel launch."""
+
+    def __init__(self, kernel: CpuKernel, memories: list[_Memory], blocks: int, threaded: bool):
+        self.kernel = kernel
+        self.memories = memories
+        self.blocks = blocks
+        self.block_barrier = threading.Barrier(blocks) if threaded else None
+        self.failed = threading.Event()
+        self.lock = threading.Lock()
+
+    def memory_at(self, address: int, nbytes: int, what: str, where: str) -> tuple[_Memory, int]:
+        for m in self.memories:
+            if m.start <= address < m.start + max(m.nbytes, 1):
+                if address + nbytes > m.start + m.nbytes:
+                    raise IndexError(f"rank {self.kernel.rank}: {what} runs past the end of {m.label}{where}")
+                return m, address - m.start
+        raise IndexError(f"rank {self.kernel.rank}: {what} at address {address:#x} is in no tensor of this job{where}")
+
+
+class _Block:
+    """Executes the statements of one block."""
+
+    def __init__(self, launch: _Launch, env: dict, block_id: int):
+        self.launch = launch
+        self.env = env
+        self.block_id = block_id
+        self.rank = launch.kernel.rank
+        self.line = ""
+
+    # ---- diagnostics -------------------------------------------------------------------
+    def _where(self) -> str:
+        return f" (kernel line {self.line})" if self.line else ""
+
+    def unsupported(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"CPU path: {what} is not supported{self._where()}")
+
+    # ---- buffers -----------------------------------------------------------------------
+    def tensor(self, buf: tirx.Buffer) -> torch.Tensor:
+        t = self.env.get(buf)
+        if t is None:
+            # Views of an address (a peer's copy) follow the address variable, which a loop
+            # may rebind: resolve them at every use rather than caching them.
+            t = self._declare(buf)
+        return t
+
+    def label(self, buf: tirx.Buffer) -> str:
+        return self.env.get(("label", buf), buf.name)
+
+    def _declare(self, buf: tirx.Buffer) -> torch.Tensor:
+        base = self.env.get(buf.data)
+        if base is None:
+            raise self.unsupported(f"buffer '{buf.name}' with no storage")
+        shape = [int(self.eval(s)) for s in buf.shape]
+        dtype = _torch_dtype(buf.dtype)
+        if isinstance(base, int):  # an address, e.g. from a peer table
+            nbytes = math.prod(shape) * dtype.itemsize
+            memory, offset = self.launch.memory_at(base, nbytes, f"tensor view '{buf.name}'", self._where())
+            self.env[("label", buf)] = memory.label
+            return memory.data[offset:offset + nbytes].view(dtype).view(shape)
+        elif isinstance(base, torch.Tensor):
+            t = base.view(dtype).view(shape)
+        else:
+            raise self.unsupported(f"storage of buffer '{buf.name}'")
+        self.env[buf] = t
+        return t
+
+    def _check_bounds(self, buf: tirx.Buffer, t: torch.Tensor, idx: list[Any]) -> None:
+        if buf.scope() != "global":
+            return
+        for d, (i, n) in enumerate(zip(idx, t.shape, strict=True)):
+            lo, hi = (int(i.min()), int(i.max())) if isinstance(i, torch.Tensor) else (int(i), int(i))
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"rank {self.rank}: {self.label(buf)} index {bad} out of bounds in dimension {d} "
+                    f"(shape {tuple(t.shape)}){self._where()}"
+                )
+
+    def load(self, node: tirx.BufferLoad) -> Any:
+        t = self.tensor(node.buffer)
+        idx = [self.eval(i) for i in node.indices]
+        self._check_bounds(node.buffer, t, idx)
+        value = t[tuple(torch.as_tensor(i) if isinstance(i, torch.Tensor) else int(i) for i in idx)]
+        return value
+
+    def store(self, node: tirx.BufferStore) -> None:
+        t = self.tensor(node.buffer)
+        idx = [self.eval(i) for i in node.indices]
+        self._check_bounds(node.buffer, t, idx)
+        value = self.eval(node.value)
+        key = tuple(i if isinstance(i, torch.Tensor) else int(i) for i in idx)
+        if any(isinstance(i, torch.Tensor) for i in key):
+            shape = torch.broadcast_shapes(*[i.shape for i in key if isinstance(i, torch.Tensor)])
+            key = tuple(i.expand(shape) if isinstance(i, torch.Tensor) else i for i in key)
+            if isinstance(value, torch.Tensor):
+                value = value.expand(shape) if value.dim() else value
+        t[key] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
+
+    # ---- regions and tile operations -----------------------------------------------------
+    def region(self, call: tirx.Call) -> tuple[tirx.Buffer, list[int], list[int]]:
+        load = call.args[0]
+        starts = [int(self.eval(i)) for i in load.indices]
+        extents = [int(self.eval(e)) for e in call.args[2:]]
+        if len(extents) < len(starts):  # leading dimensions of extent 1 may be left out
+            extents = [1] * (len(starts) - len(extents)) + extents
+        return load.buffer, starts, extents
+
+    def _window(self, buf: tirx.Buffer, starts: list[int], extents: list[int]):
+        """The part of a region inside its tensor: (view, slices into the region)."""
+        t = self.tensor(buf)
+        inside, within = [], []
+        for s, e, n in zip(starts, extents, t.shape, strict=True):
+            lo, hi = max(s, 0), min(s + e, n)
+            if hi <= lo:
+                if buf.scope() == "global":
+                    raise IndexError(
+                        f"rank {self.rank}: tile of {self.label(buf)} at {starts} (extent {extents}) lies "
+                        f"entirely outside its shape {tuple(t.shape)}{self._where()}"
+                    )
+                return None, None
+            inside.append(slice(lo, hi))
+            within.append(slice(lo - s, hi - s))
+        return t[tuple(inside)], tuple(within)
+
+    def copy(self, src_call: tirx.Call, dst_call: tirx.Call) -> None:
+        src_buf, src_start, src_ext = self.region(src_call)
+        dst_buf, dst_start, dst_ext = self.region(dst_call)
+        if math.prod(src_ext) != math.prod(dst_ext):
+            raise self.unsupported(f"T.copy between regions of {src_ext} and {dst_ext} elements")
+        src_view, src_within = self._window(src_buf, src_start, src_ext)
+        dst_view, dst_within = self._window(dst_buf, dst_start, dst_ext)
+        if dst_view is None:
+            return
+        # As on the GPU: elements read outside the source are zeros, writes outside the
+        # destination are dropped.
+        tile = torch.zeros(src_ext, dtype=self.tensor(dst_buf).dtype)
+        if src_view is not None:
+            tile[src_within] = src_view.to(tile.dtype)
+        dst_view.copy_(tile.view(dst_ext)[dst_within])
+
+    def fill(self, region_call: tirx.Call, value: Any) -> None:
+        view, _ = self._window(*self.region(region_call))
+        if view is not None:
+            view.fill_(self.eval(value))
+
+    def gemm(self, args: list[Any]) -> None:
+        a = self._whole(args[0])
+        b = self._whole(args[1])
+        c = self._whole(args[2])
+        trans_a, trans_b = bool(self.eval(args[3])), bool(self.eval(args[4]))
+        clear = bool(self.eval(args[9])) if len(args) > 9 else False
+        a = a.float().T if trans_a else a.float()
+        b = b.float().T if trans_b else b.float()
+        product = (a @ b).to(c.dtype)
+        if clear:
+            c.copy_(product)
+        else:
+            c.add_(product)
+
+    def _whole(self, region_call: Any) -> torch.Tensor:
+        buf, starts, extents = self.region(region_call)
+        t = self.tensor(buf)
+        view = t[tuple(slice(s, s + e) for s, e in zip(starts, extents, strict=True))]
+        return view.reshape([e for e in extents if e != 1] or [1]) if view.dim() > 2 else view
+
+    def reduce(self, args: list[Any]) -> None:
+        src, dst = self._whole(args[0]), self._whole(args[1])
+        kind, dim, clear = str(args[2].value), int(self.eval(args[3])), bool(self.eval(args[4]))
+        x = src.float()
+        ops = {
+            "sum": lambda: x.sum(dim), "max": lambda: x.amax(dim), "min": lambda: x.amin(dim),
+            "abssum": lambda: x.abs().sum(dim), "absmax": lambda: x.abs().amax(dim),
+        }
+        if kind not in ops:
+            raise self.unsupported(f"T.reduce of kind '{kind}'")
+        r = ops[kind]().view(dst.shape)
+        if not clear:
+            combine = {"sum": torch.add, "abssum": torch.add, "max": torch.maximum, "absmax": torch.maximum,
+                       "min": torch.minimum}[kind]
+            r = combine(dst.float(), r)
+        dst.copy_(r.to(dst.dtype))
+
+    # ---- distributed operations ----------------------------------------------------------
+    def pointer(self, expr: Any) -> _Pointer:
+        if isinstance(expr, tirx.Call) and expr.op.name in ("tirx.address_of", "tl.access_ptr"):
+            load = expr.args[0]
+            t = self.tensor(load.buffer)
+            idx = [int(self.eval(i)) for i in load.indices]
+            self._check_bounds(load.buffer, t, idx)
+            flat_index = sum(i * s for i, s in zip(idx, t.stride(), strict=True))
+            flat = t.as_strided((1,), (1,), t.storage_offset() + flat_index)
+            return _Pointer(flat, f"{self.label(load.buffer)}[{', '.join(map(str, idx))}]")
+        raise self.unsupported(f"pointer argument {expr}")
+
+    def signal(self, ptr: _Pointer, value: int, op: int) -> None:
+        with self.launch.kernel.atomic():
+            if op == 0:
+                ptr.flat[0] = value
+            else:
+                ptr.flat[0] += value
+
+    def wait(self, ptr: _Pointer, cmp: int, expected: int) -> None:
+        what = f"T.wait({ptr.label} {_COMPARE[cmp]} {expected}) in block {self.block_id}"
+        self.launch.kernel.spin(lambda: _compare(cmp, int(ptr.flat[0]), expected),
+                                lambda: int(ptr.flat[0]), what, self.launch)
+
+    def barrier(self, table: torch.Tensor, world: int) -> None:
+        launch = self.launch
+        leader = True
+        if launch.block_barrier is not None:
+            leader = self._block_barrier() == 0
+        if leader:
+            kernel = launch.kernel
+            peers = [launch.memory_at(int(a), 4 * 96, "barrier workspace", "")[0] for a in table.tolist()]
+            mine = peers[kernel.rank].data.view(torch.int32)
+            epoch = int(mine[32])
+            with kernel.atomic():
+                for m in peers:
+                    m.data.view(torch.int32)[64] += 1
+            target = world * (epoch + 1)
+            kernel.spin(lambda: int(mine[64]) >= target, lambda: int(mine[64]),
+                        f"T.barrier() #{epoch + 1} (arrivals >= {target})", launch)
+            mine[32] = epoch + 1
+        if launch.block_barrier is not None:
+            self._block_barrier()
+
+    def _block_barrier(self) -> int:
+        while True:
+            try:
+                return self.launch.block_barrier.wait(timeout=0.2)
+            except threading.BrokenBarrierError:
+                raise _Abort() from None
+            except TimeoutError:
+                if self.launch.failed.is_set():
+                    raise _Abort() from None
+
+    def extern(self, name: str, args: list[Any]) -> None:
+        if name == "tilescale::block_signal":
+            self.signal(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
+        elif name == "tilescale::block_wait":
+            self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
+        elif name == "tilescale::block_fence":
+            pass  # host memory through one coherent address space: program order is enough
+        elif name == "tilescale::grid_barrier":
+            self.barrier(self.env[args[0]], int(self.eval(args[2])))
+        else:
+            raise self.unsupported(f"call to '{name}'")
+
+    # ---- statements ----------------------------------------------------------------------
+    def run(self, stmt: Any) -> None:
+        if self.launch.failed.is_set():
+            raise _Abort()
+        location = span_to_location(get_stmt_span(stmt)) if not isinstance(stmt, tirx.SeqStmt) else None
+        if location:
+            self.line = f"{location[0]}:{location[1]}"
+        if isinstance(stmt, tirx.SeqStmt):
+            for s in stmt.seq:
+                self.run(s)
+        elif isinstance(stmt, tirx.Bind):
+            self.env[stmt.var] = self.eval(stmt.value)
+        elif isinstance(stmt, tirx.BufferStore):
+            self.store(stmt)
+        elif isinstance(stmt, tirx.Evaluate):
+            self.evaluate(stmt.value)
+        elif isinstance(stmt, tirx.For):
+            self.loop(stmt)
+        elif isinstance(stmt, tirx.IfThenElse):
+            cond = self.eval(stmt.condition)
+            if isinstance(cond, torch.Tensor) and cond.numel() > 1:
+                raise self.unsupported("an if on a per-element condition inside T.Parallel")
+            if bool(cond):
+                self.run(stmt.then_case)
+            elif stmt.else_case is not None:
+                self.run(stmt.else_case)
+        elif isinstance(stmt, tirx.DeclBuffer):
+            pass  # buffers are resolved where they are used (see tensor())
+        elif isinstance(stmt, tirx.AllocBuffer):
+            self.allocate(stmt.buffer)
+        elif isinstance(stmt, tirx.SBlockRealize):
+            for buf in stmt.block.alloc_buffers:
+                self.allocate(buf)
+            self.run(stmt.block.body)
+        elif isinstance(stmt, tirx.AttrStmt):
+            self.run(stmt.body)
+        elif isinstance(stmt, tirx.AssertStmt):
+            if not bool(self.eval(stmt.condition)):
+                raise AssertionError(f"rank {self.rank}: kernel assertion failed{self._where()}")
+        else:
+            raise self.unsupported(f"statement {type(stmt).__name__}")
+
+    def allocate(self, buf: tirx.Buffer) -> None:
+        shape = [int(self.eval(s)) for s in buf.shape]
+        self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
+
+    def loop(self, stmt: tirx.For) -> None:
+        extent = int(self.eval(stmt.extent))
+        start = int(self.eval(stmt.min))
+        if stmt.kind == tirx.ForKind.PARALLEL:
+            self.parallel(stmt)
+            return
+        if stmt.kind == tirx.ForKind.THREAD_BINDING:
+            raise self.unsupported("a thread binding inside a block")
+        for i in range(start, start + extent):
+            self.env[stmt.loop_var] = i
+            self.run(stmt.body)
+
+    def parallel(self, stmt: tirx.For) -> None:
+        # A nest of T.Parallel loops becomes one vectorised step: loop variables are index
+        # tensors, broadcast against each other.
+        nest = []
+        body = stmt
+        while isinstance(body, tirx.For) and body.kind == tirx.ForKind.PARALLEL:
+            nest.append(body)
+            body = body.body
+        for axis, loop in enumerate(nest):
+            shape = [1] * len(nest)
+            shape[axis] = int(self.eval(loop.extent))
+            self.env[loop.loop_var] = torch.arange(int(self.eval(loop.min)), int(self.eval(loop.min)) + shape[axis])\
+                .view(shape)
+        self.parallel_body(body)
+        for loop in nest:
+            self.env.pop(loop.loop_var, None)
+
+    def parallel_body(self, stmt: Any) -> None:
+        if isinstance(stmt, tirx.SeqStmt):
+            for s in stmt.seq:
+                self.parallel_body(s)
+        elif isinstance(stmt, (tirx.BufferStore, tirx.Bind)):
+            self.run(stmt)
+        elif isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
+            # Masked store: evaluate the condition per element, store where it holds.
+            cond = self.eval(stmt.condition)
+            if not isinstance(cond, torch.Tensor):
+                if bool(cond):
+                    self.parallel_body(stmt.then_case)
+                return
+            if not isinstance(stmt.then_case, tirx.BufferStore):
+                raise self.unsupported("a conditional block inside T.Parallel")
+            self.masked_store(stmt.then_case, cond)
+        else:
+            raise self.unsupported(f"{type(stmt).__name__} inside T.Parallel")
+
+    def masked_store(self, node: tirx.BufferStore, mask: torch.Tensor) -> None:
+        t = self.tensor(node.buffer)
+        idx = [self.eval(i) for i in node.indices]
+        shape = torch.broadcast_shapes(mask.shape, *[i.shape for i in idx if isinstance(i, torch.Tensor)])
+        mask = mask.expand(shape)
+        idx = [(i.expand(shape) if isinstance(i, torch.Tensor) else torch.full(shape, int(i)))[mask] for i in idx]
+        self._check_bounds(node.buffer, t, idx)
+        value = self.eval(node.value)
+        value = value.expand(shape)[mask] if isinstance(value, torch.Tensor) and value.dim() else value
+        t[tuple(idx)] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
+
+    def evaluate(self, call: Any) -> None:
+        if not isinstance(call, tirx.Call):
+            self.eval(call)
+            return
+        name = call.op.name if hasattr(call.op, "name") else str(call.op)
+        args = list(call.args)
+        if name == "tl.tileop.copy":
+            self.copy(args[0], args[1])
+        elif name == "tl.tileop.fill":
+            self.fill(args[0], args[1])
+        elif name == "tl.tileop.gemm":
+            self.gemm(args)
+        elif name == "tl.tileop.reduce":
+            self.reduce(args)
+        elif name == "tirx.call_extern":
+            self.extern(str(args[0].value), args[1:])
+        elif name in ("tl.atomic_add_elem_op", "tl.atomic_max_elem_op", "tl.atomic_min_elem_op"):
+            ptr, value = self.pointer(args[0]), self.eval(args[1])
+            with self.launch.kernel.atomic():
+                old = ptr.flat[0].item()
+                new = {"tl.atomic_add_elem_op": lambda: old + value, "tl.atomic_max_elem_op": lambda: max(old, value),
+                       "tl.atomic_min_elem_op": lambda: min(old, value)}[name]()
+                ptr.flat[0] = new
+        elif name in ("tl.sync_threads", "tirx.tvm_storage_sync", "tl.fence_proxy_async"):
+            pass  # one thread per block: nothing to synchronise inside it
+        else:
+            raise self.unsupported(f"operation '{name}'")
+
+    # ---- expressions ---------------------------------------------------------------------
+    def eval(self, e: Any) -> Any:  # noqa: C901 - one dispatch over TIR's expression kinds
+        if isinstance(e, (int, float, bool)):
+            return e
+        if isinstance(e, tirx.IntImm):
+            return bool(e.value) if str(e.dtype) == "bool" else int(e.value)
+        if isinstance(e, tirx.FloatImm):
+            return float(e.value)
+        if isinstance(e, tirx.StringImm):
+            return e.value
+        if isinstance(e, tirx.Var):
+            if e not in self.env:
+                raise self.unsupported(f"free variable '{e.name}'")
+            return self.env[e]
+        if isinstance(e, tirx.BufferLoad):
+            return self.load(e)
+        binary = {
+            tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+            tirx.FloorDiv: _floordiv, tirx.FloorMod: _floormod, tirx.Div: _div, tirx.Mod: _floormod,
+            tirx.Min: _min, tirx.Max: _max, tirx.EQ: lambda a, b: a == b, tirx.NE: lambda a, b: a != b,
+            tirx.LT: lambda a, b: a < b, tirx.LE: lambda a, b: a <= b, tirx.GT: lambda a, b: a > b,
+            tirx.GE: lambda a, b: a >= b, tirx.And: _and, tirx.Or: _or,
+        }
+        for kind, fn in binary.items():
+            if isinstance(e, kind):
+                return fn(self.eval(e.a), self.eval(e.b))
+        if isinstance(e, tirx.Not):
+            a = self.eval(e.a)
+            return ~a if isinstance(a, torch.Tensor) else not a
+        if isinstance(e, tirx.Select):
+            return _select(self.eval(e.condition), self.eval(e.true_value), self.eval(e.false_value))
+        if isinstance(e, tirx.Cast):
+            return _cast(self.eval(e.value), str(e.dtype))
+        if isinstance(e, tirx.Let):
+            self.env[e.var] = self.eval(e.value)
+            return self.eval(e.body)
+        if isinstance(e, tirx.Call):
+            return self.call(e)
+        raise self.unsupported(f"expression {type(e).__name__}")
+
+    def call(self, e: tirx.Call) -> Any:
+        name = e.op.name if hasattr(e.op, "name") else str(e.op)
+        if name in _MATH:
+            x = self.eval(e.args[0])
+            return _MATH[name](x if isinstance(x, torch.Tensor) else torch.tensor(float(x)))
+        if name == "tirx.if_then_else":
+            return _select(self.eval(e.args[0]), self.eval(e.args[1]), self.eval(e.args[2]))
+        if name == "tirx.reinterpret":
+            return int(self.eval(e.args[0]))
+        if name == "tl.launch_thread_idx":
+            return 0
+        if name == "tirx.pow":
+            return self.eval(e.args[0]) ** self.eval(e.args[1])
+        raise self.unsupported(f"call to '{name}'")
+
+
+def _floordiv(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.div(torch.as_tensor(a), b, rounding_mode="floor")
+    return a // b
+
+
+def _floormod(a: Any, b: Any) -> Any:
+    return torch.remainder(torch.as_tensor(a), b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) \
+        else a % b
+
+
+def _div(a: Any, b: Any) -> Any:
+    if isinstance(a, int) and isinstance(b, int):
+        return int(a / b)  # C semantics: truncation toward zero
+    return a / b
+
+
+def _min(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+    return min(a, b)
+
+
+def _max(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def _and(a: Any, b: Any) -> Any:
+    return (a & b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else (a and b)
+
+
+def _or(a: Any, b: Any) -> Any:
+    return (a | b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else (a or b)
+
+
+def _select(cond: Any, a: Any, b: Any) -> Any:
+    if isinstance(cond, torch.Tensor) and cond.numel() > 1:
+        return torch.where(cond, torch.as_tensor(a), torch.as_tensor(b))
+    return a if bool(cond) else b
+
+
+def _cast(value: Any, dtype: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(_torch_dtype(dtype))
+    if dtype.startswith("int") or dtype.startswith("uint"):
+        return int(value)
+    if dtype == "bool":
+        return bool(value)
+    return float(torch.tensor(value, dtype=_torch_dtype(dtype)))
+
+
+class CpuKernel:
+    """A ``T.prim_func`` made callable on the CPU path with the same arguments as on a GPU."""
+
+    def __init__(self, func: tirx.PrimFunc):
+        self.func = func
+        self.params = list(func.params)
+        self.rank = runtime.rank()
+        self.grid, self.body = self._split_grid(func.body)
+        self.threaded = "tilescale::grid_barrier" in func.script()
+
+    def _split_grid(self, body: Any) -> tuple[list[tirx.For], Any]:
+        grid = []
+        while True:
+            if isinstance(body, tirx.SBlockRealize) and body.block.name_hint == "root":
+                body = body.block.body
+            elif isinstance(body, tirx.For) and body.kind == tirx.ForKind.THREAD_BINDING \
+                    and body.thread_binding.thread_tag.startswith("blockIdx"):
+                grid.append(body)
+                body = body.body
+            else:
+                return grid, body
+
+    def get_kernel_source(self) -> str:
+        """The interpreted program (TVMScript), in place of generated device source."""
+        return self.func.script()
+
+    def _bind(self, args: tuple) -> tuple[dict, list[_Memory]]:
+        env: dict = {}
+        memories: list[_Memory] = []
+        names: dict[int, str] = {}
+        for param, arg in zip(self.params, args, strict=True):
+            buf = self.func.buffer_map.get(param)
+            if buf is None:
+                env[param] = arg
+                continue
+            if not isinstance(arg, torch.Tensor):
+                raise TypeError(f"argument '{buf.name}' must be a torch.Tensor")
+            if arg.device.type != "cpu":
+                raise ValueError(f"argument '{buf.name}' is on {arg.device}; the CPU path runs on CPU tensors")
+            for dim, size in zip(buf.shape, arg.shape, strict=False):
+                _solve(dim, int(size), env)
+            env[buf] = arg
+            env[buf.data] = arg
+            storage = arg.untyped_storage()
+            names.setdefault(storage.data_ptr(), buf.name)
+            data = torch.empty(0, dtype=torch.uint8).set_(storage)
+            memories.append(_Memory(storage.data_ptr(), storage.nbytes(), data, buf.name))
+        sync = runtime.current().sync_workspace
+        memories.append(_Memory(sync.data_ptr(), sync.nbytes, sync.view(torch.uint8), "the barrier workspace"))
+        for start, nbytes, data, owner_ptr, peer in host_regions():
+            label = f"{names.get(owner_ptr, 'a symmetric tensor')} on rank {peer}"
+            memories.append(_Memory(start, nbytes, data, label))
+        return env, memories
+
+    def atomic(self):
+        """A job-wide lock: read-modify-writes of shared memory from several ranks."""
+        return _JobLock()
+
+    def spin(self, done: Callable[[], bool], observe: Callable[[], int], what: str, launch: _Launch) -> None:
+        """Wait until ``done()``; on timeout raise with every rank's pending wait."""
+        if done():
+            return
+        rt = runtime.current()
+        store = rt.group.store
+        key = f"cpu-waits/{rt.group.rank}"
+        with launch.lock:
+            store.set(key, what)
+        start, timeout = time.monotonic(), rt.wait_timeout_ns() / 1e9
+        try:
+            while not done():
+                if launch.failed.is_set():
+                    raise _Abort()
+                if time.monotonic() - start > timeout:
+                    with launch.lock:
+                        pending = [store.get(f"cpu-waits/{r}").decode() if store.check([f"cpu-waits/{r}"]) else ""
+                                   for r in range(rt.group.world_size)]
+                    graph = "; ".join(f"rank {r}: {p or 'not waiting'}" for r, p in enumerate(pending))
+                    raise WaitTimeoutError(
+                        f"rank {rt.group.rank}: {what} timed out after {timeout:g} s (observed {observe()}). "
+                        f"Pending waits: {graph}"
+                    )
+                time.sleep(0.0002)
+        finally:
+            with launch.lock:
+                store.set(key, "")
+
+    def __call__(self, *args: Any) -> None:
+        if len(args) != len(self.params):
+            raise TypeError(f"kernel takes {len(self.params)} arguments, got {len(args)}")
+        env, memories = self._bind(args)
+        extents = [int(_Block(_Launch(self, memories, 1, False), env, 0).eval(f.extent)) for f in self.grid]
+        blocks = math.prod(extents)
+        launch = _Launch(self, memories, blocks, self.threaded and blocks > 1)
+
+        def run_block(block_id: int) -> None:
+            local = dict(env)
+            rest = block_id
+            for loop, n in zip(reversed(self.grid), reversed(extents), strict=True):
+                local[loop.loop_var] = rest % n
+                rest //= n
+            _Block(launch, local, block_id).run(self.body)
+
+        if not launch.block_barrier:
+            for b in range(blocks):
+                run_block(b)
+            return
+        errors: list[BaseException] = []
+
+        def worker(b: int) -> None:
+            try:
+                run_block(b)
+            except _Abort:
+                pass
+            except BaseException as err:  # reported by the launching thread
+                errors.append(err)
+                launch.failed.set()
+                launch.block_barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(b,), daemon=True) for b in range(blocks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
+def _solve(dim: Any, size: int, env: dict) -> None:
+    """Bind the shape variable in ``dim`` (``n`` or ``n * c``) from a tensor's size."""
+    if isinstance(dim, tirx.Var):
+        env.setdefault(dim, size)
+    elif isinstance(dim, tirx.Mul) and isinstance(dim.a, tirx.Var) and isinstance(dim.b, tirx.IntImm):
+        if size % int(dim.b.value):
+            raise ValueError(f"size {size} is not a multiple of {int(dim.b.value)} as the kernel requires")
+        env.setdefault(dim.a, size // int(dim.b.value))
+
+
+class _JobLock:
+    """An exclusive lock shared by every rank of the job (a file lock in /dev/shm)."""
+
+    def __enter__(self) -> _JobLock:
+        rt = runtime.current()
+        path = f"/dev/shm/tilescale-{rt.group.job_id}.lock"
+        self.fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
