@@ -344,9 +344,7 @@ class _Block:
     def run(self, stmt: Any) -> None:
         if self.launch.failed.is_set():
             raise _Abort()
-        location = span_to_location(get_stmt_span(stmt)) if not isinstance(stmt, tirx.SeqStmt) else None
-        if location:
-            self.line = f"{location[0]}:{location[1]}"
+        self._locate(stmt)
         if isinstance(stmt, tirx.SeqStmt):
             for s in stmt.seq:
                 self.run(s)
@@ -382,6 +380,11 @@ class _Block:
         else:
             raise self.unsupported(f"statement {type(stmt).__name__}")
 
+    def _locate(self, stmt: Any) -> None:
+        location = span_to_location(get_stmt_span(stmt)) if not isinstance(stmt, tirx.SeqStmt) else None
+        if location:
+            self.line = f"{location[0]}:{location[1]}"
+
     def allocate(self, buf: tirx.Buffer) -> None:
         shape = [int(self.eval(s)) for s in buf.shape]
         self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
@@ -416,6 +419,7 @@ class _Block:
             self.env.pop(loop.loop_var, None)
 
     def parallel_body(self, stmt: Any) -> None:
+        self._locate(stmt)
         if isinstance(stmt, tirx.SeqStmt):
             for s in stmt.seq:
                 self.parallel_body(s)

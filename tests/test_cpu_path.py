@@ -1,0 +1,147 @@
+"""The CPU execution path: examples with 2 and 4 ranks, and the debugging checks the GPU lacks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = Path(__file__).resolve().parent / "ranks"
+
+
+def run(script: str, n: int, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", script],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("example", ["ring_shift", "all_gather", "all_reduce", "reduce_scatter"])
+def test_example_on_the_cpu_path(example, n):
+    proc = run(f"examples/{example}.py", n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "correct" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_all_gather_example_is_quick():
+    """1 MiB per rank, 2 ranks: the whole run (start-up included) within 10 s on 2 cores."""
+    start = time.monotonic()
+    proc = run("examples/all_gather.py", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all_gather of 1 MiB per rank correct" in proc.stdout
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(120)
+def test_out_of_bounds_accesses_raise_index_error():
+    proc = run(str(RANKS / "out_of_bounds.py"), 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        peer = (rank + 1) % 2
+        assert (f"rank {rank}: IndexError: rank {rank}: B on rank {peer} index 24 out of bounds in dimension 0 "
+                "(shape (16, 8))") in proc.stdout
+        assert f"rank {rank}: IndexError: rank {rank}: A index 16 out of bounds in dimension 0 (shape (16,))" \
+            in proc.stdout
+    assert "out_of_bounds.py:15)" in proc.stdout  # the kernel line of the remote copy
+    assert "out_of_bounds.py:26)" in proc.stdout  # the kernel line of the store
+
+
+@pytest.mark.timeout(120)
+def test_missing_signal_reports_the_wait_graph():
+    start = time.monotonic()
+    proc = run(str(RANKS / "wait_timeout.py"), 2, env={"TILESCALE_WAIT_TIMEOUT_S": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.monotonic() - start < 60
+    out = proc.stdout
+    assert "rank 0: WaitTimeoutError: rank 0: T.wait(flags[1] >= 1) in block 0 timed out after 2 s (observed 0)" in out
+    # rank 0's message lists what every rank was waiting for at that moment
+    line = next(ln for ln in out.splitlines() if "rank 0: WaitTimeoutError" in ln)
+    assert "Pending waits: rank 0: T.wait(flags[1] >= 1) in block 0; rank 1: T.barrier()" in line
+    assert "rank 1: WaitTimeoutError: rank 1: T.barrier()" in out
+
+
+@pytest.mark.timeout(120)
+def test_unsupported_construct_names_itself_and_its_line(tmp_path):
+    script = tmp_path / "unsupported.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        import tilescale.language as T
+
+        @ts.jit
+        def nested(N):
+            @T.prim_func
+            def main(A: T.Tensor((N, 4), "float32")):
+                with T.Kernel(1, threads=128):
+                    for i in T.Parallel(N):
+                        for k in T.serial(4):
+                            A[i, k] = A[i, k] + 1
+
+            return main
+
+        ts.init(device="cpu")
+        try:
+            nested(8)(torch.zeros(8, 4))
+        except NotImplementedError as err:
+            print("NotImplementedError:", err)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert "NotImplementedError: CPU path: For inside T.Parallel is not supported" in proc.stdout, proc.stderr
+    assert "unsupported.py:12)" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_single_process_kernels_compute(tmp_path):
+    """Tile GEMM (transposed B), reductions, fills and parallel math give torch's results."""
+    script = tmp_path / "compute.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        import tilescale.language as T
+
+        @ts.jit
+        def gemm_softmax_rows(M, N, K):
+            @T.prim_func
+            def main(A: T.Tensor((M, K), "float16"), B: T.Tensor((N, K), "float16"),
+                     C: T.Tensor((M, N), "float32"), S: T.Tensor((M,), "float32")):
+                with T.Kernel(2, threads=128) as bx:
+                    a = T.alloc_shared((M // 2, K), "float16")
+                    b = T.alloc_shared((N, K), "float16")
+                    c = T.alloc_fragment((M // 2, N), "float32")
+                    m = T.alloc_fragment((M // 2,), "float32")
+                    s = T.alloc_fragment((M // 2,), "float32")
+                    T.copy(A[bx * (M // 2), 0], a)
+                    T.copy(B, b)
+                    T.clear(c)
+                    for k in T.Pipelined(2, num_stages=2):
+                        T.gemm(a[:, k * (K // 2):(k + 1) * (K // 2)], b[:, k * (K // 2):(k + 1) * (K // 2)], c,
+                               transpose_B=True)
+                    T.reduce_max(c, m, dim=1)
+                    for i, j in T.Parallel(M // 2, N):
+                        c[i, j] = T.exp(c[i, j] - m[i])
+                    T.reduce_sum(c, s, dim=1)
+                    T.copy(c, C[bx * (M // 2), 0])
+                    T.copy(s, S[bx * (M // 2)])
+
+            return main
+
+        ts.init(device="cpu")
+        M, N, K = 32, 16, 64
+        A, B = torch.randn(M, K).half(), torch.randn(N, K).half()
+        C, S = torch.empty(M, N), torch.empty(M)
+        gemm_softmax_rows(M, N, K)(A, B, C, S)
+        ref = A.float() @ B.float().T
+        ref = torch.exp(ref - ref.amax(1, keepdim=True))
+        torch.testing.assert_close(C, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(S, ref.sum(1), rtol=1e-4, atol=1e-4)
+        print("COMPUTE-OK")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert "COMPUTE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
