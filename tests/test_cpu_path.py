@@ -145,3 +145,11 @@ def test_single_process_kernels_compute(tmp_path):
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert "COMPUTE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_ops_match_torch_distributed(n):
+    proc = run(str(RANKS / "ops_check.py"), n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("OPS-OK") == n
