@@ -86,15 +86,30 @@ def test_unsupported_construct_names_itself_and_its_line(tmp_path):
 
             return main
 
+        @ts.jit
+        def per_thread(N):
+            @T.prim_func
+            def main(A: T.Tensor((N,), "float32")):
+                with T.Kernel(1, threads=128):
+                    tx = T.get_thread_binding()
+                    A[tx] = 1.0
+
+            return main
+
         ts.init(device="cpu")
         try:
             nested(8)(torch.zeros(8, 4))
+        except NotImplementedError as err:
+            print("NotImplementedError:", err)
+        try:
+            per_thread(128)(torch.zeros(128))
         except NotImplementedError as err:
             print("NotImplementedError:", err)
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert "NotImplementedError: CPU path: For inside T.Parallel is not supported" in proc.stdout, proc.stderr
     assert "unsupported.py:12)" in proc.stdout
+    assert "NotImplementedError: CPU path: thread-level code (T.get_thread_binding / threadIdx)" in proc.stdout
 
 
 @pytest.mark.timeout(120)

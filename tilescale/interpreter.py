@@ -594,7 +594,29 @@ class CpuKernel:
         self.params = list(func.params)
         self.rank = runtime.rank()
         self.grid, self.body = self._split_grid(func.body)
-        self.threaded = "tilescale::grid_barrier" in func.script()
+        script = func.script()
+        # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
+        self.threaded = "tilescale::grid_barrier" in script or "tilescale::block_wait" in script
+        self._refuse_thread_level_code()
+
+    def _refuse_thread_level_code(self) -> None:
+        # Every kernel binds threadIdx (tx, ty, tz); code that *uses* it is per-thread code,
+        # which a block-at-a-time interpreter would run for thread 0 only: refuse it.
+        thread_vars, used = set(), set()
+
+        def visit(node: Any) -> None:
+            if isinstance(node, tirx.Bind) and isinstance(node.value, tirx.Call) \
+                    and getattr(node.value.op, "name", "") == "tl.launch_thread_idx":
+                thread_vars.add(node.var)
+            elif isinstance(node, tirx.Var):
+                used.add(node)
+
+        tirx.stmt_functor.post_order_visit(self.body, visit)
+        if thread_vars & used:
+            raise NotImplementedError(
+                "CPU path: thread-level code (T.get_thread_binding / threadIdx) is not supported; the CPU path "
+                "runs each block once, as TileLang's block-level operations define"
+            )
 
     def _split_grid(self, body: Any) -> tuple[list[tirx.For], Any]:
         grid = []
