@@ -147,7 +147,20 @@ def test_single_process_kernels_compute(tmp_path):
 
             return main
 
+        @ts.jit
+        def histogram(N, bins):
+            @T.prim_func
+            def main(X: T.Tensor((N,), "int32"), H: T.Tensor((bins,), "float32")):
+                with T.Kernel(4, threads=128) as bx:
+                    for i in T.serial(N // 4):
+                        T.atomic_add(H[X[bx * (N // 4) + i]], 1.0)
+
+            return main
+
         ts.init(device="cpu")
+        X, H = torch.randint(0, 8, (64,), dtype=torch.int32), torch.zeros(8)
+        histogram(64, 8)(X, H)
+        torch.testing.assert_close(H, torch.bincount(X, minlength=8).float())
         M, N, K = 32, 16, 64
         A, B = torch.randn(M, K).half(), torch.randn(N, K).half()
         C, S = torch.empty(M, N), torch.empty(M)
