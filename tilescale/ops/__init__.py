@@ -2,5 +2,15 @@
 
 from tilescale.ops.collectives import all_gather, all_reduce, reduce_scatter
 from tilescale.ops.p2p import get, put
+from tilescale.ops.tp_gemm import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
-__all__ = ["all_gather", "all_reduce", "get", "put", "reduce_scatter"]
+__all__ = [
+    "all_gather",
+    "all_gather_gemm",
+    "all_reduce",
+    "gemm_all_reduce",
+    "gemm_reduce_scatter",
+    "get",
+    "put",
+    "reduce_scatter",
+]
