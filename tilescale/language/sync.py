@@ -102,7 +102,7 @@ __device__ __forceinline__ int poll(const int* p) {
 // kSystem: the flag is written by other GPUs (acquire at system scope); otherwise only by
 // blocks of this GPU (acquire at GPU scope, which stays in L2).
 template <bool kSystem>
-__device__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
+__device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
                      long long timeout_ns, int kind) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
@@ -119,8 +119,7 @@ __device__ bool spin(const int* addr, int cmp, int expected, long long status_ad
           __threadfence_system();
           status[0] = 1;
           __threadfence_system();
-          printf("tilescale: rank %d block %lld timed out waiting on flag %p (cmp %d, expected %d, observed %d)\n",
-                 rank, block_id(), (const void*)addr, cmp, expected, observed);
+          // No printf here: a device-side call would serialise wgmma pipelines in GEMM kernels.
         }
         return false;
       }
