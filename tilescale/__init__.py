@@ -19,7 +19,7 @@ from pathlib import Path as _Path
 if (_Path(__file__).parent.parent / "comm" / "group.py").is_file():
     __path__.append(str(_Path(__file__).parent.parent))
 
-from tilescale import ops  # noqa: E402
+from tilescale import nn, ops  # noqa: E402
 from tilescale.errors import WaitTimeoutError
 from tilescale.jit import jit
 from tilescale.runtime import (
@@ -54,6 +54,7 @@ __all__ = [
     "is_symmetric",
     "jit",
     "local_rank",
+    "nn",
     "ops",
     "peer_ptrs",
     "peer_view",

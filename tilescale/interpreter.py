@@ -708,7 +708,8 @@ class CpuKernel:
             for loop, n in zip(reversed(self.grid), reversed(extents), strict=True):
                 local[loop.loop_var] = rest % n
                 rest //= n
-            _Block(launch, local, block_id).run(self.body)
+            with torch.no_grad():  # kernels are not differentiable; their arguments may be (parameters)
+                _Block(launch, local, block_id).run(self.body)
 
         if not launch.block_barrier:
             for b in range(blocks):

@@ -24,6 +24,7 @@ collective + torch matmul) from the shape; pass ``plan`` to force one.
 # refer to the kernel factory's local variables.
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -228,6 +229,8 @@ def _check_same_across_ranks(what: str, value: list) -> None:
 
 
 def _choose(plan: str | None, rows: int) -> str:
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else fused from ``FUSED_MIN_ROWS`` rows on."""
+    plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
     return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
@@ -325,9 +328,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     _check_pair(a, weight)
     (m, k), n = a.shape, weight.shape[0]
     _check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
-    if (plan or "fused") == "unfused":
+    # Decode-sized M is what the fused all-reduce is for: fused unless asked otherwise.
+    if _choose(plan, FUSED_MIN_ROWS) == "unfused":
         out = a @ weight.T
         dist.all_reduce(out)
         return out
-    _choose(plan, m)
     return _gemm_then_reduce(a, weight, 1)

@@ -1,0 +1,5 @@
+"""Torch modules built on tilescale's fused tensor-parallel operations."""
+
+from tilescale.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP"]
