@@ -215,7 +215,11 @@ _verified: set[tuple] = set()
 
 
 def _check_same_across_ranks(what: str, value: list) -> None:
-    """Ranks must agree on the shapes (checked once per shape: it costs a host round trip)."""
+    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip).
+
+    A later call in which one rank alone switches to a new shape is still caught, by the
+    bounded waits (TimeoutError naming the rank, or WaitTimeoutError), not by this check.
+    """
     key = (what, *value)
     if key in _verified:
         return

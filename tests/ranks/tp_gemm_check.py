@@ -1,0 +1,54 @@
+"""Rank program: the fused TP GEMMs against torch.distributed + torch, and their input checks."""
+
+import torch
+import torch.distributed as dist
+
+import tilescale as ts
+
+ts.init()
+rank, world = ts.rank(), ts.world_size()
+g = torch.Generator().manual_seed(rank)
+for dtype in (torch.float16, torch.bfloat16):
+    for (m, k, n) in [(64, 96, 80), (130, 64, 200)]:
+        a = torch.randn(m, k, generator=g).to(dtype)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        full = torch.empty(world * m, k, dtype=dtype)
+        dist.all_gather_into_tensor(full, a)
+        ref = (full.float() @ w.float().T)
+        for _ in range(2):
+            got = ts.ops.all_gather_gemm(a, w, plan="fused")
+            torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-1)
+        # row parallel
+        M = world * m
+        a2 = torch.randn(M, k, generator=g).to(dtype)
+        part = a2.float() @ w.float().T
+        rs_ref = torch.empty(m, n)
+        dist.reduce_scatter_tensor(rs_ref, part)
+        for _ in range(2):
+            got = ts.ops.gemm_reduce_scatter(a2, w, plan="fused")
+            torch.testing.assert_close(got.float(), rs_ref, rtol=2e-2, atol=3e-1)
+        ar_ref = part.clone()
+        dist.all_reduce(ar_ref)
+        for _ in range(2):
+            got = ts.ops.gemm_all_reduce(a2, w)
+            torch.testing.assert_close(got.float(), ar_ref, rtol=2e-2, atol=3e-1)
+        print(rank, dtype, (m, k, n), "ok", flush=True)
+
+a = torch.randn(64, 32).half()
+w = torch.randn(48, 32).half()
+errors = []
+for call in (lambda: ts.ops.all_gather_gemm(a, w.float()),                      # dtypes differ
+             lambda: ts.ops.all_gather_gemm(a.T, w),                             # not contiguous / K differs
+             lambda: ts.ops.gemm_reduce_scatter(torch.randn(world * 8 + 1, 32).half(), w),  # M % world
+             lambda: ts.ops.all_gather_gemm(a, w, plan="sideways"),
+             # a shape no rank has used yet, but rank 0 asks for one row more: every rank gets the error
+             lambda: ts.ops.all_gather_gemm(torch.randn(72 + (rank == 0), 32).half(), w, plan="fused")):
+    try:
+        call()
+        errors.append("no error")
+    except (TypeError, ValueError) as err:
+        errors.append(type(err).__name__)
+        last = str(err)
+print(rank, "ERRORS", errors, flush=True)
+print(rank, "LAST", last, flush=True)
+ts.finalize()

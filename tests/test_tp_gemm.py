@@ -1,0 +1,87 @@
+"""Fused TP GEMMs and TP layers: CPU-path correctness with 2 and 4 ranks, CUDA lowering and nvcc."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tilelang
+import tilelang.env
+
+from tilescale.language import build_options
+from tilescale.ops import tp_gemm
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = Path(__file__).resolve().parent / "ranks"
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def run(script: str, n: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", script],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_tp_gemms_match_torch(n):
+    proc = run(str(RANKS / "tp_gemm_check.py"), n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("(130, 64, 200) ok") == 2 * n  # fp16 and bf16, every rank
+    assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
+    assert proc.stdout.count("shapes differ across ranks (rank 0: [73, 32, 48") == n
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_mlp_training_on_fused_ops_matches_reference(n):
+    proc = run("examples/tp_mlp_training.py", n, env={"TILESCALE_TP_PLAN": "fused"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TP MLP training matches the single-process reference") == n
+
+
+KERNELS = {
+    "all_gather_push": lambda: tp_gemm.ag_push_kernel.__wrapped__(2, "bfloat16", 4096 * 1024, 4096 * 1024, 16),
+    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 2048, 3),
+    "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, 3),
+    "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, 3),
+    "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
+}
+
+
+def lower(name: str) -> str:
+    with build_options(world_size=2):
+        func = KERNELS[name]()
+    with tilelang.tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET).kernel_source
+
+
+@pytest.mark.timeout(120)
+def test_gemm_kernels_lower_to_wgmma_with_signals():
+    ag = lower("all_gather_gemm")
+    assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its segment, then tensor cores
+    rs = lower("gemm_reduce_scatter")
+    assert "wgmma" in rs and "tilescale::block_signal(" in rs and "recv__peers[" in rs
+    push = lower("all_gather_push")
+    assert "tilescale::grid_barrier(" in push and "gathered__peers[" in push
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_gemm_kernels_compile_for_sm90a(name, tmp_path):
+    source = tmp_path / f"{name}.cu"
+    source.write_text(lower(name))
+    proc = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"),
+         f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}", f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
+         "--expt-relaxed-constexpr", "-w", str(source)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A device-side call inside a GEMM kernel would serialise its wgmma pipeline.
+    assert "wgmma.mma_async instructions are serialized" not in proc.stderr
