@@ -1,0 +1,115 @@
+"""Fused tensor-parallel GEMMs vs the plans a user would pick instead, side by side.
+
+For each shape (M, K, N per rank, bf16): the GEMM alone (cuBLAS, no communication), NCCL +
+cuBLAS one after the other, torch async-TP (``torch.ops.symm_mem`` fused ops) where torch
+has the op, and tilescale's fused op. Every tilescale result is checked against the NCCL +
+cuBLAS one before timing.
+
+    tilescale run -n 2 benchmarks/tp_gemm.py            # the issue's shapes (2x H200)
+    tilescale run -n 2 --cpu benchmarks/tp_gemm.py --small
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from harness import Report, check_close, progress, time_fn
+
+import tilescale as ts
+
+AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
+RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
+AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
+SMALL = {"ag": [(64, 96, 80)], "rs": [(128, 64, 96)], "ar": [(16, 64, 96)]}
+
+
+def _torch_async_tp(op: str, a: torch.Tensor, weight: torch.Tensor):
+    """torch's fused op as a callable, or None with the reason when this torch lacks it."""
+    if ts.device().type != "cuda":
+        return None, "CUDA only"
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    if op == "ag":
+        shard = symm_mem.empty(a.shape, dtype=a.dtype, device=a.device)
+        shard.copy_(a)
+        b = weight.T.contiguous()
+        return (lambda: torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, group)[1][0]), ""
+    if op == "rs":
+        b = weight.T.contiguous()
+        return (lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)), ""
+    return None, "no fused GEMM + all-reduce in torch"
+
+
+def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
+    world = ts.world_size()
+    if op == "ag":
+        gathered = torch.empty(world * a.shape[0], a.shape[1], dtype=a.dtype, device=a.device)
+
+        def unfused():
+            dist.all_gather_into_tensor(gathered, a)
+            return gathered @ weight.T
+
+        alone = lambda: gathered @ weight.T  # noqa: E731
+        fused = lambda: ts.ops.all_gather_gemm(a, weight, plan="fused")  # noqa: E731
+    elif op == "rs":
+        out = torch.empty(a.shape[0] // world, weight.shape[0], dtype=a.dtype, device=a.device)
+
+        def unfused():
+            dist.reduce_scatter_tensor(out, a @ weight.T)
+            return out
+
+        alone = lambda: a @ weight.T  # noqa: E731
+        fused = lambda: ts.ops.gemm_reduce_scatter(a, weight, plan="fused")  # noqa: E731
+    else:
+        def unfused():
+            c = a @ weight.T
+            dist.all_reduce(c)
+            return c
+
+        alone = lambda: a @ weight.T  # noqa: E731
+        fused = lambda: ts.ops.gemm_all_reduce(a, weight, plan="fused")  # noqa: E731
+    return alone, unfused, fused
+
+
+def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
+    m, k, n = shape
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
+    a = torch.randn(m, k, device=ts.device(), generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    alone, unfused, fused = _plans(op, a, weight)
+    expected = unfused().clone()
+    check_close(f"{op} {shape}", fused(), expected, rtol=2e-2, atol=2e-2)
+    row = {"op": op, "M": m, "K": k, "N": n}
+    timings = {"gemm_alone": alone, "nccl_cublas": unfused, "tilescale_fused": fused}
+    async_tp, why = _torch_async_tp(op, a, weight)
+    if async_tp is not None:
+        check_close(f"{op} {shape} torch async-TP", async_tp(), expected, rtol=2e-2, atol=2e-2)
+        timings["torch_async_tp"] = async_tp
+    else:
+        row["torch_async_tp"] = f"n/a ({why})"
+    for name, fn in timings.items():
+        row[f"{name}_ms"] = time_fn(fn, iters=iters, barrier=dist.barrier).median_ms
+    row["fused_vs_gemm_alone"] = row["tilescale_fused_ms"] / row["gemm_alone_ms"]
+    row["speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU path)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    ts.init()
+    shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
+    report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
+                                        "tilescale_fused_ms", "fused_vs_gemm_alone", "speedup_vs_nccl_cublas"])
+    for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
+        report.add(measure(op, shape, args.iters))
+    report.print_table()
+    report.save()
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
