@@ -73,7 +73,26 @@ def _full_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor
     return (torch.rand(out_features, in_features, generator=g) * 2 - 1) * bound
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """``y = x @ W.T`` with this rank's shard of W (split along ``shard_dim``) and a fused op."""
+
+    shard_dim: int
+    function: type[torch.autograd.Function]
+
+    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
+                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
+        super().__init__()
+        full = weight if weight is not None else _full_weight(out_features, in_features, seed)
+        if tuple(full.shape) != (out_features, in_features):
+            raise ValueError(f"weight must be ({out_features}, {in_features}), got {tuple(full.shape)}")
+        shard = _shard_rows(full, self.shard_dim).to(dtype=dtype, device=device or runtime.device())
+        self.weight = nn.Parameter(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x, self.weight)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x @ W.T`` with W split by output features; input rows sharded, output columns sharded.
 
     Example::
@@ -82,20 +101,11 @@ class ColumnParallelLinear(nn.Module):
         y = layer(x_rows)         # (world * rows, 4096 // world)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
-        super().__init__()
-        full = weight if weight is not None else _full_weight(out_features, in_features, seed)
-        if tuple(full.shape) != (out_features, in_features):
-            raise ValueError(f"weight must be ({out_features}, {in_features}), got {tuple(full.shape)}")
-        shard = _shard_rows(full, 0).to(dtype=dtype, device=device or runtime.device())
-        self.weight = nn.Parameter(shard)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ColumnParallel.apply(x, self.weight)
+    shard_dim = 0
+    function = _ColumnParallel
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``y = x @ W.T`` with W split by input features; input columns sharded, output rows sharded.
 
     Example::
@@ -104,17 +114,8 @@ class RowParallelLinear(nn.Module):
         y = layer(h)              # h: (M, 4096 // world) -> y: (M // world, 1024)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
-        super().__init__()
-        full = weight if weight is not None else _full_weight(out_features, in_features, seed)
-        if tuple(full.shape) != (out_features, in_features):
-            raise ValueError(f"weight must be ({out_features}, {in_features}), got {tuple(full.shape)}")
-        shard = _shard_rows(full, 1).to(dtype=dtype, device=device or runtime.device())
-        self.weight = nn.Parameter(shard)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RowParallel.apply(x, self.weight)
+    shard_dim = 1
+    function = _RowParallel
 
 
 class TensorParallelMLP(nn.Module):
