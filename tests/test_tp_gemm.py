@@ -40,7 +40,7 @@ def test_fused_tp_gemms_match_torch(n):
 def test_tp_mlp_training_on_fused_ops_matches_reference(n):
     proc = run("examples/tp_mlp_training.py", n, env={"TILESCALE_TP_PLAN": "fused"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("TP MLP training matches the single-process reference") == n
+    assert proc.stdout.count("TP MLP training correct: matches the single-process reference") == n
 
 
 KERNELS = {

@@ -1,6 +1,7 @@
 """Library kernels written in the tilescale language, with torch tensors in and out."""
 
 from tilescale.ops.collectives import all_gather, all_reduce, reduce_scatter
+from tilescale.ops.moe import moe_combine, moe_dispatch
 from tilescale.ops.p2p import get, put
 from tilescale.ops.tp_gemm import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
@@ -11,6 +12,8 @@ __all__ = [
     "gemm_all_reduce",
     "gemm_reduce_scatter",
     "get",
+    "moe_combine",
+    "moe_dispatch",
     "put",
     "reduce_scatter",
 ]
