@@ -56,3 +56,22 @@ def test_kernels_lower_and_compile(name, tmp_path):
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
+    from tilescale.ops.grouped_gemm import grouped_gemm_kernel
+
+    src = lower(grouped_gemm_kernel.__wrapped__(8, 1024, 7168, 2048, "bfloat16"))
+    assert "wgmma" in src and "counts[" in src  # tensor cores; empty row tiles skipped by count
+    source = tmp_path / "grouped.cu"
+    source.write_text(src)
+    proc = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "grouped.cubin"),
+         f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}", f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
+         "--expt-relaxed-constexpr", "-w", str(source)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Torch modules built on tilescale's fused tensor-parallel operations."""
 
+from tilescale.nn.moe import ExpertParallelMoE
 from tilescale.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP"]
+__all__ = ["ColumnParallelLinear", "ExpertParallelMoE", "RowParallelLinear", "TensorParallelMLP"]

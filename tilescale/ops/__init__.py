@@ -1,6 +1,7 @@
 """Library kernels written in the tilescale language, with torch tensors in and out."""
 
 from tilescale.ops.collectives import all_gather, all_reduce, reduce_scatter
+from tilescale.ops.grouped_gemm import grouped_gemm
 from tilescale.ops.moe import moe_combine, moe_dispatch
 from tilescale.ops.p2p import get, put
 from tilescale.ops.tp_gemm import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
@@ -12,6 +13,7 @@ __all__ = [
     "gemm_all_reduce",
     "gemm_reduce_scatter",
     "get",
+    "grouped_gemm",
     "moe_combine",
     "moe_dispatch",
     "put",

@@ -33,6 +33,14 @@ from tilescale.jit import jit
 from tilescale.ops._common import check_input, sm_count, tl_dtype
 from tilescale.symmetric import zeros
 
+# The grouped rows of each expert are padded to a whole number of GEMM row tiles.
+CAPACITY_ALIGN = 128
+
+
+def capacity(tokens: int) -> int:
+    """Rows per local expert in ``moe_dispatch``'s output: every token of every rank, rounded up."""
+    return -(-runtime.world_size() * tokens // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
 
 @jit
 def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str, sms: int):
@@ -157,8 +165,9 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_weights, num_experts=64)
         # recv_x[l, :counts[l]] are the tokens of local expert l; recv_w their routing weights
 
-    Shapes: ``recv_x`` (local_experts, world * tokens, hidden), ``recv_w`` (local_experts,
-    world * tokens), ``counts`` (local_experts,). Every rank passes the same number of
+    Shapes: ``recv_x`` (local_experts, capacity, hidden), ``recv_w`` (local_experts,
+    capacity), ``counts`` (local_experts,), with ``capacity(tokens)`` rows per expert (every
+    token of every rank could pick it, so nothing overflows). Every rank passes the same number of
     tokens (pad with tokens routed nowhere... or anywhere and weighted 0).
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
@@ -196,14 +205,14 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     weight.index_put_((rows, experts), buf.w.view(-1, topk)[hits.view(-1, topk)], accumulate=True)
     position = torch.cumsum(onehot, dim=0) - 1  # (world * tokens, local experts)
     counts = onehot.sum(0)
-    capacity = world * tokens
-    expert_rows = torch.full((per_rank, capacity), -1, dtype=torch.long, device=dev)
+    rows_per_expert = capacity(tokens)
+    expert_rows = torch.full((per_rank, rows_per_expert), -1, dtype=torch.long, device=dev)
     taken = onehot > 0
     flat_rows = torch.arange(world * tokens, device=dev)[:, None].expand(-1, per_rank)[taken]
     flat_experts = torch.arange(per_rank, device=dev)[None, :].expand(world * tokens, -1)[taken]
     expert_rows[flat_experts, position[taken]] = flat_rows
-    recv_x = torch.zeros(per_rank, capacity, hidden, dtype=x.dtype, device=dev)
-    recv_w = torch.zeros(per_rank, capacity, dtype=torch.float32, device=dev)
+    recv_x = torch.zeros(per_rank, rows_per_expert, hidden, dtype=x.dtype, device=dev)
+    recv_w = torch.zeros(per_rank, rows_per_expert, dtype=torch.float32, device=dev)
     valid = expert_rows >= 0
     recv_x[valid] = buf.x.view(-1, hidden)[expert_rows[valid]]
     recv_w[valid] = weight[expert_rows[valid], torch.nonzero(valid)[:, 0]]
@@ -224,9 +233,9 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
     check_input(expert_out, "expert_out")
     world = runtime.world_size()
     tokens = handle.tokens
-    per_rank, capacity, hidden = expert_out.shape
-    if per_rank != handle.experts_per_rank or capacity != world * tokens:
-        raise ValueError(f"expert_out must be ({handle.experts_per_rank}, {world * tokens}, hidden), "
+    per_rank, rows_per_expert, hidden = expert_out.shape
+    if per_rank != handle.experts_per_rank or rows_per_expert != capacity(tokens):
+        raise ValueError(f"expert_out must be ({handle.experts_per_rank}, {capacity(tokens)}, hidden), "
                          f"got {tuple(expert_out.shape)}")
     buf = _buffers_for(tokens, hidden, handle.recv_idx.shape[2], expert_out.dtype)
     valid = handle.expert_rows >= 0
