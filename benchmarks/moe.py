@@ -1,0 +1,118 @@
+"""MoE dispatch and combine: tilescale vs the all_to_all_single pipeline a PyTorch user writes.
+
+Baseline, per direction: permute rows by destination rank (one row per token and
+destination rank, as tilescale sends), exchange the counts (``all_to_all_single`` on the
+counts, then a host read of the split sizes), exchange rows and routing metadata with
+``all_to_all_single``, and on the way back sum each token's rows. The baseline does not
+group rows by local expert, which tilescale's dispatch does: it is favoured.
+Bandwidth counts as DeepEP counts it: bytes of token rows received / time.
+
+    tilescale run -n 2 benchmarks/moe.py                  # DeepEP's size and a decode batch
+    tilescale run -n 2 --cpu benchmarks/moe.py --small
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from harness import Report, check_close, time_fn
+
+import tilescale as ts
+
+CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
+SMALL = {"normal": (64, 96, 4, 16), "low-latency": (8, 96, 4, 16)}
+
+
+def routing(tokens: int, num_experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
+    scores = torch.rand(tokens, num_experts, device=ts.device(), generator=g)
+    weights, experts = scores.topk(topk, dim=1)
+    return experts, weights
+
+
+class AllToAllBaseline:
+    """Dispatch and combine with torch.distributed.all_to_all_single."""
+
+    def __init__(self, experts: torch.Tensor, weights: torch.Tensor, num_experts: int):
+        world = ts.world_size()
+        tokens = experts.shape[0]
+        per_rank = num_experts // world
+        goes = torch.zeros(tokens, world, dtype=torch.bool, device=experts.device)
+        goes.scatter_(1, experts // per_rank, True)
+        self.dest, self.token = goes.T.nonzero(as_tuple=True)  # sorted by destination rank
+        self.send_counts = goes.sum(0)
+        self.experts, self.weights = experts, weights
+
+    def dispatch(self, x: torch.Tensor):
+        recv_counts = torch.empty_like(self.send_counts)
+        dist.all_to_all_single(recv_counts, self.send_counts)
+        send_splits, recv_splits = self.send_counts.tolist(), recv_counts.tolist()
+        rows = x[self.token]
+        received = x.new_empty(sum(recv_splits), x.shape[1])
+        dist.all_to_all_single(received, rows, recv_splits, send_splits)
+        meta = torch.cat([self.experts[self.token].float(), self.weights[self.token]], dim=1)
+        recv_meta = meta.new_empty(sum(recv_splits), meta.shape[1])
+        dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits)
+        self.splits = (send_splits, recv_splits)
+        return received, recv_meta
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        send_splits, recv_splits = self.splits
+        back = rows.new_empty(sum(send_splits), rows.shape[1])
+        dist.all_to_all_single(back, rows, send_splits, recv_splits)
+        out = torch.zeros(self.experts.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
+        out.index_add_(0, self.token, back.float())
+        return out.to(rows.dtype)
+
+
+def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, iters: int) -> dict:
+    experts, weights = routing(tokens, num_experts, topk)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    baseline = AllToAllBaseline(experts, weights, num_experts)
+
+    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, experts, weights, num_experts)
+    received, meta = baseline.dispatch(x)
+    # The same rows arrive, in other orders, and grouped by expert tilescale repeats a row
+    # for each local expert it goes to: compare the sorted row sums of the distinct rows.
+    valid = handle.expert_rows >= 0
+    distinct, which = torch.unique(handle.expert_rows[valid], return_inverse=True)
+    ours = torch.zeros(len(distinct), device=x.device).scatter_(0, which, recv_x[valid].float().sum(1))
+    check_close(f"{case} dispatch", ours.sort().values, received.float().sum(1).sort().values,
+                rtol=1e-3, atol=1e-3)
+    # Identity experts: each token comes back as x times the sum of its routing weights.
+    per_rank = num_experts // ts.world_size()
+    local = (meta[:, :topk].long() // per_rank) == ts.rank()
+    weighted = (received.float() * (meta[:, topk:] * local).sum(1, keepdim=True)).to(received.dtype)
+    combined = ts.ops.moe_combine(recv_x, recv_w, handle)
+    check_close(f"{case} combine", combined, baseline.combine(weighted), rtol=2e-2, atol=2e-2)
+
+    t_disp = time_fn(lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts), iters=iters, barrier=dist.barrier)
+    t_comb = time_fn(lambda: ts.ops.moe_combine(recv_x, recv_w, handle), iters=iters, barrier=dist.barrier)
+    b_disp = time_fn(lambda: baseline.dispatch(x), iters=iters, barrier=dist.barrier)
+    b_comb = time_fn(lambda: baseline.combine(weighted), iters=iters, barrier=dist.barrier)
+    nbytes = received.shape[0] * hidden * 2
+    return {
+        "case": case, "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
+        "dispatch_us": t_disp.median_ms * 1e3, "a2a_dispatch_us": b_disp.median_ms * 1e3,
+        "combine_us": t_comb.median_ms * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
+        "dispatch_GBps": nbytes / t_disp.median_ms / 1e6, "combine_GBps": nbytes / t_comb.median_ms / 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    ts.init()
+    report = Report("moe", columns=["case", "tokens", "hidden", "topk", "experts", "dispatch_us", "a2a_dispatch_us",
+                                    "combine_us", "a2a_combine_us", "dispatch_GBps", "combine_GBps"])
+    for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
+        report.add(measure(case, tokens, hidden, topk, experts, args.iters))
+    report.print_table()
+    report.save()
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
