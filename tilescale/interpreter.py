@@ -675,7 +675,7 @@ class CpuKernel:
         key = f"cpu-waits/{rt.group.rank}"
         with launch.lock:
             store.set(key, what)
-        start, timeout = time.monotonic(), rt.wait_timeout_ns() / 1e9
+        start, timeout = time.monotonic(), rt.wait_timeout_ns / 1e9
         try:
             while not done():
                 if launch.failed.is_set():

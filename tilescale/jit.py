@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import tilelang
@@ -38,7 +39,7 @@ from tilescale.language.scale import (
     TIMEOUT_PARAM,
     build_options,
 )
-from tilescale.symmetric import is_symmetric, peer_ptrs
+from tilescale.symmetric import peer_ptrs
 
 
 def _grid_blocks(func: tirx.PrimFunc) -> int | None:
@@ -113,16 +114,9 @@ class DistributedKernel:
         """The generated device source (CUDA C++ for GPU targets)."""
         return self.kernel.get_kernel_source()
 
-    def _runtime_values(self, rt: runtime.Runtime) -> dict[str, Any]:
-        return {
-            RANK_PARAM: rt.group.rank,
-            STATUS_PARAM: rt.wait_status.data_ptr(),
-            TIMEOUT_PARAM: rt.wait_timeout_ns(),
-            SYNC_TABLE_PARAM: peer_ptrs(rt.sync_workspace),
-        }
-
-    def _check_launch(self, rt: runtime.Runtime) -> None:
-        """Checks that hold for every call in this job: done at its first call."""
+    def _check_launch(self, rt: runtime.Runtime) -> list[Any]:
+        """Checks that hold for every call in this job, done at its first call; returns the
+        hidden arguments, with the index of the user argument where a peer table goes."""
         if self.world_size is not None and self.world_size != rt.group.world_size:
             raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
         if SYNC_TABLE_PARAM in self.hidden and rt.device.type == "cuda" and self.grid_blocks is not None:
@@ -132,6 +126,14 @@ class DistributedKernel:
                     f"this kernel uses T.barrier() across {self.grid_blocks} blocks, but only {sms} are "
                     "guaranteed to be resident at once on this GPU; use at most one block per SM"
                 )
+        fixed = {
+            RANK_PARAM: rt.group.rank,
+            STATUS_PARAM: rt.wait_status.data_ptr(),
+            TIMEOUT_PARAM: rt.wait_timeout_ns,
+            SYNC_TABLE_PARAM: peer_ptrs(rt.sync_workspace),
+        }
+        return [fixed[name] if name in fixed else _TableOf(self.inputs.index(arg))
+                for name, arg in self.hidden.items()]
 
     def __call__(self, *args: Any) -> Any:
         if not self.hidden:
@@ -141,23 +143,27 @@ class DistributedKernel:
         if len(args) != len(self.inputs):
             raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
         if self._checked_for is not rt:
-            self._check_launch(rt)
+            self._hidden_args = self._check_launch(rt)
             self._checked_for = rt
-        values = self._runtime_values(rt)
-        hidden = []
-        for name, arg_name in self.hidden.items():
-            if name in values:
-                hidden.append(values[name])
-                continue
-            tensor = args[self.inputs.index(arg_name)]
-            if not is_symmetric(tensor):
-                raise TypeError(
-                    f"argument '{arg_name}' is accessed on other ranks by this kernel, so it must be a "
-                    "symmetric tensor (allocate it with tilescale.empty/zeros)"
-                )
-            hidden.append(peer_ptrs(tensor))
+        hidden = [self._table(args, h.index) if isinstance(h, _TableOf) else h for h in self._hidden_args]
         rt.last_kernel_args = (self.inputs, args)
         return self.kernel(*args, *hidden)
+
+    def _table(self, args: tuple, index: int) -> torch.Tensor:
+        try:
+            return peer_ptrs(args[index])
+        except TypeError:
+            raise TypeError(
+                f"argument '{self.inputs[index]}' is accessed on other ranks by this kernel, so it must be a "
+                "symmetric tensor (allocate it with tilescale.empty/zeros)"
+            ) from None
+
+
+@dataclass(frozen=True)
+class _TableOf:
+    """A hidden argument that is the peer table of user argument ``index``."""
+
+    index: int
 
 
 def _runs_on_cpu(compile_kwargs: dict) -> bool:
@@ -210,17 +216,19 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
         if isinstance(factory, tirx.PrimFunc):
             return DistributedKernel(factory, out_idx, **compile_kwargs)
 
-        @functools.cache
-        def compiled(args: tuple, frozen_kwargs: tuple, world: int | None) -> DistributedKernel:
-            func = _build(factory, args, dict(frozen_kwargs), world, _runs_on_cpu(compile_kwargs))
-            return DistributedKernel(func, out_idx, **compile_kwargs)
+        compiled: dict[tuple, DistributedKernel] = {}
 
         @functools.wraps(factory)
         def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:
             world = runtime.world_size() if runtime.is_initialized() else None
-            return compiled(args, tuple(sorted(kwargs.items())), world)
+            key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world)
+            kernel = compiled.get(key)
+            if kernel is None:
+                func = _build(factory, args, kwargs, world, _runs_on_cpu(compile_kwargs))
+                kernel = compiled[key] = DistributedKernel(func, out_idx, **compile_kwargs)
+            return kernel
 
-        get_kernel.cache_clear = compiled.cache_clear
+        get_kernel.cache_clear = compiled.clear
         return get_kernel
 
     return wrap(func) if func is not None else wrap

@@ -43,6 +43,12 @@ class Runtime:
     # Where device-side waits report a timeout: host memory the GPU writes directly (pinned,
     # mapped through UVA), so the host reads it without synchronising. See tilescale.language.sync.
     wait_status: torch.Tensor
+    # Bound of every device-side wait, in ns (TILESCALE_WAIT_TIMEOUT_S when init ran, default 60 s).
+    wait_timeout_ns: int = 60_000_000_000
+    # Symmetric counters of T.barrier() (see tilescale.language.sync), set by init.
+    sync_workspace: torch.Tensor | None = None
+    # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
+    last_kernel_args: tuple[list[str], tuple] = ([], ())
 
     @property
     def wait_status_view(self):
@@ -50,14 +56,7 @@ class Runtime:
         if not hasattr(self, "_status_np"):
             self._status_np = self.wait_status.numpy()
         return self._status_np
-    # Symmetric counters of T.barrier() (see tilescale.language.sync), set by init.
-    sync_workspace: torch.Tensor | None = None
-    # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
-    last_kernel_args: tuple[list[str], tuple] = ([], ())
 
-    def wait_timeout_ns(self) -> int:
-        """Bound of every device-side wait, from ``TILESCALE_WAIT_TIMEOUT_S`` (default 60 s)."""
-        return int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9)
 
 
 _runtime: Runtime | None = None
@@ -180,7 +179,8 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
                            _job_id(store, env.rank, timeout_s))
         status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status)
+        _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
+                           int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9))
         # Allocated now, while every rank is known to be here, rather than collectively inside
         # the first barrier kernel's launch, where a rank that failed earlier would stall it.
         from tilescale.symmetric import zeros
@@ -242,7 +242,7 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
         values = rt.wait_status.tolist()
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
         name = (name_address or _name_in_last_kernel)(record["address"])
-        raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns() / 1e9))
+        raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9))
 
 
 def _name_in_last_kernel(address: int) -> str | None:
