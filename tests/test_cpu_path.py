@@ -184,3 +184,10 @@ def test_ops_match_torch_distributed(n):
     proc = run(str(RANKS / "ops_check.py"), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("OPS-OK") == n
+
+
+@pytest.mark.timeout(120)
+def test_single_gpu_tilelang_programs_run_unchanged():
+    proc = subprocess.run([sys.executable, str(RANKS / "tilelang_programs.py")], capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)
+    assert "SINGLE-GPU-PROGRAMS-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
