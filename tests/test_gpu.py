@@ -28,7 +28,8 @@ def run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("example", ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("example", ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter",
+                                     "tp_mlp_training", "moe_layer"])
 def test_example(example):
     proc = run(f"examples/{example}.py", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,3 +56,12 @@ def test_non_symmetric_argument_is_refused():
     proc = run(str(RANKS / "non_symmetric_arg.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("TypeError: argument 'B' is accessed on other ranks") == 2
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("program", "marker", "count"),
+                         [("ops_check", "OPS-OK", 2), ("tp_gemm_check", " ok", 8), ("moe_check", "MOE-OK", 8)])
+def test_rank_programs_of_the_cpu_suite_pass_on_gpus(program, marker, count):
+    proc = run(str(RANKS / f"{program}.py"), timeout=550)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(marker) >= count

@@ -6,12 +6,13 @@ import torch.distributed as dist
 import tilescale as ts
 
 ts.init()
+torch.set_default_device(ts.device())  # the same program checks the GPU path
 rank, world = ts.rank(), ts.world_size()
 per_rank = 4
 num_experts = per_rank * world
 hidden = 40
 for case, (tokens, topk) in enumerate([(13, 1), (29, 2), (17, 8 if num_experts >= 8 else 2), (11, 2)]):
-    g = torch.Generator().manual_seed(100 * case + rank)
+    g = torch.Generator(device=ts.device()).manual_seed(100 * case + rank)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     scores = torch.rand(tokens, num_experts, generator=g)
     if case == 3:  # skewed: every token goes to rank 0's experts only; other ranks receive nothing

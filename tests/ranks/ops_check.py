@@ -6,8 +6,9 @@ import torch.distributed as dist
 import tilescale as ts
 
 ts.init()
+torch.set_default_device(ts.device())  # the same program checks the GPU path
 rank, world = ts.rank(), ts.world_size()
-gen = torch.Generator().manual_seed(rank)
+gen = torch.Generator(device=ts.device()).manual_seed(rank)
 checked = 0
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     tol = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

@@ -6,8 +6,9 @@ import torch.distributed as dist
 import tilescale as ts
 
 ts.init()
+torch.set_default_device(ts.device())  # the same program checks the GPU path
 rank, world = ts.rank(), ts.world_size()
-g = torch.Generator().manual_seed(rank)
+g = torch.Generator(device=ts.device()).manual_seed(rank)
 for dtype in (torch.float16, torch.bfloat16):
     for (m, k, n) in [(64, 96, 80), (130, 64, 200)]:
         a = torch.randn(m, k, generator=g).to(dtype)
