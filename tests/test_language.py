@@ -15,7 +15,6 @@ import keyword
 import os
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import tilelang
-import tilelang.env
 import tilelang.language as TL
+from cuda_build import TARGET, lower_cuda, needs_nvcc, nvcc
 from tvm import tirx
 
 import tilescale.language as T
@@ -39,7 +37,6 @@ from tilescale.ops.collectives import all_gather_kernel, reduce_kernel
 from tilescale.ops.p2p import DEFAULT_PLAN, CopyPlan, transfer_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 SCALARS = ("ts_rank", "ts_status", "ts_timeout_ns")
 SYSTEM_SCOPE_PTX = (
     "red.release.sys.global.add.s32",
@@ -49,13 +46,7 @@ SYSTEM_SCOPE_PTX = (
     "cp.async.bulk.wait_group 0",
     "%globaltimer",
 )
-NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-needs_nvcc = pytest.mark.skipif(not os.access(NVCC, os.X_OK), reason="needs nvcc (CUDA toolkit)")
-
-
-def lower(func: tirx.PrimFunc) -> str:
-    with tilelang.tvm.target.Target(TARGET):
-        return tilelang.lower(func, target=TARGET).kernel_source
+lower = lower_cuda
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -468,14 +459,6 @@ def test_single_gpu_program_builds_without_init_or_build_options(monkeypatch):
 
 
 # --- 3. nvcc compiles the generated sources --------------------------------------------------------
-
-
-def nvcc(src: str, out: Path, kind: str = "cubin") -> subprocess.CompletedProcess:
-    cu = out.with_suffix(".cu")
-    cu.write_text(src)
-    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", f"-{kind}", "-o", str(out), f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}",
-           f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16", "--expt-relaxed-constexpr", "-w", str(cu)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 
 @needs_nvcc

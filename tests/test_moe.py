@@ -1,20 +1,17 @@
 """MoE dispatch/combine: CPU path with 2 and 4 ranks against a reference; CUDA lowering and nvcc."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import tilelang
-import tilelang.env
+from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import moe
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
 @pytest.mark.timeout(300)
@@ -31,47 +28,28 @@ def test_dispatch_combine_match_reference(n):
     assert proc.stdout.count("ValueError: moe_dispatch: rank 0: expert ids must be in") == n
 
 
-def lower(kernel) -> str:
-    with tilelang.tvm.target.Target(TARGET):
-        return tilelang.lower(kernel, target=TARGET).kernel_source
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("name", ["dispatch", "combine"])
 def test_kernels_lower_and_compile(name, tmp_path):
     with build_options(world_size=4):
         func = (moe.dispatch_kernel.__wrapped__(4, 4096, 7168, 8, "bfloat16", 132) if name == "dispatch"
                 else moe.combine_kernel.__wrapped__(4, 4096, 7168, "bfloat16", 132))
-    src = lower(func)
+    src = lower_cuda(func)
     assert src.count("tilescale::grid_barrier(") == 2  # the barriers around the exchange
     assert "uint4" in src  # rows move as 16-byte vectors
-    source = tmp_path / f"{name}.cu"
-    source.write_text(src)
-    proc = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"),
-         f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}", f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
-         "--expt-relaxed-constexpr", "-w", str(source)],
-        capture_output=True, text=True, timeout=280,
-    )
+    proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
     from tilescale.ops.grouped_gemm import grouped_gemm_kernel
 
-    src = lower(grouped_gemm_kernel.__wrapped__(8, 1024, 7168, 2048, "bfloat16"))
+    src = lower_cuda(grouped_gemm_kernel.__wrapped__(8, 1024, 7168, 2048, "bfloat16"))
     assert "wgmma" in src and "counts[" in src  # tensor cores; empty row tiles skipped by count
-    source = tmp_path / "grouped.cu"
-    source.write_text(src)
-    proc = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "grouped.cubin"),
-         f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}", f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
-         "--expt-relaxed-constexpr", "-w", str(source)],
-        capture_output=True, text=True, timeout=280,
-    )
+    proc = nvcc(src, tmp_path / "grouped.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]

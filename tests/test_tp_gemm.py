@@ -1,21 +1,18 @@
 """Fused TP GEMMs and TP layers: CPU-path correctness with 2 and 4 ranks, CUDA lowering and nvcc."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import tilelang
-import tilelang.env
+from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "ranks"
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
 def run(script: str, n: int, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -54,9 +51,7 @@ KERNELS = {
 
 def lower(name: str) -> str:
     with build_options(world_size=2):
-        func = KERNELS[name]()
-    with tilelang.tvm.target.Target(TARGET):
-        return tilelang.lower(func, target=TARGET).kernel_source
+        return lower_cuda(KERNELS[name]())
 
 
 @pytest.mark.timeout(120)
@@ -71,17 +66,10 @@ def test_gemm_kernels_lower_to_wgmma_with_signals():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_gemm_kernels_compile_for_sm90a(name, tmp_path):
-    source = tmp_path / f"{name}.cu"
-    source.write_text(lower(name))
-    proc = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"),
-         f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}", f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
-         "--expt-relaxed-constexpr", "-w", str(source)],
-        capture_output=True, text=True, timeout=280,
-    )
+    proc = nvcc(lower(name), tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # A device-side call inside a GEMM kernel would serialise its wgmma pipeline.
     assert "wgmma.mma_async instructions are serialized" not in proc.stderr

@@ -319,14 +319,12 @@ class _Block:
             self._block_barrier()
 
     def _block_barrier(self) -> int:
-        while True:
-            try:
-                return self.launch.block_barrier.wait(timeout=0.2)
-            except threading.BrokenBarrierError:
-                raise _Abort() from None
-            except TimeoutError:
-                if self.launch.failed.is_set():
-                    raise _Abort() from None
+        # No timeout here: a timed-out threading.Barrier breaks for every thread. The bounded
+        # waits are the cross-rank spins; a failing block aborts this barrier for the others.
+        try:
+            return self.launch.block_barrier.wait()
+        except threading.BrokenBarrierError:
+            raise _Abort() from None
 
     def extern(self, name: str, args: list[Any]) -> None:
         if name == "tilescale::block_signal":
@@ -721,7 +719,8 @@ class CpuKernel:
             try:
                 run_block(b)
             except _Abort:
-                pass
+                if not launch.failed.is_set():  # never finish a launch silently short of blocks
+                    errors.append(RuntimeError(f"CPU path: block {b} stopped without an error being recorded"))
             except BaseException as err:  # reported by the launching thread
                 errors.append(err)
                 launch.failed.set()

@@ -1,0 +1,30 @@
+"""Lowering to CUDA and compiling with nvcc, for the tests that check generated code (no GPU needed)."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import tilelang
+import tilelang.env
+from tvm import tirx
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+needs_nvcc = pytest.mark.skipif(not os.access(NVCC, os.X_OK), reason="needs nvcc (CUDA toolkit)")
+
+
+def lower_cuda(func: tirx.PrimFunc) -> str:
+    """The CUDA source TileLang generates for ``func`` (sm_90a)."""
+    with tilelang.tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET).kernel_source
+
+
+def nvcc(src: str, out: Path, kind: str = "cubin") -> subprocess.CompletedProcess:
+    """Compile ``src`` for sm_90a into ``out`` (``kind``: cubin or ptx) with TileLang's headers."""
+    cu = out.with_suffix(".cu")
+    cu.write_text(src)
+    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", f"-{kind}", "-o", str(out), f"-I{tilelang.env.TILELANG_TEMPLATE_PATH}",
+           f"-I{tilelang.env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16", "--expt-relaxed-constexpr", "-w", str(cu)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=280)
