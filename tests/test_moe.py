@@ -22,7 +22,7 @@ def test_dispatch_combine_match_reference(n):
         capture_output=True, text=True, timeout=280, cwd=ROOT, env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("MOE-OK") == 4 * n  # topk 1, 2, 8 and a skewed routing, on every rank
+    assert proc.stdout.count("MOE-OK") == 7 * n  # topk 1/2/8, skewed routing, low-latency mode; every rank
     assert proc.stdout.count("received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0 receives
     # an out-of-range expert id on every rank is a ValueError on every rank, naming each rank
     assert proc.stdout.count("ValueError: moe_dispatch: rank 0: expert ids must be in") == n
@@ -31,15 +31,20 @@ def test_dispatch_combine_match_reference(n):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
+@pytest.mark.parametrize("low_latency", [False, True])
 @pytest.mark.parametrize("name", ["dispatch", "combine"])
-def test_kernels_lower_and_compile(name, tmp_path):
+def test_kernels_lower_and_compile(name, low_latency, tmp_path):
     with build_options(world_size=4):
-        func = (moe.dispatch_kernel.__wrapped__(4, 4096, 7168, 8, "bfloat16", 132) if name == "dispatch"
-                else moe.combine_kernel.__wrapped__(4, 4096, 7168, "bfloat16", 132))
+        func = (moe.dispatch_kernel.__wrapped__(4, 128, 7168, 8, "bfloat16", 132, low_latency) if name == "dispatch"
+                else moe.combine_kernel.__wrapped__(4, 128, 7168, "bfloat16", 132, low_latency))
     src = lower_cuda(func)
-    assert src.count("tilescale::grid_barrier(") == 2  # the barriers around the exchange
+    if low_latency:  # no device-wide barrier: per-source arrival counts instead
+        assert "tilescale::grid_barrier(" not in src
+        assert "tilescale::block_signal(" in src and "tilescale::block_wait(" in src
+    else:
+        assert src.count("tilescale::grid_barrier(") == 2  # the barriers around the exchange
     assert "uint4" in src  # rows move as 16-byte vectors
-    proc = nvcc(src, tmp_path / f"{name}.cubin")
+    proc = nvcc(src, tmp_path / f"{name}_{low_latency}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

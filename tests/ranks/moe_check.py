@@ -11,14 +11,15 @@ rank, world = ts.rank(), ts.world_size()
 per_rank = 4
 num_experts = per_rank * world
 hidden = 40
-for case, (tokens, topk) in enumerate([(13, 1), (29, 2), (17, 8 if num_experts >= 8 else 2), (11, 2)]):
+cases = [(13, 1, False), (29, 2, False), (17, 8, False), (11, 2, False), (13, 2, True), (9, 8, True), (13, 2, True)]
+for case, (tokens, topk, low_latency) in enumerate(cases):
     g = torch.Generator(device=ts.device()).manual_seed(100 * case + rank)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     scores = torch.rand(tokens, num_experts, generator=g)
     if case == 3:  # skewed: every token goes to rank 0's experts only; other ranks receive nothing
         scores[:, per_rank:] = -1
     topk_w, topk_idx = scores.topk(topk, dim=1)
-    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts)
+    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
 
     # Expert e multiplies by (e + 1): easy to check, different per expert.
     scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
@@ -37,7 +38,9 @@ for case, (tokens, topk) in enumerate([(13, 1), (29, 2), (17, 8 if num_experts >
     assert torch.equal(counts.long(), expected_counts), (case, counts, expected_counts)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
-    print(f"rank {rank}: case {case} tokens={tokens} topk={topk} received {int(counts.sum())} rows: MOE-OK", flush=True)
+    mode = "low-latency" if low_latency else "normal"
+    print(f"rank {rank}: case {case} ({mode}) tokens={tokens} topk={topk} received {int(counts.sum())} rows: MOE-OK",
+          flush=True)
 
 try:
     ts.ops.moe_dispatch(torch.randn(4, hidden), torch.full((4, 1), num_experts), torch.ones(4, 1), num_experts)

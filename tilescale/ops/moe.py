@@ -30,6 +30,7 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
+from tilescale.language.scale import current_context
 from tilescale.ops._common import check_input, sm_count, tl_dtype
 from tilescale.symmetric import zeros
 
@@ -42,9 +43,32 @@ def capacity(tokens: int) -> int:
     return -(-runtime.world_size() * tokens // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+@T.macro
+def _open(low_latency):
+    if not low_latency:
+        T.barrier()  # every rank is done with its receive buffers from the last call
+
+
+@T.macro
+def _close(low_latency, arrivals, arrived):
+    # The rank comes from the build context, not as an argument: a macro would bind it anew.
+    if low_latency:
+        # Each block tells every rank it is done; a rank waits only for what it receives.
+        for d in T.serial(current_context().world):
+            T.signal(arrivals[current_context().rank], 1, pe=d, op="add")
+        for src in T.serial(current_context().world):
+            T.wait(arrivals[src], "ge", arrived)
+    else:
+        T.barrier()  # everything sent has landed everywhere
+
+
 @jit
-def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str, sms: int):
-    """Put pair p's row of ``x`` (token ``token[p]``) into slot ``slot[p]`` of rank ``dest[p]``."""
+def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str, sms: int, low_latency: bool):
+    """Put pair p's row of ``x`` (token ``token[p]``) into slot ``slot[p]`` of rank ``dest[p]``.
+
+    ``low_latency``: no barriers; the receive buffers alternate between two sets from call to
+    call (so the opening barrier is not needed) and per-source arrival counts end the kernel.
+    """
     pairs = tokens * world
 
     @T.prim_func
@@ -53,10 +77,11 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
              dest: T.Tensor((pairs,), "int32"), slot: T.Tensor((pairs,), "int32"),
              send_counts: T.Tensor((world,), "int32"),
              recv_x: T.Tensor((world, tokens, hidden), dtype), recv_idx: T.Tensor((world, tokens, topk), "int32"),
-             recv_w: T.Tensor((world, tokens, topk), "float32"), recv_counts: T.Tensor((world,), "int32")):
+             recv_w: T.Tensor((world, tokens, topk), "float32"), recv_counts: T.Tensor((world,), "int32"),
+             arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
         with T.Kernel(T.min(pairs, sms), threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
-                T.barrier()  # every rank is done with its receive buffers from the last call
+                _open(low_latency)
                 for q in T.serial(T.ceildiv(pairs - bx, T.min(pairs, sms))):
                     p = bx + q * T.min(pairs, sms)
                     if dest[p] >= 0:
@@ -65,29 +90,30 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
                         T.copy(topk_w[token[p], 0:topk], recv_w[rank, slot[p], 0:topk], dst_pe=dest[p])
                 if bx < ranks:
                     T.copy(send_counts[bx:bx + 1], recv_counts[rank:rank + 1], dst_pe=bx)
-                T.barrier()  # everything sent has landed everywhere
+                _close(low_latency, arrivals, arrived)
 
     return main
 
 
 @jit
-def combine_kernel(world: int, tokens: int, hidden: int, dtype: str, sms: int):
+def combine_kernel(world: int, tokens: int, hidden: int, dtype: str, sms: int, low_latency: bool):
     """Put row ``j`` of ``partial[s]`` into slot ``j`` of rank ``s``'s ``back[rank]``, for j < counts[s]."""
     rows = world * tokens
 
     @T.prim_func
     def main(partial: T.Tensor((world, tokens, hidden), dtype), counts: T.Tensor((world,), "int32"),
-             back: T.Tensor((world, tokens, hidden), dtype)):
+             back: T.Tensor((world, tokens, hidden), dtype), arrivals: T.Tensor((world,), "int32"),
+             arrived: T.int32):
         with T.Kernel(T.min(rows, sms), threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
-                T.barrier()
+                _open(low_latency)
                 for q in T.serial(T.ceildiv(rows - bx, T.min(rows, sms))):
                     r = bx + q * T.min(rows, sms)
                     src = r // tokens
                     j = r % tokens
                     if j < counts[src]:
                         T.copy(partial[src, j, 0:hidden], back[rank, j, 0:hidden], dst_pe=src)
-                T.barrier()
+                _close(low_latency, arrivals, arrived)
 
     return main
 
@@ -105,6 +131,8 @@ class DispatchHandle:
     recv_w: torch.Tensor  # (world, tokens, topk) routing weights of the received rows
     expert_rows: torch.Tensor  # (local_experts, capacity): flat received row of each grouped row, -1 if none
     experts_per_rank: int
+    buffers: "_Buffers"  # the receive buffers this dispatch used (combine answers through the same set)
+    low_latency: bool
 
 
 @dataclass
@@ -116,19 +144,31 @@ class _Buffers:
     back: torch.Tensor
 
 
-_buffers: dict[tuple, _Buffers] = {}
+@dataclass
+class _Exchange:
+    """Receive buffers of one shape (two sets, alternated in low-latency mode) and arrival counts."""
+
+    sets: list[_Buffers]
+    dispatch_arrivals: torch.Tensor
+    combine_arrivals: torch.Tensor
+    low_latency_calls: int = 0
+    low_latency_combines: int = 0
 
 
-def _buffers_for(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Buffers:
+_exchanges: dict[tuple, _Exchange] = {}
+
+
+def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
     key = (tokens, hidden, topk, dtype)
-    if key not in _buffers:
+    if key not in _exchanges:
         world = runtime.world_size()
-        _buffers[key] = _Buffers(
+        sets = [_Buffers(
             zeros((world, tokens, hidden), dtype=dtype), zeros((world, tokens, topk), dtype=torch.int32),
             zeros((world, tokens, topk), dtype=torch.float32), zeros((world,), dtype=torch.int32),
             zeros((world, tokens, hidden), dtype=dtype),
-        )
-    return _buffers[key]
+        ) for _ in range(2)]
+        _exchanges[key] = _Exchange(sets, zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32))
+    return _exchanges[key]
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
@@ -156,8 +196,8 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         raise ValueError(f"moe_dispatch: ranks disagree ({detail}); pad every rank to the same token count")
 
 
-def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                 low_latency: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
     Example::
@@ -168,14 +208,25 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     Shapes: ``recv_x`` (local_experts, capacity, hidden), ``recv_w`` (local_experts,
     capacity), ``counts`` (local_experts,), with ``capacity(tokens)`` rows per expert (every
     token of every rank could pick it, so nothing overflows). Every rank passes the same number of
-    tokens (pad with tokens routed nowhere... or anywhere and weighted 0).
+    tokens (pad with tokens weighted 0).
+
+    ``low_latency=True`` (decode batches) drops the kernel's two device-wide barriers: the
+    receive buffers alternate between two sets, and each rank waits only until every other
+    rank's blocks have reported their rows sent. Every rank must pick the same mode, and a
+    low-latency handle must be combined before two more low-latency dispatches reuse its set.
+
+    One host synchronisation remains: the expert ids are range-checked on the host (a bad id
+    would make a remote copy land outside its buffer).
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
     world, rank = runtime.world_size(), runtime.rank()
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     per_rank = num_experts // world
-    buf = _buffers_for(tokens, hidden, topk, x.dtype)
+    ex = _exchange(tokens, hidden, topk, x.dtype)
+    if low_latency:
+        ex.low_latency_calls += 1
+    buf = ex.sets[ex.low_latency_calls % 2]
     dev = x.device
 
     # Layout: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
@@ -189,9 +240,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     slot = slots.T.reshape(-1).to(torch.int32)
     token = torch.arange(tokens, device=dev, dtype=torch.int32).repeat(world)
 
-    kernel = dispatch_kernel(world, tokens, hidden, topk, tl_dtype(x), sm_count())
+    sms = sm_count()
+    kernel = dispatch_kernel(world, tokens, hidden, topk, tl_dtype(x), sms, low_latency)
+    arrived = ex.low_latency_calls * min(world * tokens, sms)  # every block of every rank, every call
     kernel(x, topk_idx.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous(), token, dest, slot,
-           send_counts, buf.x, buf.idx, buf.w, buf.counts)
+           send_counts, buf.x, buf.idx, buf.w, buf.counts, ex.dispatch_arrivals, arrived)
 
     # Group received rows by local expert, in (source rank, slot) order.
     received = torch.arange(tokens, device=dev)[None, :] < buf.counts[:, None].long()  # (world, tokens)
@@ -216,7 +269,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     valid = expert_rows >= 0
     recv_x[valid] = buf.x.view(-1, hidden)[expert_rows[valid]]
     recv_w[valid] = weight[expert_rows[valid], torch.nonzero(valid)[:, 0]]
-    handle = DispatchHandle(tokens, dest, slot, token, buf.counts.clone(), buf.idx, buf.w, expert_rows, per_rank)
+    handle = DispatchHandle(tokens, dest, slot, token, buf.counts.clone(), buf.idx, buf.w, expert_rows, per_rank,
+                            buf, low_latency)
     return recv_x, recv_w, counts, handle
 
 
@@ -237,13 +291,19 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
     if per_rank != handle.experts_per_rank or rows_per_expert != capacity(tokens):
         raise ValueError(f"expert_out must be ({handle.experts_per_rank}, {capacity(tokens)}, hidden), "
                          f"got {tuple(expert_out.shape)}")
-    buf = _buffers_for(tokens, hidden, handle.recv_idx.shape[2], expert_out.dtype)
+    buf = handle.buffers
+    ex = _exchange(tokens, hidden, handle.recv_idx.shape[2], expert_out.dtype)
     valid = handle.expert_rows >= 0
     weighted = (expert_out.float() * recv_weights[:, :, None])[valid]
     partial = torch.zeros(world * tokens, hidden, dtype=torch.float32, device=expert_out.device)
     partial.index_add_(0, handle.expert_rows[valid], weighted)
     partial = partial.to(expert_out.dtype).view(world, tokens, hidden)
-    combine_kernel(world, tokens, hidden, tl_dtype(expert_out), sm_count())(partial, handle.recv_counts, buf.back)
+    sms = sm_count()
+    if handle.low_latency:
+        ex.low_latency_combines += 1
+    kernel = combine_kernel(world, tokens, hidden, tl_dtype(expert_out), sms, handle.low_latency)
+    arrived = ex.low_latency_combines * min(world * tokens, sms)
+    kernel(partial, handle.recv_counts, buf.back, ex.combine_arrivals, arrived)
     # Token t's rows come back from each destination rank r at slot[r * tokens + t].
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out.device)
     pairs = handle.dest >= 0
