@@ -49,9 +49,5 @@ class CommBackend(abc.ABC):
         Returns this rank's copy as a uint8 tensor and the allocation describing all copies.
         """
 
-    def can_reach(self, peer: int) -> bool:
-        """Whether this rank can load and store peer ``peer``'s symmetric memory directly."""
-        return 0 <= peer < self.group.world_size
-
     def finalize(self) -> None:
         """Release what the backend holds beyond its allocations."""

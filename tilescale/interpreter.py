@@ -491,16 +491,9 @@ class _Block:
             return self.env[e]
         if isinstance(e, tirx.BufferLoad):
             return self.load(e)
-        binary = {
-            tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
-            tirx.FloorDiv: _floordiv, tirx.FloorMod: _floormod, tirx.Div: _div, tirx.Mod: _floormod,
-            tirx.Min: _min, tirx.Max: _max, tirx.EQ: lambda a, b: a == b, tirx.NE: lambda a, b: a != b,
-            tirx.LT: lambda a, b: a < b, tirx.LE: lambda a, b: a <= b, tirx.GT: lambda a, b: a > b,
-            tirx.GE: lambda a, b: a >= b, tirx.And: _and, tirx.Or: _or,
-        }
-        for kind, fn in binary.items():
-            if isinstance(e, kind):
-                return fn(self.eval(e.a), self.eval(e.b))
+        binary = _BINARY.get(type(e))
+        if binary is not None:
+            return binary(self.eval(e.a), self.eval(e.b))
         if isinstance(e, tirx.Not):
             a = self.eval(e.a)
             return ~a if isinstance(a, torch.Tensor) else not a
@@ -582,6 +575,15 @@ def _cast(value: Any, dtype: str) -> Any:
     if dtype == "bool":
         return bool(value)
     return float(torch.tensor(value, dtype=_torch_dtype(dtype)))
+
+
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+    tirx.FloorDiv: _floordiv, tirx.FloorMod: _floormod, tirx.Div: _div, tirx.Mod: _floormod,
+    tirx.Min: _min, tirx.Max: _max, tirx.EQ: lambda a, b: a == b, tirx.NE: lambda a, b: a != b,
+    tirx.LT: lambda a, b: a < b, tirx.LE: lambda a, b: a <= b, tirx.GT: lambda a, b: a > b,
+    tirx.GE: lambda a, b: a >= b, tirx.And: _and, tirx.Or: _or,
+}
 
 
 class CpuKernel:

@@ -8,8 +8,7 @@ import torch
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, tl_dtype
-
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = 128, 128, 64, 3, 256
+from tilescale.ops._gemm import BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
 
 
 @jit
@@ -20,18 +19,11 @@ def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
     def main(x: T.Tensor((experts * rows, K), dtype), w: T.Tensor((experts * N, K), dtype),
              counts: T.Tensor((experts,), "int32"), out: T.Tensor((experts * rows, N), dtype)):
         with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, experts, threads=THREADS) as (bx, by, bz):
-            a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-            b = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
-            acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
             if by * BLOCK_M < counts[bz]:
-                T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
-                    T.copy(x[bz * rows + by * BLOCK_M, k * BLOCK_K], a)
-                    # A last, partial column tile reads the next expert's rows of w: the
-                    # columns they give fall past N and are cut off when stored.
-                    T.copy(w[bz * N + bx * BLOCK_N, k * BLOCK_K], b)
-                    T.gemm(a, b, acc, transpose_B=True)
-                T.copy(acc, out[bz * rows + by * BLOCK_M, bx * BLOCK_N])
+                row = bz * rows + by * BLOCK_M
+                # A last, partial column tile reads the next expert's rows of w: the columns
+                # they give fall past N and are cut off when stored.
+                gemm_tile(x, row, w, bz * N + bx * BLOCK_N, out, row, bx * BLOCK_N, K, dtype, STAGES)
 
     return main
 

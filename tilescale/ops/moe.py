@@ -215,8 +215,10 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     rank's blocks have reported their rows sent. Every rank must pick the same mode, and a
     low-latency handle must be combined before two more low-latency dispatches reuse its set.
 
-    One host synchronisation remains: the expert ids are range-checked on the host (a bad id
-    would make a remote copy land outside its buffer).
+    Two host round trips remain per call: the expert ids are range-checked on the host (a
+    bad id would make a remote copy land outside its buffer), and the ranks agree on shapes
+    and on any input error through the job's store, so bad input on one rank is a
+    ValueError on every rank rather than a hang.
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
     world, rank = runtime.world_size(), runtime.rank()

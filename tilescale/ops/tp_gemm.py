@@ -34,28 +34,13 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, sm_count, tl_dtype
+from tilescale.ops._gemm import BLOCK_K, BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
 from tilescale.symmetric import zeros
 
-# Output tile and K step of the GEMM kernels, and pipeline depth of their K loop.
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = 128, 128, 64, 3, 256
 # Blocks of the all-gather communication kernel (few: it must stay resident beside the GEMM).
 PUSH_BLOCKS = 16
 # Below this many output rows, overlapping cannot hide anything worth its synchronisation.
 FUSED_MIN_ROWS = 1024
-
-
-@T.macro
-def _gemm_tile(A, W, C, row, col, K, dtype, stages):
-    """C[row:row+BM, col:col+BN] = A[row:row+BM, :] @ W[col:col+BN, :].T, accumulated in fp32."""
-    a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-    w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
-    acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
-    T.clear(acc)
-    for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=stages):
-        T.copy(A[row, k * BLOCK_K], a)
-        T.copy(W[col, k * BLOCK_K], w)
-        T.gemm(a, w, acc, transpose_B=True)
-    T.copy(acc, C[row, col])
 
 
 @jit
@@ -92,8 +77,8 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
             with T.Scale("device") as (rank, ranks):
                 segment = (rank + by // m_tiles) % ranks
                 T.wait(flags[segment], "ge", arrived)
-                _gemm_tile(gathered, W, C, segment * padded_rows + (by % m_tiles) * BLOCK_M, bx * BLOCK_N, K,
-                           dtype, stages)
+                row = segment * padded_rows + (by % m_tiles) * BLOCK_M
+                gemm_tile(gathered, row, W, bx * BLOCK_N, C, row, bx * BLOCK_N, K, dtype, stages)
 
     return main
 
