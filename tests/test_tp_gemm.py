@@ -41,8 +41,7 @@ def test_tp_mlp_training_on_fused_ops_matches_reference(n):
 
 
 KERNELS = {
-    "all_gather_push": lambda: tp_gemm.ag_push_kernel.__wrapped__(2, "bfloat16", 4096 * 1024, 4096 * 1024, 16),
-    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 2048, 3),
+    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 3, 16),
     "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, 3),
     "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, 3),
     "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
@@ -58,10 +57,11 @@ def lower(name: str) -> str:
 def test_gemm_kernels_lower_to_wgmma_with_signals():
     ag = lower("all_gather_gemm")
     assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its segment, then tensor cores
+    assert "gathered_flat__peers[" in ag and "tilescale::block_signal(" in ag  # the pushers
+    assert "tilescale::grid_barrier(" not in ag  # double-buffered: no barrier between calls
     rs = lower("gemm_reduce_scatter")
     assert "wgmma" in rs and "tilescale::block_signal(" in rs and "recv__peers[" in rs
-    push = lower("all_gather_push")
-    assert "tilescale::grid_barrier(" in push and "gathered__peers[" in push
+    assert "tilescale::grid_barrier(" not in rs
 
 
 @pytest.mark.slow

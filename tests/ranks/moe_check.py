@@ -23,19 +23,28 @@ for case, (tokens, topk, low_latency) in enumerate(cases):
 
     # Expert e multiplies by (e + 1): easy to check, different per expert.
     scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
-    expert_out = (recv_x.float() * scale[:, None, None]).to(torch.bfloat16)
+    expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
     y = ts.ops.moe_combine(expert_out, recv_w, handle)
 
     everyone = [None] * world
-    dist.all_gather_object(everyone, (topk_idx, topk_w))
+    dist.all_gather_object(everyone, (topk_idx.cpu(), x.cpu()))
+    everyone_idx = [idx.to(ts.device()) for idx, _ in everyone]
+    everyone_x = [xs.to(ts.device()) for _, xs in everyone]
     expected_counts = torch.zeros(per_rank, dtype=torch.long)
-    for idx, _ in everyone:
+    for idx in everyone_idx:
         local = idx - rank * per_rank
         hit = (local >= 0) & (local < per_rank)
         for row, mask in zip(local, hit, strict=True):
             for e in set(row[mask].tolist()):
                 expected_counts[e] += 1
     assert torch.equal(counts.long(), expected_counts), (case, counts, expected_counts)
+    # Each expert's rows: its segment, starting on a 128-row tile, holding the rows sent to it.
+    for e in range(per_rank):
+        start, n = int(handle.offsets[e]), int(counts[e])
+        assert start % 128 == 0 and bool((handle.row_expert[start:start + n] == e).all()), (case, e)
+        got = recv_x[start:start + n].float().sum(1).sort().values
+        sent = torch.cat([xs[(idx == rank * per_rank + e).any(1)] for xs, idx in zip(everyone_x, everyone_idx, strict=True)])
+        torch.testing.assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
     mode = "low-latency" if low_latency else "normal"

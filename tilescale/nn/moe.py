@@ -51,6 +51,6 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         recv_x, recv_w, counts, handle = ops.moe_dispatch(x, experts, weights, self.num_experts)
-        h = nn.functional.gelu(ops.grouped_gemm(recv_x, self.w1, counts).float()).to(x.dtype)
-        out = ops.grouped_gemm(h, self.w2, counts)
+        h = nn.functional.gelu(ops.grouped_gemm(recv_x, self.w1, handle.row_expert).float()).to(x.dtype)
+        out = ops.grouped_gemm(h, self.w2, handle.row_expert)
         return ops.moe_combine(out, recv_w, handle)

@@ -19,6 +19,7 @@ TORCH_TO_TL = {
 }
 
 _workspaces: dict[tuple, torch.Tensor] = {}
+_verified: set[tuple] = set()
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -74,3 +75,21 @@ def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
     staged = workspace(key, t.numel(), t.dtype)
     staged.copy_(t.reshape(-1))
     return staged
+
+
+def check_same_across_ranks(what: str, value: list) -> None:
+    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip).
+
+    A later call in which one rank alone switches to a new shape is still caught, by the
+    bounded waits (TimeoutError naming the rank, or WaitTimeoutError), not by this check.
+    """
+    key = (what, *value)
+    if key in _verified:
+        return
+    rt = runtime.current()
+    values = rt.group.exchange(rt.group.next_tag(what), value)
+    _verified.add(key)
+    if any(v != value for v in values):
+        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        _verified.discard(key)
+        raise ValueError(f"{what}: shapes differ across ranks ({detail})")

@@ -10,14 +10,17 @@ Dispatch:
    senders never need the receivers' offsets).
 2. ``dispatch_kernel`` (tilescale): every pair's row, expert ids and weights are put into
    the destination's receive buffers with remote copies, the per-destination counts after
-   them, and a device-scope barrier publishes everything.
-3. The receiver groups its received rows by local expert (torch, on the device), into a
-   fixed-capacity ``(local_experts, capacity, hidden)`` tensor plus per-expert counts, so
-   the output size needs no host round trip.
+   them; a device-scope barrier (or, in low-latency mode, per-source arrival counts)
+   publishes everything.
+3. The receiver sorts the (row, local expert) hits by expert on the device (torch) and
+   ``group_rows_kernel`` copies each received row to its experts' segments: one flat
+   ``(rows, hidden)`` tensor in which expert ``l`` owns rows ``offsets[l]:offsets[l] +
+   counts[l]``, each segment padded to whole 128-row GEMM tiles. Its size is a bound known
+   without a host round trip.
 
-Combine reverses it: each received row's expert outputs are summed with their routing
-weights on the expert side, ``combine_kernel`` puts the row back into the source rank's
-slot, and the source sums each token's rows from its destination ranks.
+Combine reverses it in one kernel: each received row's expert outputs are summed with
+their routing weights on the expert side and put back into the source rank's slot; after
+the exchange each token sums its rows from its destination ranks.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -31,16 +34,18 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.language.scale import current_context
-from tilescale.ops._common import check_input, sm_count, tl_dtype
+from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.symmetric import zeros
 
-# The grouped rows of each expert are padded to a whole number of GEMM row tiles.
-CAPACITY_ALIGN = 128
+# Each expert's segment of the grouped rows is padded to whole GEMM row tiles.
+ROW_TILE = 128
 
 
-def capacity(tokens: int) -> int:
-    """Rows per local expert in ``moe_dispatch``'s output: every token of every rank, rounded up."""
-    return -(-runtime.world_size() * tokens // CAPACITY_ALIGN) * CAPACITY_ALIGN
+def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
+    """Rows of ``moe_dispatch``'s grouped output: every (received row, local expert) hit of
+    the worst case, plus each expert's padding to a whole row tile."""
+    hits = runtime.world_size() * tokens * min(topk, experts_per_rank)
+    return -(-(hits + experts_per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE
 
 
 @T.macro
@@ -96,24 +101,68 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
 
 
 @jit
-def combine_kernel(world: int, tokens: int, hidden: int, dtype: str, sms: int, low_latency: bool):
-    """Put row ``j`` of ``partial[s]`` into slot ``j`` of rank ``s``'s ``back[rank]``, for j < counts[s]."""
-    rows = world * tokens
+def group_rows_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int):
+    """Copy received row r to grouped row ``position[r, k]`` for every k where it is >= 0."""
+    received = world * tokens
 
     @T.prim_func
-    def main(partial: T.Tensor((world, tokens, hidden), dtype), counts: T.Tensor((world,), "int32"),
-             back: T.Tensor((world, tokens, hidden), dtype), arrivals: T.Tensor((world,), "int32"),
-             arrived: T.int32):
-        with T.Kernel(T.min(rows, sms), threads=128) as bx:
+    def main(recv_x: T.Tensor((received, hidden), dtype), position: T.Tensor((received, topk), "int32"),
+             out: T.Tensor((rows, hidden), dtype)):
+        with T.Kernel(T.min(received, sms), threads=128) as bx:
+            row = T.alloc_shared((1, hidden), dtype)
+            for q in T.serial(T.ceildiv(received - bx, T.min(received, sms))):
+                r = bx + q * T.min(received, sms)
+                if position[r, 0] >= 0:  # hits come first: a row with none is not read
+                    T.copy(recv_x[r:r + 1, 0:hidden], row)
+                    for k in T.serial(topk):
+                        if position[r, k] >= 0:
+                            T.copy(row, out[position[r, k]:position[r, k] + 1, 0:hidden])
+
+    return main
+
+
+@jit
+def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int,
+                   low_latency: bool):
+    """Sum each received row's weighted expert outputs, put it back into its source's
+    ``back[rank]`` slot, then (once every rank's rows are back) sum each token's rows."""
+    received = world * tokens
+
+    @T.prim_func
+    def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
+             position: T.Tensor((received, topk), "int32"), counts: T.Tensor((world,), "int32"),
+             dest: T.Tensor((received,), "int32"), slot: T.Tensor((received,), "int32"),
+             back: T.Tensor((world, tokens, hidden), dtype), out: T.Tensor((tokens, hidden), dtype),
+             arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
+        with T.Kernel(T.min(received, sms), threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
+                acc = T.alloc_fragment((1, hidden), "float32")
+                part = T.alloc_fragment((1, hidden), dtype)
+                row = T.alloc_shared((1, hidden), dtype)
                 _open(low_latency)
-                for q in T.serial(T.ceildiv(rows - bx, T.min(rows, sms))):
-                    r = bx + q * T.min(rows, sms)
-                    src = r // tokens
-                    j = r % tokens
-                    if j < counts[src]:
-                        T.copy(partial[src, j, 0:hidden], back[rank, j, 0:hidden], dst_pe=src)
+                for q in T.serial(T.ceildiv(received - bx, T.min(received, sms))):
+                    r = bx + q * T.min(received, sms)
+                    if r % tokens < counts[r // tokens]:
+                        T.clear(acc)
+                        for k in T.serial(topk):
+                            if position[r, k] >= 0:
+                                T.copy(expert_out[position[r, k]:position[r, k] + 1, 0:hidden], part)
+                                for i, j in T.Parallel(1, hidden):
+                                    acc[i, j] += T.cast(part[i, j], "float32") * weight[position[r, k]]
+                        T.copy(acc, row)
+                        T.copy(row, back[rank, r % tokens:r % tokens + 1, 0:hidden], dst_pe=r // tokens)
                 _close(low_latency, arrivals, arrived)
+                # Token t's row from destination rank d is back[d, slot[d * tokens + t]].
+                for q in T.serial(T.ceildiv(tokens - bx, T.min(received, sms))):
+                    t = bx + q * T.min(received, sms)
+                    T.clear(acc)
+                    for d in T.serial(ranks):
+                        if dest[d * tokens + t] >= 0:
+                            T.copy(back[d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
+                            for i, j in T.Parallel(1, hidden):
+                                acc[i, j] += T.cast(part[i, j], "float32")
+                    T.copy(acc, row)
+                    T.copy(row, out[t:t + 1, 0:hidden])
 
     return main
 
@@ -123,14 +172,13 @@ class DispatchHandle:
     """What combine needs to send rows back and sum them: returned by :func:`moe_dispatch`."""
 
     tokens: int
-    dest: torch.Tensor  # (tokens * world,) destination of each pair, -1 if unused
-    slot: torch.Tensor  # (tokens * world,) slot at the destination
-    token: torch.Tensor  # (tokens * world,) token of each pair
+    dest: torch.Tensor  # (world * tokens,) destination rank of pair (rank r, token t) at r * tokens + t, or -1
+    slot: torch.Tensor  # (world * tokens,) the pair's slot at its destination
     recv_counts: torch.Tensor  # (world,) rows received from each rank
-    recv_idx: torch.Tensor  # (world, tokens, topk) expert ids of the received rows
-    recv_w: torch.Tensor  # (world, tokens, topk) routing weights of the received rows
-    expert_rows: torch.Tensor  # (local_experts, capacity): flat received row of each grouped row, -1 if none
-    experts_per_rank: int
+    position: torch.Tensor  # (world * tokens, topk) grouped row of each received row's local experts, -1 if none
+    offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
+    row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for padding past the last
+    source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
     buffers: "_Buffers"  # the receive buffers this dispatch used (combine answers through the same set)
     low_latency: bool
 
@@ -172,28 +220,65 @@ def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Excha
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
-    """Local checks, then one exchange so that a problem on any rank is a ValueError on every rank."""
+    """Shapes are checked locally and, at a shape's first call, across ranks; expert ids locally.
+
+    An expert id out of range would make a remote copy land outside its buffer, so it is
+    checked before anything is sent (one device-to-host read). The rank with the bad id
+    raises; a rank whose input was fine goes on and its bounded waits report the rank that
+    never arrived.
+    """
     check_input(x, "x")
     world = runtime.world_size()
-    problem = ""
     if x.dim() != 2:
-        problem = f"x must be (tokens, hidden), got {tuple(x.shape)}"
-    elif topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-        problem = (f"topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
-                   f"(tokens={x.shape[0]}, topk)")
-    elif num_experts % world:
-        problem = f"num_experts ({num_experts}) must be divisible by the world size {world}"
-    elif topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= num_experts):
-        problem = f"expert ids must be in [0, {num_experts}); got {int(topk_idx.min())}..{int(topk_idx.max())}"
-    rt = runtime.current()
-    mine = [list(x.shape), list(topk_idx.shape), str(x.dtype), num_experts, problem]
-    everyone = rt.group.exchange(rt.group.next_tag("moe_dispatch"), mine)
-    problems = [f"rank {r}: {v[4]}" for r, v in enumerate(everyone) if v[4]]
-    if problems:
-        raise ValueError("moe_dispatch: " + "; ".join(problems))
-    if any(v[:4] != mine[:4] for v in everyone):
-        detail = "; ".join(f"rank {r}: x {v[0]} topk_idx {v[1]} {v[2]} experts={v[3]}" for r, v in enumerate(everyone))
-        raise ValueError(f"moe_dispatch: ranks disagree ({detail}); pad every rank to the same token count")
+        raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
+    if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_dispatch: topk_idx {tuple(topk_idx.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, topk)")
+    if num_experts % world:
+        raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
+    check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts])
+    if topk_idx.numel():
+        low, high = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {num_experts}); "
+                             f"got {low}..{high}")
+
+
+def _group_by_expert(buf: _Buffers, tokens: int, per_rank: int) -> tuple[torch.Tensor, ...]:
+    """Where each received row goes among the grouped rows, without a host round trip.
+
+    Returns ``position`` (received rows, topk), per-expert ``counts`` and ``offsets``, and
+    per grouped row its ``row_expert``, ``source_row`` and routing weight.
+    """
+    world, topk = buf.idx.shape[0], buf.idx.shape[2]
+    rank, dev = runtime.rank(), buf.idx.device
+    rows = grouped_rows(tokens, topk, per_rank)
+    received = torch.arange(tokens, device=dev)[None, :] < buf.counts[:, None]  # (world, tokens)
+    local = buf.idx.long() - rank * per_rank
+    hit = (local >= 0) & (local < per_rank) & received[:, :, None]
+    # Hits sorted by expert (misses last, as expert ``per_rank``); a row's hits stay in k order.
+    expert = torch.where(hit, local, per_rank).view(-1)
+    tally = torch.zeros(per_rank + 1, dtype=torch.long, device=dev).scatter_add_(0, expert, torch.ones_like(expert))
+    counts = tally[:per_rank]
+    padded = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+    offsets = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(expert, stable=True)
+    first_hit = torch.cumsum(tally, 0) - tally
+    sorted_expert = expert[order]
+    rank_in_expert = torch.arange(expert.numel(), device=dev) - first_hit[sorted_expert]
+    grouped = torch.cat([offsets, offsets.new_full((1,), rows)])[sorted_expert] + rank_in_expert
+    grouped = torch.where(sorted_expert < per_rank, grouped, -1)
+    position = torch.empty_like(grouped).scatter_(0, order, grouped)
+    target = torch.where(position >= 0, position, rows)
+    source = torch.arange(world * tokens, device=dev).repeat_interleave(topk)
+    source_row = torch.full((rows + 1,), -1, dtype=torch.long, device=dev).scatter_(0, target, source)[:rows]
+    weight = torch.zeros(rows + 1, dtype=torch.float32, device=dev).scatter_(0, target, buf.w.view(-1))[:rows]
+    # Hits first within a row, so that the copy kernel can skip rows with none by one read.
+    position = position.view(world * tokens, topk).sort(dim=1, descending=True).values
+    ends = torch.cumsum(padded, 0)
+    row_expert = torch.bucketize(torch.arange(rows, device=dev), ends, right=True)
+    row_expert = torch.where(row_expert < per_rank, row_expert, -1)
+    return position.to(torch.int32), counts.to(torch.int32), offsets, row_expert.to(torch.int32), source_row, weight
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -203,11 +288,15 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     Example::
 
         recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_weights, num_experts=64)
-        # recv_x[l, :counts[l]] are the tokens of local expert l; recv_w their routing weights
+        o = handle.offsets
+        # recv_x[o[l]:o[l] + counts[l]] are the tokens of local expert l; recv_w their routing weights
 
-    Shapes: ``recv_x`` (local_experts, capacity, hidden), ``recv_w`` (local_experts,
-    capacity), ``counts`` (local_experts,), with ``capacity(tokens)`` rows per expert (every
-    token of every rank could pick it, so nothing overflows). Every rank passes the same number of
+    Shapes: ``recv_x`` (rows, hidden), ``recv_w`` (rows,), ``counts`` (local_experts,), where
+    ``rows = grouped_rows(tokens, topk, local_experts)`` bounds every routing, so no output
+    size needs a host round trip. Expert segments start at ``handle.offsets`` and are padded
+    to whole 128-row tiles (``handle.row_expert`` names each row's expert, -1 past the
+    last); rows past an expert's count are not written (their contents are undefined).
+    ``ts.ops.grouped_gemm`` consumes this layout. Every rank passes the same number of
     tokens (pad with tokens weighted 0).
 
     ``low_latency=True`` (decode batches) drops the kernel's two device-wide barriers: the
@@ -215,13 +304,12 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     rank's blocks have reported their rows sent. Every rank must pick the same mode, and a
     low-latency handle must be combined before two more low-latency dispatches reuse its set.
 
-    Two host round trips remain per call: the expert ids are range-checked on the host (a
-    bad id would make a remote copy land outside its buffer), and the ranks agree on shapes
-    and on any input error through the job's store, so bad input on one rank is a
-    ValueError on every rank rather than a hang.
+    One device-to-host read remains per call: the expert ids are range-checked (a bad id
+    would make a remote copy land outside its buffer). The ranks agree on shapes through
+    the job's store at a shape's first call.
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
-    world, rank = runtime.world_size(), runtime.rank()
+    world = runtime.world_size()
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     per_rank = num_experts // world
@@ -248,31 +336,13 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     kernel(x, topk_idx.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous(), token, dest, slot,
            send_counts, buf.x, buf.idx, buf.w, buf.counts, ex.dispatch_arrivals, arrived)
 
-    # Group received rows by local expert, in (source rank, slot) order.
-    received = torch.arange(tokens, device=dev)[None, :] < buf.counts[:, None].long()  # (world, tokens)
-    local = buf.idx.long() - rank * per_rank  # (world, tokens, topk)
-    hits = (local >= 0) & (local < per_rank) & received[:, :, None]
-    onehot = torch.zeros(world * tokens, per_rank, dtype=torch.int32, device=dev)
-    weight = torch.zeros(world * tokens, per_rank, dtype=torch.float32, device=dev)
-    rows = torch.arange(world * tokens, device=dev)[:, None].expand(-1, topk)[hits.view(-1, topk)]
-    experts = local.view(-1, topk)[hits.view(-1, topk)]
-    onehot.index_put_((rows, experts), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
-    weight.index_put_((rows, experts), buf.w.view(-1, topk)[hits.view(-1, topk)], accumulate=True)
-    position = torch.cumsum(onehot, dim=0) - 1  # (world * tokens, local experts)
-    counts = onehot.sum(0)
-    rows_per_expert = capacity(tokens)
-    expert_rows = torch.full((per_rank, rows_per_expert), -1, dtype=torch.long, device=dev)
-    taken = onehot > 0
-    flat_rows = torch.arange(world * tokens, device=dev)[:, None].expand(-1, per_rank)[taken]
-    flat_experts = torch.arange(per_rank, device=dev)[None, :].expand(world * tokens, -1)[taken]
-    expert_rows[flat_experts, position[taken]] = flat_rows
-    recv_x = torch.zeros(per_rank, rows_per_expert, hidden, dtype=x.dtype, device=dev)
-    recv_w = torch.zeros(per_rank, rows_per_expert, dtype=torch.float32, device=dev)
-    valid = expert_rows >= 0
-    recv_x[valid] = buf.x.view(-1, hidden)[expert_rows[valid]]
-    recv_w[valid] = weight[expert_rows[valid], torch.nonzero(valid)[:, 0]]
-    handle = DispatchHandle(tokens, dest, slot, token, buf.counts.clone(), buf.idx, buf.w, expert_rows, per_rank,
-                            buf, low_latency)
+    position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
+    rows = row_expert.shape[0]
+    recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+    group_rows_kernel(world, tokens, hidden, topk, rows, tl_dtype(x), sms)(buf.x.view(world * tokens, hidden),
+                                                                           position, recv_x)
+    handle = DispatchHandle(tokens, dest, slot, buf.counts.clone(), position, offsets, row_expert, source_row, buf,
+                            low_latency)
     return recv_x, recv_w, counts, handle
 
 
@@ -283,32 +353,27 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
 
         y = ts.ops.moe_combine(expert_out, recv_w, handle)     # (tokens, hidden)
 
-    ``expert_out`` is (local_experts, capacity, hidden) as ``moe_dispatch`` laid it out;
-    ``recv_weights`` the routing weights it returned (pass ones to sum unweighted).
+    ``expert_out`` is (rows, hidden) in ``moe_dispatch``'s grouped layout; ``recv_weights``
+    the (rows,) routing weights it returned (pass ones to sum unweighted).
     """
     check_input(expert_out, "expert_out")
+    check_input(recv_weights, "recv_weights")
     world = runtime.world_size()
     tokens = handle.tokens
-    per_rank, rows_per_expert, hidden = expert_out.shape
-    if per_rank != handle.experts_per_rank or rows_per_expert != capacity(tokens):
-        raise ValueError(f"expert_out must be ({handle.experts_per_rank}, {capacity(tokens)}, hidden), "
-                         f"got {tuple(expert_out.shape)}")
+    rows, hidden = expert_out.shape
+    if rows != handle.row_expert.shape[0] or recv_weights.shape != (rows,):
+        raise ValueError(f"expert_out must be ({handle.row_expert.shape[0]}, hidden) and recv_weights "
+                         f"({handle.row_expert.shape[0]},), got {tuple(expert_out.shape)} and "
+                         f"{tuple(recv_weights.shape)}")
     buf = handle.buffers
-    ex = _exchange(tokens, hidden, handle.recv_idx.shape[2], expert_out.dtype)
-    valid = handle.expert_rows >= 0
-    weighted = (expert_out.float() * recv_weights[:, :, None])[valid]
-    partial = torch.zeros(world * tokens, hidden, dtype=torch.float32, device=expert_out.device)
-    partial.index_add_(0, handle.expert_rows[valid], weighted)
-    partial = partial.to(expert_out.dtype).view(world, tokens, hidden)
-    sms = sm_count()
+    topk = handle.position.shape[1]
+    ex = _exchange(tokens, hidden, topk, expert_out.dtype)
     if handle.low_latency:
         ex.low_latency_combines += 1
-    kernel = combine_kernel(world, tokens, hidden, tl_dtype(expert_out), sms, handle.low_latency)
+    sms = sm_count()
+    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sms, handle.low_latency)
     arrived = ex.low_latency_combines * min(world * tokens, sms)
-    kernel(partial, handle.recv_counts, buf.back, ex.combine_arrivals, arrived)
-    # Token t's rows come back from each destination rank r at slot[r * tokens + t].
-    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=expert_out.device)
-    pairs = handle.dest >= 0
-    out.index_add_(0, handle.token[pairs].long(),
-                   buf.back[handle.dest[pairs].long(), handle.slot[pairs].long()].float())
-    return out.to(expert_out.dtype)
+    out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
+    kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
+           handle.dest, handle.slot, buf.back, out, ex.combine_arrivals, arrived)
+    return out
