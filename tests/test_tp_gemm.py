@@ -57,7 +57,7 @@ def lower(name: str) -> str:
 def test_gemm_kernels_lower_to_wgmma_with_signals():
     ag = lower("all_gather_gemm")
     assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its segment, then tensor cores
-    assert "gathered_flat__peers[" in ag and "tilescale::block_signal(" in ag  # the pushers
+    assert "gathered__peers[" in ag and "tilescale::block_signal(" in ag  # the pushers
     assert "tilescale::grid_barrier(" not in ag  # double-buffered: no barrier between calls
     rs = lower("gemm_reduce_scatter")
     assert "wgmma" in rs and "tilescale::block_signal(" in rs and "recv__peers[" in rs

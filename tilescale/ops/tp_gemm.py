@@ -54,23 +54,28 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     """
     m_tiles = padded_rows // BLOCK_M
     n_tiles = T.ceildiv(N, BLOCK_N)
-    shard = rows * K
-    chunk = 16384
+    # Pushers move chunks of whole rows, about 16K elements each, that divide the shard.
+    chunk_rows = 1
+    while chunk_rows * 2 * K <= 16384 and rows % (chunk_rows * 2) == 0:
+        chunk_rows *= 2
+    chunks = rows // chunk_rows
+    # 16-byte stores, also when a chunk is not a whole number of vectors per thread.
+    vector = 8 if K % 8 == 0 else 1
 
     @T.prim_func
-    def main(x: T.Tensor((1, shard), dtype), gathered_flat: T.Tensor((world, padded_rows * K), dtype),
-             gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
-             C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world,), "int32"),
-             arrived: T.int32):
+    def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((world * padded_rows, K), dtype),
+             W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
+             flags: T.Tensor((world,), "int32"), arrived: T.int32):
         with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=THREADS) as b:
             with T.Scale("device") as (rank, ranks):
                 if b < push_blocks:
                     for p in T.serial(ranks):
                         peer = (rank + p) % ranks  # own copy first: the GEMM starts on it
-                        for t in T.serial(T.ceildiv(T.ceildiv(shard, chunk) - b, push_blocks)):
-                            base = (b + t * push_blocks) * chunk
-                            T.copy(x[0:1, base:base + chunk], gathered_flat[rank:rank + 1, base:base + chunk],
-                                   dst_pe=peer)
+                        for t in T.serial(T.ceildiv(chunks - b, push_blocks)):
+                            row = (b + t * push_blocks) * chunk_rows
+                            T.copy(x[row:row + chunk_rows, 0:K],
+                                   gathered[rank * padded_rows + row:rank * padded_rows + row + chunk_rows, 0:K],
+                                   dst_pe=peer, coalesced_width=vector)
                         T.signal(flags[rank], 1, pe=peer, op="add")
                 else:
                     tile = b - push_blocks
@@ -222,8 +227,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     gathered = ex.next_buffer()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, STAGES, PUSH_BLOCKS)
-    kernel(a_shard.view(1, m * k), gathered.view(world, padded * k), gathered, weight, out, ex.flags,
-           ex.calls * PUSH_BLOCKS)
+    kernel(a_shard, gathered, weight, out, ex.flags, ex.calls * PUSH_BLOCKS)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
