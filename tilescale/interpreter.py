@@ -19,13 +19,17 @@ enough for tests and debugging, and a checker the GPU cannot be:
   its source line, never a wrong result.
 
 Blocks of a grid run one after another, or as threads when the kernel uses
-``T.barrier()`` (which needs every block alive at once). Code inside a block runs once
-per block, as TileLang's block-level semantics say; thread-level code
-(``T.get_thread_binding``) sees thread 0 only.
+``T.barrier()`` (which needs every block alive at once). In a cluster launch
+(``cluster_dims``) the blocks of each cluster run together as threads: their shared tiles
+are reachable from each other (``dst_cta``/``src_cta`` copies resolve to the peer block's
+tile, with the bounds checks of global tensors) and the cluster barrier is a barrier of
+those threads. Code inside a block runs once per block, as TileLang's block-level
+semantics say; thread-level code (``T.get_thread_binding``) sees thread 0 only.
 """
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import math
 import os
@@ -41,6 +45,7 @@ from tvm import tirx
 
 from tilescale import runtime
 from tilescale.errors import WaitTimeoutError
+from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.symmetric import host_regions
 
 _TORCH_DTYPES = {
@@ -101,6 +106,30 @@ class _Launch:
         self.block_barrier = threading.Barrier(blocks) if threaded else None
         self.failed = threading.Event()
         self.lock = threading.Lock()
+        cluster_size = math.prod(kernel.cluster_dims)
+        self.cluster_barriers: dict[tuple, threading.Barrier] = \
+            collections.defaultdict(lambda: threading.Barrier(cluster_size))
+        self.cluster_tiles: dict[tuple, torch.Tensor] = {}
+
+    def cluster_tile(self, cluster: tuple, rank: int, buf: tirx.Buffer, shape: list[int]) -> torch.Tensor:
+        """Shared tile ``buf`` of block ``rank`` of ``cluster``, made on first use by either side."""
+        with self.lock:
+            key = (cluster, rank, buf)
+            if key not in self.cluster_tiles:
+                t = self.cluster_tiles[key] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
+                raw = t.view(-1).view(torch.uint8)
+                self.memories.append(_Memory(t.data_ptr(), raw.numel(), raw,
+                                             f"shared tile '{buf.name}' of cluster block {rank}"))
+            return self.cluster_tiles[key]
+
+    def abort(self) -> None:
+        """Stop every block of the launch (one failed): break whatever they wait in."""
+        self.failed.set()
+        if self.block_barrier is not None:
+            self.block_barrier.abort()
+        with self.lock:
+            for b in self.cluster_barriers.values():
+                b.abort()
 
     def memory_at(self, address: int, nbytes: int, what: str, where: str) -> tuple[_Memory, int]:
         for m in self.memories:
@@ -114,10 +143,12 @@ class _Launch:
 class _Block:
     """Executes the statements of one block."""
 
-    def __init__(self, launch: _Launch, env: dict, block_id: int):
+    def __init__(self, launch: _Launch, env: dict, block_id: int, cluster: tuple = (), cta_rank: int = 0):
         self.launch = launch
         self.env = env
         self.block_id = block_id
+        self.cluster = cluster
+        self.cta_rank = cta_rank
         self.rank = launch.kernel.rank
         self.line = ""
 
@@ -232,6 +263,16 @@ class _Block:
             tile[src_within] = src_view.to(tile.dtype)
         dst_view.copy_(tile.view(dst_ext)[dst_within])
 
+    def atomic_add(self, src_call: tirx.Call, dst_call: tirx.Call) -> None:
+        """Tile ``T.atomic_add(dst, src)``: the part of ``dst`` inside its tensor gains ``src``."""
+        dst_buf, dst_start, dst_ext = self.region(dst_call)
+        tile = self._whole(src_call).reshape(dst_ext)
+        dst_view, dst_within = self._window(dst_buf, dst_start, dst_ext)
+        if dst_view is None:
+            return
+        with self.launch.kernel.atomic():
+            dst_view.add_(tile[dst_within].to(dst_view.dtype))
+
     def fill(self, region_call: tirx.Call, value: Any) -> None:
         view, _ = self._window(*self.region(region_call))
         if view is not None:
@@ -335,8 +376,32 @@ class _Block:
             pass  # host memory through one coherent address space: program order is enough
         elif name == "tilescale::grid_barrier":
             self.barrier(self.env[args[0]], int(self.eval(args[2])))
+        elif name == BARRIER_EXTERN:
+            self.cluster_barrier()
         else:
             raise self.unsupported(f"call to '{name}'")
+
+    def cluster_barrier(self) -> None:
+        # The threads of one cluster; clusters never wait for each other.
+        try:
+            with self.launch.lock:
+                barrier = self.launch.cluster_barriers[self.cluster]
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            raise _Abort() from None
+
+    def cluster_address(self, base: tirx.Call, cta: Any) -> int:
+        """``mapa``: the address of the element ``base`` points at, in block ``cta``'s tile."""
+        load = base.args[0]
+        size = math.prod(self.launch.kernel.cluster_dims)
+        rank = int(self.eval(cta))
+        if not 0 <= rank < size:
+            raise IndexError(f"rank {self.rank}: block {rank} of the cluster named for shared tile "
+                             f"'{load.buffer.name}' is out of range for a cluster of {size} blocks{self._where()}")
+        shape = [int(self.eval(d)) for d in load.buffer.shape]
+        t = self.launch.cluster_tile(self.cluster, rank, load.buffer, shape)
+        offset = sum(int(self.eval(i)) * st for i, st in zip(load.indices, t.stride(), strict=True))
+        return t.data_ptr() + offset * t.element_size()
 
     # ---- statements ----------------------------------------------------------------------
     def run(self, stmt: Any) -> None:
@@ -385,7 +450,11 @@ class _Block:
 
     def allocate(self, buf: tirx.Buffer) -> None:
         shape = [int(self.eval(s)) for s in buf.shape]
-        self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
+        if self.launch.kernel.clustered and buf.scope().startswith("shared"):
+            # Other blocks of the cluster may reach this tile (and may have reached it first).
+            self.env[buf] = self.launch.cluster_tile(self.cluster, self.cta_rank, buf, shape)
+        else:
+            self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
 
     def loop(self, stmt: tirx.For) -> None:
         extent = int(self.eval(stmt.extent))
@@ -461,6 +530,8 @@ class _Block:
             self.gemm(args)
         elif name == "tl.tileop.reduce":
             self.reduce(args)
+        elif name == "tl.tileop.atomicadd":
+            self.atomic_add(args[0], args[1])
         elif name == "tirx.call_extern":
             self.extern(str(args[0].value), args[1:])
         elif name in ("tl.atomic_add_elem_op", "tl.atomic_max_elem_op", "tl.atomic_min_elem_op"):
@@ -472,6 +543,8 @@ class _Block:
                 ptr.flat[0] = new
         elif name in ("tl.sync_threads", "tirx.tvm_storage_sync", "tl.fence_proxy_async"):
             pass  # one thread per block: nothing to synchronise inside it
+        elif name == "tl.cluster_sync":
+            self.cluster_barrier()
         else:
             raise self.unsupported(f"operation '{name}'")
 
@@ -519,6 +592,10 @@ class _Block:
             return int(self.eval(e.args[0]))
         if name == "tl.launch_thread_idx":
             return 0
+        if name == "tl.block_rank_in_cluster":
+            return self.cta_rank
+        if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
+            return self.cluster_address(e.args[1], e.args[2])
         if name == "tirx.pow":
             return self.eval(e.args[0]) ** self.eval(e.args[1])
         raise self.unsupported(f"call to '{name}'")
@@ -594,6 +671,8 @@ class CpuKernel:
         self.params = list(func.params)
         self.rank = runtime.rank()
         self.grid, self.body = self._split_grid(func.body)
+        self.cluster_dims = _cluster_dims(self.body)
+        self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
         self.threaded = "tilescale::grid_barrier" in script or "tilescale::block_wait" in script
@@ -701,40 +780,76 @@ class CpuKernel:
         extents = [int(_Block(_Launch(self, memories, 1, False), env, 0).eval(f.extent)) for f in self.grid]
         blocks = math.prod(extents)
         launch = _Launch(self, memories, blocks, self.threaded and blocks > 1)
+        tags = [loop.thread_binding.thread_tag[-1] for loop in self.grid]
+        sizes = dict(zip(tags, extents, strict=True))
+        for axis, d in zip("xyz", self.cluster_dims, strict=True):
+            if sizes.get(axis, 1) % d:
+                raise ValueError(f"grid extent {sizes.get(axis, 1)} along {axis} is not a multiple of cluster "
+                                 f"dimension {d}; CUDA cannot launch that grid")
+
+        def place(block_id: int) -> tuple[dict, tuple, int]:
+            local = dict(env)
+            coords = {"x": 0, "y": 0, "z": 0}
+            rest = block_id
+            for loop, tag, n in zip(reversed(self.grid), reversed(tags), reversed(extents), strict=True):
+                local[loop.loop_var] = coords[tag] = rest % n
+                rest //= n
+            (x, y, z), (cx, cy, cz) = (coords[t] for t in "xyz"), self.cluster_dims
+            return local, (x // cx, y // cy, z // cz), x % cx + cx * (y % cy + cy * (z % cz))
 
         def run_block(block_id: int) -> None:
-            local = dict(env)
-            rest = block_id
-            for loop, n in zip(reversed(self.grid), reversed(extents), strict=True):
-                local[loop.loop_var] = rest % n
-                rest //= n
+            local, cluster, cta_rank = place(block_id)
             with torch.no_grad():  # kernels are not differentiable; their arguments may be (parameters)
-                _Block(launch, local, block_id).run(self.body)
+                _Block(launch, local, block_id, cluster, cta_rank).run(self.body)
 
-        if not launch.block_barrier:
+        if launch.block_barrier:
+            groups = [list(range(blocks))]
+        elif self.clustered:
+            by_cluster: dict[tuple, list[int]] = collections.defaultdict(list)
+            for b in range(blocks):
+                by_cluster[place(b)[1]].append(b)
+            groups = list(by_cluster.values())
+        else:
             for b in range(blocks):
                 run_block(b)
             return
-        errors: list[BaseException] = []
+        for group in groups:
+            _run_together(launch, group, run_block)
 
-        def worker(b: int) -> None:
-            try:
-                run_block(b)
-            except _Abort:
-                if not launch.failed.is_set():  # never finish a launch silently short of blocks
-                    errors.append(RuntimeError(f"CPU path: block {b} stopped without an error being recorded"))
-            except BaseException as err:  # reported by the launching thread
-                errors.append(err)
-                launch.failed.set()
-                launch.block_barrier.abort()
 
-        threads = [threading.Thread(target=worker, args=(b,), daemon=True) for b in range(blocks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+def _run_together(launch: _Launch, group: list[int], run_block: Callable[[int], None]) -> None:
+    """Run the blocks of ``group`` as threads (they wait for each other); raise the first error."""
+    errors: list[BaseException] = []
+
+    def worker(b: int) -> None:
+        try:
+            run_block(b)
+        except _Abort:
+            if not launch.failed.is_set():  # never finish a launch silently short of blocks
+                errors.append(RuntimeError(f"CPU path: block {b} stopped without an error being recorded"))
+        except BaseException as err:  # reported by the launching thread
+            errors.append(err)
+            launch.abort()
+
+    threads = [threading.Thread(target=worker, args=(b,), daemon=True) for b in group]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _cluster_dims(body: Any) -> tuple[int, int, int]:
+    """The ``cluster_dims`` launch annotation of a kernel, (1, 1, 1) without one."""
+    found: list[tuple[int, int, int]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, tirx.SBlock) and "cluster_dims" in node.annotations:
+            found.append(tuple(int(d) for d in node.annotations["cluster_dims"]))
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    return found[0] if found else (1, 1, 1)
 
 
 def _solve(dim: Any, size: int, env: dict) -> None:

@@ -10,6 +10,9 @@ symmetric tensor. The copy is TileLang's own ``T.copy`` on a view of the peer's 
 built from the peer-address table that the kernel receives as a hidden argument, so the
 remote side gets every lowering TileLang has (vectorised stores, TMA bulk copies,
 pipelining) and offsets and peers may be runtime values.
+
+``dst_cta``/``src_cta`` do the same between the shared-memory tiles of the blocks of a
+thread-block cluster (see ``tilescale.language.cluster``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import tilelang.language as tl
 from tvm import tirx
 
+from tilescale.language.cluster import on_peer_cta
 from tilescale.language.scale import current_context
 
 
@@ -50,20 +54,33 @@ def _on_peer(region: Any, pe: int | tirx.PrimExpr, what: str) -> Any:
 
 
 def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
-         src_pe: int | tirx.PrimExpr | None = None, **kwargs: Any) -> tirx.PrimExpr | tirx.Stmt:
-    """TileLang's ``T.copy``, plus ``dst_pe`` (put into a peer) or ``src_pe`` (get from a peer).
+         src_pe: int | tirx.PrimExpr | None = None, dst_cta: int | tirx.PrimExpr | None = None,
+         src_cta: int | tirx.PrimExpr | None = None, **kwargs: Any) -> tirx.PrimExpr | tirx.Stmt:
+    """TileLang's ``T.copy``, plus ``dst_pe``/``src_pe`` (put into / get from a peer rank) and
+    ``dst_cta``/``src_cta`` (put into / get from another block of the thread-block cluster).
 
     Example::
 
         T.copy(A[bx * 64, 0], tile)                          # local, exactly TileLang's copy
         T.copy(tile, B[bx * 64, 0], dst_pe=(rank + 1) % world)
+        T.copy(tile, inbox, dst_cta=(cta_rank + 1) % cluster_size)
 
     Other keywords (``disable_tma``, ``coalesced_width``, ...) pass through to TileLang.
     """
-    if dst_pe is not None and src_pe is not None:
-        raise ValueError("T.copy takes dst_pe or src_pe, not both: one side of a copy is local")
+    remote = {k: v for k, v in (("dst_pe", dst_pe), ("src_pe", src_pe), ("dst_cta", dst_cta),
+                                ("src_cta", src_cta)) if v is not None}
+    if len(remote) > 1:
+        raise ValueError(f"T.copy takes one remote side (dst_pe or src_pe, not both; or dst_cta or src_cta), got "
+                         f"{', '.join(remote)}: one side of a copy is local")
     if dst_pe is not None:
         dst = _on_peer(dst, dst_pe, "T.copy destination")
     elif src_pe is not None:
         src = _on_peer(src, src_pe, "T.copy source")
+    elif dst_cta is not None or src_cta is not None:
+        if dst_cta is not None:
+            dst = on_peer_cta(dst, dst_cta, "T.copy destination")
+        else:
+            src = on_peer_cta(src, src_cta, "T.copy source")
+        # A bulk (TMA) copy would take the peer's shared memory for global memory.
+        kwargs["disable_tma"] = True
     return tl.copy(src, dst, **kwargs)

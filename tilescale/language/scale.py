@@ -9,8 +9,12 @@ Example::
 
 Inside ``T.Scale("device")``, ``rank`` is this process's rank (a runtime value: one
 compiled kernel serves every rank) and ``world`` the number of ranks (a compile-time
-constant, taken from ``tilescale.init`` or :func:`build_options`). Scopes nest; the
-innermost one decides what ``T.barrier()`` synchronises.
+constant, taken from ``tilescale.init`` or :func:`build_options`). Inside
+``T.Scale("cta_cluster")`` (a kernel launched with ``cluster_dims``) they are the block's
+rank in its thread-block cluster and the cluster size (see ``tilescale.language.cluster``);
+``"warpgroup"`` and ``"warp"`` give the calling thread's warpgroup or warp and how many
+the block has, for task specialisation. Scopes nest; the innermost one decides what
+``T.barrier()`` synchronises.
 
 While a ``T.prim_func`` is being built, a :class:`BuildContext` collects what the
 distributed operations need from the host (peer-address tables of symmetric arguments,
@@ -21,15 +25,21 @@ kernel's signature and ``tilescale.jit`` binds on every call.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import tilelang.language as tl
+from tilelang.language.kernel import KernelLaunchFrame
 from tvm import tirx
 
 from tilescale.runtime import is_initialized, world_size
 
-SCALES = ("device",)
+SCALES = ("device", "cta_cluster", "warpgroup", "warp")
+# Blocks per cluster that every Hopper GPU launches (16 needs a non-portable opt-in that
+# TileLang's launcher does not make).
+MAX_CLUSTER_SIZE = 8
 
 # Names of the hidden parameters; the jit binds them by these names.
 RANK_PARAM = "ts_rank"
@@ -44,6 +54,7 @@ class BuildContext:
     """What the distributed operations of one ``T.prim_func`` ask of the host."""
 
     scales: list[str] = field(default_factory=list)
+    cluster_size: int | None = None  # set while a T.Scale("cta_cluster") is open
     peer_tables: dict[str, tuple[tirx.Buffer, tirx.Buffer]] = field(default_factory=dict)
     scalars: dict[str, tirx.Var] = field(default_factory=dict)
     sync: tirx.Buffer | None = None
@@ -136,6 +147,43 @@ def building() -> Iterator[BuildContext]:
         _state.context = None
 
 
+def _cluster_scope() -> tuple[tirx.PrimExpr, int]:
+    frame = KernelLaunchFrame.Current()
+    if frame is None:
+        raise RuntimeError('T.Scale("cta_cluster") must be inside a T.Kernel launched with cluster_dims=...')
+    dims = frame.get_cluster_dims()
+    size = math.prod(dims)
+    if size == 1:
+        raise ValueError(
+            'T.Scale("cta_cluster") needs a cluster launch: pass cluster_dims=(x, y, z) to T.Kernel '
+            "(blocks of one cluster share distributed shared memory)"
+        )
+    if size > MAX_CLUSTER_SIZE:
+        raise ValueError(f"cluster_dims {dims} make clusters of {size} blocks; GPUs launch at most "
+                         f"{MAX_CLUSTER_SIZE} per cluster")
+    for axis, (blocks, d) in enumerate(zip(frame.get_block_extents(), dims, strict=True)):
+        if isinstance(blocks, int) and blocks % d:
+            raise ValueError(f"grid extent {blocks} along axis {'xyz'[axis]} is not a multiple of the cluster "
+                             f"dimension {d} (cluster_dims {dims}); CUDA cannot launch that grid")
+    return tl.block_rank_in_cluster(), size
+
+
+def _threads_in_block() -> int:
+    frame = KernelLaunchFrame.Current()
+    if frame is None:
+        raise RuntimeError("T.Scale of warps must be inside a T.Kernel")
+    return frame.get_num_threads()
+
+
+def _thread_group_scope(level: str) -> tuple[tirx.PrimExpr, int]:
+    width = {"warpgroup": 128, "warp": 32}[level]
+    threads = _threads_in_block()
+    if threads % width:
+        raise ValueError(f'T.Scale("{level}") needs a multiple of {width} threads per block, got {threads}')
+    index = tl.get_warp_group_idx() if level == "warpgroup" else tl.get_warp_idx()
+    return index, threads // width
+
+
 @contextlib.contextmanager
 def Scale(level: str = "device") -> Iterator[tuple[tirx.PrimExpr, int]]:  # noqa: N802 - mirrors T.Kernel
     """Enter a scope of the machine hierarchy and get ``(id, count)`` at that level.
@@ -144,14 +192,29 @@ def Scale(level: str = "device") -> Iterator[tuple[tirx.PrimExpr, int]]:  # noqa
 
         with T.Scale("device") as (rank, world):
             peer = (rank + 1) % world
+        with T.Scale("cta_cluster") as (cta_rank, cluster_size):
+            T.copy(tile, tile, dst_cta=(cta_rank + 1) % cluster_size)
 
-    Only ``"device"`` (the ranks of the job) exists so far.
+    Levels: ``"device"`` (the ranks of the job), ``"cta_cluster"`` (the blocks of a
+    thread-block cluster; the kernel must be launched with ``cluster_dims``),
+    ``"warpgroup"`` and ``"warp"`` (thread groups of the block: per-thread values, so
+    GPU-only).
     """
     if level not in SCALES:
         raise ValueError(f"unknown scale {level!r}; supported: {', '.join(SCALES)}")
     ctx = current_context()
+    if level == "device":
+        ids = (ctx.rank, ctx.world)
+    elif level == "cta_cluster":
+        ids = _cluster_scope()
+    else:
+        ids = _thread_group_scope(level)
+    saved_cluster = ctx.cluster_size
+    if level == "cta_cluster":
+        ctx.cluster_size = ids[1]
     ctx.scales.append(level)
     try:
-        yield ctx.rank, ctx.world
+        yield ids
     finally:
         ctx.scales.pop()
+        ctx.cluster_size = saved_cluster

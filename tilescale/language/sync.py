@@ -33,6 +33,7 @@ from __future__ import annotations
 import tilelang.language as tl
 from tvm import tirx
 
+from tilescale.language.cluster import cluster_barrier
 from tilescale.language.remote import remote_buffer
 from tilescale.language.scale import STATUS_PARAM, TIMEOUT_PARAM, current_context
 
@@ -181,6 +182,28 @@ __device__ void grid_barrier(const void* peer_table, int rank, int world, long l
   after_acquire();
 }
 
+// Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
+// block `rank` of this cluster; ordinary loads and stores through it reach that block.
+__device__ __forceinline__ long long cluster_map(const void* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned long long out;
+  asm("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
+  return (long long)out;
+#else
+  return 0;
+#endif
+}
+
+// Every thread of the cluster arrives with release and waits with acquire: shared-memory
+// writes (local and remote) before it are visible to every block of the cluster after it.
+// The memory clobbers keep the compiler from moving shared-memory accesses across it.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
 }  // namespace tilescale
 """
 
@@ -239,7 +262,8 @@ def fence() -> tirx.PrimExpr:
 
 
 def barrier() -> tirx.PrimExpr:
-    """Synchronise at the innermost ``T.Scale``: in ``T.Scale("device")``, every block of every rank.
+    """Synchronise at the innermost ``T.Scale``: every block of every rank (``"device"``), every
+    block of the thread-block cluster (``"cta_cluster"``) or the threads of the warp (``"warp"``).
 
     Example::
 
@@ -247,14 +271,25 @@ def barrier() -> tirx.PrimExpr:
             T.copy(tile, B[bx * 64, 0], dst_pe=peer)
             T.barrier()            # all puts of all ranks have landed
 
-    Writes before the barrier (remote ones included) are visible to every block of every
-    rank after it. All blocks of the grid must be resident at once: the jit refuses grids
-    larger than the GPU's SM count. Reusable any number of times (e.g. inside loops); kernels
-    that use it must not run concurrently with each other.
+    Writes before the barrier (remote ones included) are visible to every participant after
+    it. Device scope: all blocks of the grid must be resident at once (the jit refuses grids
+    larger than the GPU's SM count); reusable any number of times (e.g. inside loops);
+    kernels that use it must not run concurrently with each other. Cluster scope: every
+    thread of the block must reach it (``barrier.cluster`` is aligned).
     """
     ctx = current_context()
     if not ctx.scales:
         raise RuntimeError("T.barrier() must be inside a T.Scale(...) scope, which says what it synchronises")
+    level = ctx.scales[-1]
+    if level == "cta_cluster":
+        return cluster_barrier()
+    if level == "warp":
+        return tl.call_extern("handle", "__syncwarp")
+    if level == "warpgroup":
+        raise NotImplementedError(
+            'T.barrier() in T.Scale("warpgroup"): use a named barrier, T.sync_threads(barrier_id, 128), with '
+            "an id no other part of the kernel uses (TileLang's warp specialisation takes some)"
+        )
     table = ctx.sync_table()
     status, rank, timeout = _status_args()
     return tl.call_extern("handle", "tilescale::grid_barrier", table.data, rank, ctx.world, status, timeout)

@@ -270,7 +270,7 @@ def _group_by_expert(buf: _Buffers, tokens: int, per_rank: int) -> tuple[torch.T
     grouped = torch.where(sorted_expert < per_rank, grouped, -1)
     position = torch.empty_like(grouped).scatter_(0, order, grouped)
     target = torch.where(position >= 0, position, rows)
-    source = torch.arange(world * tokens, device=dev).repeat_interleave(topk)
+    source = torch.arange(world * tokens, device=dev)[:, None].expand(world * tokens, topk).reshape(-1)
     source_row = torch.full((rows + 1,), -1, dtype=torch.long, device=dev).scatter_(0, target, source)[:rows]
     weight = torch.zeros(rows + 1, dtype=torch.float32, device=dev).scatter_(0, target, buf.w.view(-1))[:rows]
     # Hits first within a row, so that the copy kernel can skip rows with none by one read.
@@ -321,13 +321,14 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
     # Layout: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
     # order among this rank's tokens going to r.
-    goes = torch.zeros(tokens, world, dtype=torch.bool, device=dev)
-    goes.scatter_(1, (topk_idx // per_rank).long(), True)
-    slots = torch.cumsum(goes.to(torch.int32), dim=0) - 1
-    send_counts = goes.sum(0).to(torch.int32)
-    pairs = goes.T.reshape(-1)  # pair index = r * tokens + t
-    dest = torch.where(pairs, torch.arange(world, device=dev).repeat_interleave(tokens), -1).to(torch.int32)
-    slot = slots.T.reshape(-1).to(torch.int32)
+    # (Rank-major, so the scan runs along the inner dimension: along the outer one torch's
+    # scan kernel took 0.4 ms for 4096 tokens on H200.)
+    goes = torch.zeros(world, tokens, dtype=torch.bool, device=dev)
+    goes.scatter_(0, (topk_idx // per_rank).long().T, True)
+    slot = (torch.cumsum(goes, dim=1, dtype=torch.int32) - 1).view(-1)  # pair index = r * tokens + t
+    send_counts = goes.sum(1, dtype=torch.int32)
+    ranks = torch.arange(world, device=dev, dtype=torch.int32)[:, None].expand(world, tokens)
+    dest = torch.where(goes, ranks, -1).view(-1)
     token = torch.arange(tokens, device=dev, dtype=torch.int32).repeat(world)
 
     sms = sm_count()
