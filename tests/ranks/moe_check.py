@@ -43,7 +43,8 @@ for case, (tokens, topk, low_latency) in enumerate(cases):
         start, n = int(handle.offsets[e]), int(counts[e])
         assert start % 128 == 0 and bool((handle.row_expert[start:start + n] == e).all()), (case, e)
         got = recv_x[start:start + n].float().sum(1).sort().values
-        sent = torch.cat([xs[(idx == rank * per_rank + e).any(1)] for xs, idx in zip(everyone_x, everyone_idx, strict=True)])
+        sent = torch.cat([xs[(idx == rank * per_rank + e).any(1)]
+                          for xs, idx in zip(everyone_x, everyone_idx, strict=True)])
         torch.testing.assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
