@@ -1,7 +1,7 @@
 """Collectives written in tilescale vs NCCL, side by side at every size.
 
 all_gather (bytes = each rank's shard), reduce_scatter and all_reduce (bytes = each rank's
-input), bf16. Before timing a size, each result is checked against NCCL's. Reported: median
+input), bf16. Before timing a size, each result is checked against NCCL's, bit for bit. Reported: median
 time of each, the speed-up over NCCL, and NCCL-style bus bandwidth.
 
     tilescale run -n 2 benchmarks/collectives.py [--max-mib 256]
@@ -17,15 +17,19 @@ import tilescale as ts
 
 
 def measure(op: str, nbytes: int, world: int, iters: int) -> dict:
+    """Check ``op`` on ``nbytes`` of bf16 per rank against NCCL, then time both (also used by scaling.py)."""
     n = nbytes // 2  # sizes are powers of two: n splits evenly across 2, 4 or 8 ranks
-    x = torch.randn(n, device=ts.device(), dtype=torch.bfloat16)
+    # Multiples of 1/8 in [-1, 1], different on every rank: all their partial sums over up to
+    # 31 ranks are exact in bf16, so every summation order gives the same bits.
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
+    x = (torch.randint(-8, 9, (n,), device=ts.device(), generator=g) / 8).to(torch.bfloat16)
     if op == "all_gather":
         out = ts.empty((world * n,), dtype=torch.bfloat16)
         ref = torch.empty(world * n, device=ts.device(), dtype=torch.bfloat16)
         ours = lambda: ts.ops.all_gather(x, out=out)  # noqa: E731
         theirs = lambda: dist.all_gather_into_tensor(ref, x)  # noqa: E731
         ours(), theirs()
-        check_close(op, out, ref, atol=0, rtol=0)
+        check = check_close(op, out, ref, atol=0, rtol=0)
         bus = (world - 1) / world * n * 2 * world
     elif op == "reduce_scatter":
         xs = ts.empty((n,), dtype=torch.bfloat16)
@@ -35,14 +39,14 @@ def measure(op: str, nbytes: int, world: int, iters: int) -> dict:
         theirs = lambda: dist.reduce_scatter_tensor(ref, xs)  # noqa: E731
         got = ours()
         theirs()
-        check_close(op, got, ref)
+        check = check_close(op, got, ref, atol=0, rtol=0)
         bus = (world - 1) / world * n * 2
     else:  # in place, both; on a symmetric tensor, as a tilescale user would allocate it
         xs = ts.empty((n,), dtype=torch.bfloat16)
         xs.copy_(x)
         ref = x.clone()
         dist.all_reduce(ref)
-        check_close(op, ts.ops.all_reduce(xs), ref)
+        check = check_close(op, ts.ops.all_reduce(xs), ref, atol=0, rtol=0)
         ours = lambda: ts.ops.all_reduce(xs)  # noqa: E731
         theirs = lambda: dist.all_reduce(ref)  # noqa: E731
         bus = 2 * (world - 1) / world * n * 2
@@ -53,6 +57,7 @@ def measure(op: str, nbytes: int, world: int, iters: int) -> dict:
         "tilescale_us": t_ours.median_ms * 1e3, "nccl_us": t_nccl.median_ms * 1e3,
         "speedup": t_nccl.median_ms / t_ours.median_ms,
         "tilescale_busbw_GBps": bus / t_ours.median_ms / 1e6, "nccl_busbw_GBps": bus / t_nccl.median_ms / 1e6,
+        "checks": [check],
     }
 
 

@@ -66,6 +66,7 @@ class AllToAllBaseline:
 
 
 def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, iters: int) -> dict:
+    """Check, then time, dispatch and combine against the all_to_all_single baseline (also used by scaling.py)."""
     low_latency = case == "low-latency"
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
@@ -75,17 +76,17 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
     received, meta = baseline.dispatch(x)
     # The same rows arrive, in other orders, and grouped by expert tilescale repeats a row
     # for each local expert it goes to: compare the sorted row sums of the distinct rows.
-    valid = handle.expert_rows >= 0
-    distinct, which = torch.unique(handle.expert_rows[valid], return_inverse=True)
+    valid = handle.source_row >= 0
+    distinct, which = torch.unique(handle.source_row[valid], return_inverse=True)
     ours = torch.zeros(len(distinct), device=x.device).scatter_(0, which, recv_x[valid].float().sum(1))
-    check_close(f"{case} dispatch", ours.sort().values, received.float().sum(1).sort().values,
-                rtol=1e-3, atol=1e-3)
+    checks = [check_close(f"{case} dispatch", ours.sort().values, received.float().sum(1).sort().values,
+                          rtol=1e-3, atol=1e-3)]
     # Identity experts: each token comes back as x times the sum of its routing weights.
     per_rank = num_experts // ts.world_size()
     local = (meta[:, :topk].long() // per_rank) == ts.rank()
     weighted = (received.float() * (meta[:, topk:] * local).sum(1, keepdim=True)).to(received.dtype)
     combined = ts.ops.moe_combine(recv_x, recv_w, handle)
-    check_close(f"{case} combine", combined, baseline.combine(weighted), rtol=2e-2, atol=2e-2)
+    checks.append(check_close(f"{case} combine", combined, baseline.combine(weighted), rtol=2e-2, atol=2e-2))
 
     def dispatch():
         return ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
@@ -106,7 +107,62 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
         "combine_us": (t_comb_pair.median_ms - t_disp.median_ms) * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
         "dispatch_GBps": nbytes / t_disp.median_ms / 1e6,
         "combine_GBps": nbytes / max(t_comb_pair.median_ms - t_disp.median_ms, 1e-6) / 1e6,
+        "recv_bytes": nbytes, "checks": checks,
     }
+
+
+LAYER = (4096, 4096, 1408, 64, 6)  # tokens per rank, hidden, expert FFN, experts, top-k (DeepSeek-V2-Lite-like)
+SMALL_LAYER = (32, 64, 96, 8, 2)
+
+
+def _expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The local experts over rows sorted by expert: torch's grouped GEMM where it has one, else a loop."""
+    if rows.is_cuda and hasattr(torch, "_grouped_mm"):
+        ends = torch.cumsum(sizes, 0).to(torch.int32)
+        h = torch.nn.functional.gelu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends).float())
+        return torch._grouped_mm(h.to(rows.dtype), w2.transpose(-2, -1), offs=ends)
+    out, start = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device), 0
+    for e, n in enumerate(sizes.tolist()):
+        h = torch.nn.functional.gelu((rows[start:start + n] @ w1[e].T).float()).to(rows.dtype)
+        out[start:start + n] = h @ w2[e].T
+        start += n
+    return out
+
+
+def torch_pipeline_layer(moe: "ts.nn.ExpertParallelMoE", x: torch.Tensor) -> torch.Tensor:
+    """The same layer as a PyTorch user builds it: all_to_all_single there and back, experts as
+    torch grouped GEMMs over rows sorted by expert."""
+    world, rank = ts.world_size(), ts.rank()
+    per_rank = moe.num_experts // world
+    experts, weights = moe.route(x)
+    baseline = AllToAllBaseline(experts, weights, moe.num_experts)
+    received, meta = baseline.dispatch(x)
+    topk = experts.shape[1]
+    local = meta[:, :topk].long() - rank * per_rank
+    hit = (local >= 0) & (local < per_rank)
+    row, k = hit.nonzero(as_tuple=True)
+    expert = local[row, k]
+    order = torch.argsort(expert, stable=True)
+    row, k, expert = row[order], k[order], expert[order]
+    sizes = torch.bincount(expert, minlength=per_rank)
+    y = _expert_ffn(received[row], moe.w1, moe.w2, sizes)
+    summed = torch.zeros(received.shape, dtype=torch.float32, device=x.device)
+    summed.index_add_(0, row, y.float() * meta[row, topk + k][:, None])
+    return baseline.combine(summed.to(x.dtype))
+
+
+def measure_layer(shape: tuple[int, int, int, int, int], iters: int) -> dict:
+    """The EP MoE layer forward (tilescale) vs the same layer on the torch pipeline, same weights."""
+    tokens, hidden, ffn, num_experts, topk = shape
+    moe = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
+    x = torch.randn(tokens, hidden, device=ts.device(), generator=g).to(torch.bfloat16)
+    checks = [check_close("moe layer", moe(x), torch_pipeline_layer(moe, x), rtol=3e-2, atol=3e-2)]
+    ours = time_fn(lambda: moe(x), iters=iters, barrier=dist.barrier)
+    theirs = time_fn(lambda: torch_pipeline_layer(moe, x), iters=iters, barrier=dist.barrier)
+    return {"case": "layer", "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": num_experts, "topk": topk,
+            "layer_ms": ours.median_ms, "torch_layer_ms": theirs.median_ms,
+            "layer_speedup": theirs.median_ms / ours.median_ms, "checks": checks}
 
 
 def main() -> None:
@@ -120,6 +176,11 @@ def main() -> None:
     for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
         report.add(measure(case, tokens, hidden, topk, experts, args.iters))
     report.print_table()
+    layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
+                                         "layer_speedup"])
+    layer.add(measure_layer(SMALL_LAYER if args.small else LAYER, args.iters))
+    layer.print_table()
+    layer.save()
     report.save()
     ts.finalize()
 

@@ -23,7 +23,8 @@ Three launchers start the ranks:
     ``python -m torch.distributed.run`` with the same options.
 ``mpirun``
     The ``mpiexec`` of MPICH (hydra), one node only. The ranks learn their place from
-    PMI_RANK/PMI_SIZE; only MASTER_ADDR/MASTER_PORT are added.
+    PMI_RANK/PMI_SIZE; only MASTER_ADDR/MASTER_PORT are added. For several nodes use
+    ``launch/mpirun_multinode.sh`` or ``launch/slurm.sbatch`` (see ``launch/README.md``).
 
 Whatever the launcher, NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are given to every rank, and a
@@ -413,8 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.launcher == "mpirun" and args.nnodes > 1:
         _say(
-            "--launcher mpirun starts ranks on this node only; for --nnodes > 1 use your site's "
-            "mpirun/mpiexec with a hostfile (see the launch/ docs and launch/slurm.sbatch)"
+            "--launcher mpirun starts ranks on this node only; for --nnodes > 1 use "
+            "launch/mpirun_multinode.sh with a hostfile, or launch/slurm.sbatch (see launch/README.md)"
         )
         return 2
     if args.nnodes > 1 and args.master_addr in ("127.0.0.1", "localhost", "::1"):

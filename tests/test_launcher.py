@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tilescale.launch.cli import MULTICAST_OFF, TORCHRUN_VARS, find_mpiexec, main
+from tilescale.launch.cli import MULTICAST_OFF, TORCHRUN_VARS, find_mpiexec, free_port, main
 
 # Ranks print the variables they were given as one JSON object per line. Each line is one
 # write: print() writes the text and the newline separately, and MPICH hydra's -prepend-rank
@@ -119,6 +119,43 @@ def test_node_rank_offsets_global_ranks(tmp_path):
         assert env["LOCAL_WORLD_SIZE"] == "2"
         assert env["GROUP_RANK"] == "1"
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "29555")
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_on_localhost_rendezvous_into_one_job(tmp_path):
+    # Two launchers, as on two nodes, each starting 2 ranks; the 4 ranks form one gloo group.
+    script = write_script(
+        tmp_path,
+        """
+        import json, os, sys
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")  # env://: the launcher's RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        total = torch.tensor([dist.get_rank()])
+        dist.all_reduce(total)
+        names = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+        sys.stdout.write(json.dumps({**{n: os.environ[n] for n in names}, "sum": int(total)}) + "\\n")
+        dist.destroy_process_group()
+        """,
+    )
+    port = free_port("127.0.0.1")
+    nodes = [
+        subprocess.Popen(
+            launcher_cmd("--nnodes", 2, "--node-rank", node, "-n", 2, "--master-addr", "127.0.0.1",
+                         "--master-port", port, "--cpu", script),
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for node in (1, 0)  # the node of rank 0 may start last: the others wait for its store
+    ]
+    outputs = [node.communicate(timeout=100) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err
+        assert "other nodes cannot reach it" in err  # 127.0.0.1 is only right for this test
+    envs = {**rank_envs(outputs[0][0]), **rank_envs(outputs[1][0])}
+    assert sorted(envs) == [0, 1, 2, 3]
+    for rank, env in envs.items():
+        assert env["sum"] == 0 + 1 + 2 + 3
+        assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank), str(rank % 2), str(rank // 2))
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("4", "2")
 
 
 @pytest.mark.timeout(60)
@@ -302,3 +339,76 @@ def test_mpirun_launcher_reports_a_failed_rank(tmp_path):
     result = tilescale_run("--launcher", "mpirun", "-n", 2, script)
     assert result.returncode == 3
     assert "tilescale run: mpirun exited with code 3" in result.stderr
+
+
+# --- multi-node scripts (launch/nvshmem_env.sh, launch/mpirun_multinode.sh) --------------
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+def sourced_env(**env: str) -> dict[str, str]:
+    """The environment after `source launch/nvshmem_env.sh` in a bash given only ``env``."""
+    script = f'source {LAUNCH / "nvshmem_env.sh"} && env -0'
+    out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return dict(item.split("=", 1) for item in out.split("\0") if item)
+
+
+def test_nvshmem_env_picks_the_rank_nic_keeps_user_values_and_forces_multicast_off():
+    nics = "mlx5_0 mlx5_1 mlx5_2 mlx5_3"
+    env = sourced_env(LOCAL_RANK="6", TILESCALE_NICS=nics, TILESCALE_SOCKET_IFNAME="bond0",
+                      NVSHMEM_SYMMETRIC_SIZE="16G", NVSHMEM_DISABLE_NVLS="0")  # fmt: skip
+    assert env["NVSHMEM_HCA_LIST"] == "mlx5_2:1"  # local rank 6 of 4 NICs
+    assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "bond0"
+    assert (env["NVSHMEM_REMOTE_TRANSPORT"], env["NVSHMEM_IB_ENABLE_IBGDA"]) == ("ibrc", "1")  # ibgda by default
+    assert env["NVSHMEM_SYMMETRIC_SIZE"] == "16G"
+    assert {name: env[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+    assert sourced_env(SLURM_LOCALID="1", TILESCALE_NICS=nics)["NVSHMEM_HCA_LIST"] == "mlx5_1:1"
+    ucx = sourced_env(TILESCALE_NVSHMEM_TRANSPORT="ucx")
+    assert (ucx["NVSHMEM_REMOTE_TRANSPORT"], ucx["NVSHMEM_IB_ENABLE_IBGDA"]) == ("ucx", "0")
+    assert "NVSHMEM_HCA_LIST" not in ucx and "NCCL_SOCKET_IFNAME" not in ucx
+    bad = subprocess.run(["bash", "-c", f"source {LAUNCH / 'nvshmem_env.sh'}"], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "TILESCALE_NVSHMEM_TRANSPORT": "tcp"})  # fmt: skip
+    assert bad.returncode == 2 and "must be ibgda, ibrc or ucx" in bad.stderr
+
+
+@needs_mpiexec
+@pytest.mark.timeout(60)
+def test_mpirun_multinode_script_runs_a_job_from_a_hostfile(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# MPICH hostfile\nlocalhost:2\n")
+    script = write_script(
+        tmp_path,
+        r"""
+        import json, os, sys
+        import torch, torch.distributed as dist
+        from tilescale.launch.environment import detect
+        env = detect()
+        dist.init_process_group("gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size)
+        total = torch.tensor([env.rank])
+        dist.all_reduce(total)
+        sys.stdout.write(json.dumps({"launcher": env.launcher, "rank": env.rank, "local": env.local_rank,
+                                     "sum": int(total), "args": sys.argv[1:], "addr": env.master_addr,
+                                     "nic": os.environ.get("NVSHMEM_HCA_LIST"),
+                                     "nvls": os.environ.get("NVSHMEM_DISABLE_NVLS")}) + "\n")
+        """,
+    )
+    env = clean_env(MPIRUN=find_mpiexec(), PYTHON=sys.executable, MASTER_PORT=str(free_port("127.0.0.1")),
+                    TILESCALE_NICS="mlx5_0 mlx5_1")  # fmt: skip
+    proc = subprocess.run([str(LAUNCH / "mpirun_multinode.sh"), str(hosts), "2", str(script), "a b", "c"],
+                          env=env, capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda r: r["rank"])
+    assert [(r["launcher"], r["rank"], r["local"], r["nic"]) for r in ranks] == [
+        ("mpich", 0, 0, "mlx5_0:1"), ("mpich", 1, 1, "mlx5_1:1"),
+    ]  # fmt: skip
+    assert all(r["sum"] == 1 and r["args"] == ["a b", "c"] and r["addr"] == "localhost" for r in ranks)
+    assert all(r["nvls"] == "1" for r in ranks)
+
+
+def test_multinode_scripts_parse():
+    for name in ("mpirun_multinode.sh", "nvshmem_env.sh", "slurm.sbatch"):
+        assert subprocess.run(["bash", "-n", str(LAUNCH / name)]).returncode == 0, name
+    usage = subprocess.run([str(LAUNCH / "mpirun_multinode.sh")], capture_output=True, text=True)
+    assert usage.returncode == 2 and "HOSTFILE GPUS_PER_NODE SCRIPT" in usage.stderr

@@ -93,8 +93,9 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
                         T.copy(x[token[p], 0:hidden], recv_x[rank, slot[p], 0:hidden], dst_pe=dest[p])
                         T.copy(topk_idx[token[p], 0:topk], recv_idx[rank, slot[p], 0:topk], dst_pe=dest[p])
                         T.copy(topk_w[token[p], 0:topk], recv_w[rank, slot[p], 0:topk], dst_pe=dest[p])
-                if bx < ranks:
-                    T.copy(send_counts[bx:bx + 1], recv_counts[rank:rank + 1], dst_pe=bx)
+                for q in T.serial(T.ceildiv(ranks - bx, T.min(pairs, sms))):  # more ranks than blocks too
+                    d = bx + q * T.min(pairs, sms)
+                    T.copy(send_counts[d:d + 1], recv_counts[rank:rank + 1], dst_pe=d)
                 _close(low_latency, arrivals, arrived)
 
     return main
