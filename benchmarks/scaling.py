@@ -163,8 +163,8 @@ def worker(backend: str, suite: Suite, rows_out: Path) -> None:
         return
     baseline = "nccl" if ts.device().type == "cuda" else "gloo"
     plan = [("collectives", op, nbytes) for op in COLLECTIVES for nbytes in suite.collective_bytes]
-    plan += [("tp_gemm", op, shape) for op, shapes in suite.gemm_shapes.items() for shape in shapes]
     plan += [("moe", case, shape) for case, shape in suite.moe_cases.items()]
+    plan += [("tp_gemm", op, shape) for op, shapes in suite.gemm_shapes.items() for shape in shapes]
     rows: list[dict[str, Any]] = []
     desc = f"scaling W={ts.world_size()} {backend}"
     for bench, what, size in progress(
