@@ -48,6 +48,12 @@ def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
     return -(-(hits + experts_per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE
 
 
+def exchange_blocks(world: int, tokens: int, sms: int) -> int:
+    """Blocks of the dispatch and combine kernels: one per SM at most (so that device-wide
+    barriers hold), but no fewer than the ranks (block d sends the row count to rank d)."""
+    return max(min(world * tokens, sms), world)
+
+
 @T.macro
 def _open(low_latency):
     if not low_latency:
@@ -75,6 +81,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
     call (so the opening barrier is not needed) and per-source arrival counts end the kernel.
     """
     pairs = tokens * world
+    blocks = exchange_blocks(world, tokens, sms)
 
     @T.prim_func
     def main(x: T.Tensor((tokens, hidden), dtype), topk_idx: T.Tensor((tokens, topk), "int32"),
@@ -84,18 +91,17 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str,
              recv_x: T.Tensor((world, tokens, hidden), dtype), recv_idx: T.Tensor((world, tokens, topk), "int32"),
              recv_w: T.Tensor((world, tokens, topk), "float32"), recv_counts: T.Tensor((world,), "int32"),
              arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
-        with T.Kernel(T.min(pairs, sms), threads=128) as bx:
+        with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 _open(low_latency)
-                for q in T.serial(T.ceildiv(pairs - bx, T.min(pairs, sms))):
-                    p = bx + q * T.min(pairs, sms)
+                for q in T.serial(T.ceildiv(pairs - bx, blocks)):
+                    p = bx + q * blocks
                     if dest[p] >= 0:
                         T.copy(x[token[p], 0:hidden], recv_x[rank, slot[p], 0:hidden], dst_pe=dest[p])
                         T.copy(topk_idx[token[p], 0:topk], recv_idx[rank, slot[p], 0:topk], dst_pe=dest[p])
                         T.copy(topk_w[token[p], 0:topk], recv_w[rank, slot[p], 0:topk], dst_pe=dest[p])
-                for q in T.serial(T.ceildiv(ranks - bx, T.min(pairs, sms))):  # more ranks than blocks too
-                    d = bx + q * T.min(pairs, sms)
-                    T.copy(send_counts[d:d + 1], recv_counts[rank:rank + 1], dst_pe=d)
+                if bx < ranks:  # there are at least as many blocks as ranks
+                    T.copy(send_counts[bx:bx + 1], recv_counts[rank:rank + 1], dst_pe=bx)
                 _close(low_latency, arrivals, arrived)
 
     return main
@@ -128,6 +134,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     """Sum each received row's weighted expert outputs, put it back into its source's
     ``back[rank]`` slot, then (once every rank's rows are back) sum each token's rows."""
     received = world * tokens
+    blocks = exchange_blocks(world, tokens, sms)
 
     @T.prim_func
     def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
@@ -135,14 +142,14 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
              dest: T.Tensor((received,), "int32"), slot: T.Tensor((received,), "int32"),
              back: T.Tensor((world, tokens, hidden), dtype), out: T.Tensor((tokens, hidden), dtype),
              arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
-        with T.Kernel(T.min(received, sms), threads=128) as bx:
+        with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, hidden), "float32")
                 part = T.alloc_fragment((1, hidden), dtype)
                 row = T.alloc_shared((1, hidden), dtype)
                 _open(low_latency)
-                for q in T.serial(T.ceildiv(received - bx, T.min(received, sms))):
-                    r = bx + q * T.min(received, sms)
+                for q in T.serial(T.ceildiv(received - bx, blocks)):
+                    r = bx + q * blocks
                     if r % tokens < counts[r // tokens]:
                         T.clear(acc)
                         for k in T.serial(topk):
@@ -154,8 +161,8 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                         T.copy(row, back[rank, r % tokens:r % tokens + 1, 0:hidden], dst_pe=r // tokens)
                 _close(low_latency, arrivals, arrived)
                 # Token t's row from destination rank d is back[d, slot[d * tokens + t]].
-                for q in T.serial(T.ceildiv(tokens - bx, T.min(received, sms))):
-                    t = bx + q * T.min(received, sms)
+                for q in T.serial(T.ceildiv(tokens - bx, blocks)):
+                    t = bx + q * blocks
                     T.clear(acc)
                     for d in T.serial(ranks):
                         if dest[d * tokens + t] >= 0:
@@ -334,7 +341,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
     sms = sm_count()
     kernel = dispatch_kernel(world, tokens, hidden, topk, tl_dtype(x), sms, low_latency)
-    arrived = ex.low_latency_calls * min(world * tokens, sms)  # every block of every rank, every call
+    arrived = ex.low_latency_calls * exchange_blocks(world, tokens, sms)  # every block of every rank, every call
     kernel(x, topk_idx.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous(), token, dest, slot,
            send_counts, buf.x, buf.idx, buf.w, buf.counts, ex.dispatch_arrivals, arrived)
 
@@ -374,7 +381,7 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
         ex.low_latency_combines += 1
     sms = sm_count()
     kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sms, handle.low_latency)
-    arrived = ex.low_latency_combines * min(world * tokens, sms)
+    arrived = ex.low_latency_combines * exchange_blocks(world, tokens, sms)
     out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
            handle.dest, handle.slot, buf.back, out, ex.combine_arrivals, arrived)
