@@ -106,10 +106,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU path)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--ops", default="ag,rs,ar", help="which of ag, rs, ar to run")
+    parser.add_argument("--quick", action="store_true", help="only the first (largest) shape of each op")
     args = parser.parse_args()
     ts.init()
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
-    shapes = {op: shapes[op] for op in args.ops.split(",")}
+    shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
                                         "tilescale_fused_ms", "fused_vs_gemm_alone", "speedup_vs_nccl_cublas"])
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):

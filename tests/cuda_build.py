@@ -15,9 +15,11 @@ NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 needs_nvcc = pytest.mark.skipif(not os.access(NVCC, os.X_OK), reason="needs nvcc (CUDA toolkit)")
 
 
-def lower_cuda(func: tirx.PrimFunc) -> str:
-    """The CUDA source TileLang generates for ``func`` (sm_90a)."""
-    with tilelang.tvm.target.Target(TARGET):
+def lower_cuda(func: tirx.PrimFunc, pass_configs: dict | None = None) -> str:
+    """The CUDA source TileLang generates for ``func`` (sm_90a), with ``pass_configs`` as
+    ``tilelang.compile`` would apply them."""
+    with tilelang.tvm.target.Target(TARGET), tilelang.tvm.transform.PassContext(opt_level=3,
+                                                                               config=pass_configs or {}):
         return tilelang.lower(func, target=TARGET).kernel_source
 
 

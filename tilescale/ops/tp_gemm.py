@@ -78,9 +78,13 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                                    dst_pe=peer, coalesced_width=vector)
                         T.signal(flags[rank], 1, pe=peer, op="add")
                 else:
-                    tile = b - push_blocks
-                    by = tile // n_tiles
-                    bx = tile % n_tiles
+                    # The tile index lives in a register: TVM 0.1.15's simplifier rewrote
+                    # ``(rank + (b - push_blocks) // tiles) % world`` into a wrong closed form
+                    # for even ranks (the wait then watched another segment's flag).
+                    tile = T.alloc_local((1,), "int32")
+                    tile[0] = b - push_blocks
+                    by = tile[0] // n_tiles
+                    bx = tile[0] % n_tiles
                     segment = (rank + by // m_tiles) % ranks
                     T.wait(flags[segment], "ge", arrived)
                     row = segment * padded_rows + (by % m_tiles) * BLOCK_M
@@ -89,7 +93,9 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     return main
 
 
-@jit
+# Without warp specialisation: with it, the epilogue (remote store and signal) runs only in
+# the consumer warpgroups, and the signal's leader thread (thread 0, a producer) never sends it.
+@jit(pass_configs={"tl.disable_warp_specialized": True})
 def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, stages: int):
     """Partial ``a @ W.T``; each output tile goes to its row owner(s)' ``recv[rank]``, then a signal.
 
