@@ -203,11 +203,12 @@ def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _choose(plan: str | None, rows: int) -> str:
-    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else fused from ``FUSED_MIN_ROWS`` rows on.
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else the measured better one.
 
-    On GPUs the default is ``unfused`` for now: on 2 of 4 H200s the fused kernels gave rank 0
-    wrong all-gather GEMM results and a reduce-scatter hang while rank 1 was right (under
-    investigation; the CPU path is exact). ``plan="fused"`` still runs them.
+    On GPUs that is ``unfused``: on H200 the fused kernels are correct but 0.63-0.77x the
+    speed of NCCL + cuBLAS at every benchmark shape (``benchmarks/results/tp-gemm-*-x4-*``),
+    because TileLang's GEMM runs at about 75% of cuBLAS and the pushers take SMs from it.
+    Elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` rows on.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
