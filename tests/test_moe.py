@@ -69,3 +69,19 @@ def test_grouping_kernel_lowers_to_vector_copies_and_compiles(tmp_path):
     assert "uint4" in src and "position[" in src
     proc = nvcc(src, tmp_path / "group_rows.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_nvcc
+@pytest.mark.parametrize("name", ["route", "count", "place"])
+def test_scan_kernels_lower_and_compile(name, tmp_path):
+    kernels = {"route": lambda: moe.route_kernel.__wrapped__(2, 4096, 8, 128),
+               "count": lambda: moe.count_hits_kernel.__wrapped__(2, 4096, 8, 128),
+               "place": lambda: moe.place_hits_kernel.__wrapped__(2, 4096, 8, 128, 81920)}
+    with build_options(world_size=2):
+        func = kernels[name]()
+    src = lower_cuda(func)
+    assert "cumsum" in src.lower() or "scan" in src.lower()  # the block-wide scan of hit flags
+    proc = nvcc(src, tmp_path / f"{name}.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -193,6 +193,8 @@ class _Block:
         if buf.scope() != "global":
             return
         for d, (i, n) in enumerate(zip(idx, t.shape, strict=True)):
+            if isinstance(i, torch.Tensor) and i.numel() == 0:  # a masked store that stores nothing
+                continue
             lo, hi = (int(i.min()), int(i.max())) if isinstance(i, torch.Tensor) else (int(i), int(i))
             if lo < 0 or hi >= n:
                 bad = lo if lo < 0 else hi
@@ -277,6 +279,15 @@ class _Block:
         view, _ = self._window(*self.region(region_call))
         if view is not None:
             view.fill_(self.eval(value))
+
+    def cumsum(self, args: list[Any]) -> None:
+        """``T.cumsum(src, dst, dim, reverse)`` on shared tiles: an inclusive scan."""
+        src, _ = self._window(*self.region(args[0]))
+        dst, _ = self._window(*self.region(args[1]))
+        dim, reverse = int(self.eval(args[2])), bool(self.eval(args[3]))
+        values = src.flip(dim) if reverse else src
+        scanned = torch.cumsum(values, dim=dim)
+        dst.copy_(scanned.flip(dim) if reverse else scanned)
 
     def gemm(self, args: list[Any]) -> None:
         a = self._whole(args[0])
@@ -530,6 +541,8 @@ class _Block:
             self.gemm(args)
         elif name == "tl.tileop.reduce":
             self.reduce(args)
+        elif name == "tl.tileop.cumsum":
+            self.cumsum(args)
         elif name == "tl.tileop.atomicadd":
             self.atomic_add(args[0], args[1])
         elif name == "tirx.call_extern":
