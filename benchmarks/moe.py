@@ -178,7 +178,8 @@ def main() -> None:
     report.print_table()
     layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
                                          "layer_speedup"])
-    layer.add(measure_layer(SMALL_LAYER if args.small else LAYER, args.iters))
+    with torch.no_grad():  # inference: both layers without autograd bookkeeping
+        layer.add(measure_layer(SMALL_LAYER if args.small else LAYER, args.iters))
     layer.print_table()
     layer.save()
     report.save()

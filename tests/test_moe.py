@@ -29,6 +29,17 @@ def test_dispatch_combine_match_reference(n):
         assert f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {4 * n}); got" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_moe_layer_gradients_match_autograd(n):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", "tests/ranks/moe_backward_check.py"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("MOE-GRAD-OK") == n  # input, router, both expert weights, every rank
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc

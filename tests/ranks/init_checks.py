@@ -26,7 +26,7 @@ def main() -> None:
     raises(RuntimeError, lambda: ts.zeros((2,)), "init")
     raises(RuntimeError, ts.rank, "init")
 
-    raises(NotImplementedError, lambda: ts.init(backend="nvshmem"), "nvshmem")
+    raises(ValueError, lambda: ts.init(backend="nvshmem", device="cpu"), "nvshmem", "cuda")
     assert not ts.is_initialized()
     raises(ValueError, lambda: ts.init(backend="no-such-backend"), "no-such-backend", "host_shm")
     assert not ts.is_initialized()

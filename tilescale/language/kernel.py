@@ -16,7 +16,7 @@ from typing import Any
 import tilelang.language as tl
 from tvm import tirx
 
-from tilescale.language.scale import BuildContext, building
+from tilescale.language.scale import ADDRESS, BuildContext, _state, building
 from tilescale.language.sync import PRELUDE
 
 
@@ -29,7 +29,11 @@ def Kernel(*blocks: int | tirx.PrimExpr, threads: int | list[int] | tuple[int, .
         with T.Kernel(T.ceildiv(M, 64), threads=128) as bx:
             ...
     """
-    return tl.Kernel(*blocks, threads=threads, prelude=PRELUDE + (prelude or ""), cluster_dims=cluster_dims)
+    ctx = getattr(_state, "context", None)
+    lowering = ctx.lowering if ctx is not None else None
+    device_calls = lowering.prelude if lowering is not None else ""
+    return tl.Kernel(*blocks, threads=threads, prelude=PRELUDE + device_calls + (prelude or ""),
+                     cluster_dims=cluster_dims)
 
 
 Kernel.__dict__.update(tl.Kernel.__dict__)  # keep TileLang's launch-factory mark
@@ -37,7 +41,7 @@ Kernel.__dict__.update(tl.Kernel.__dict__)  # keep TileLang's launch-factory mar
 
 def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc:
     if not ctx.peer_tables and not ctx.scalars and ctx.sync is None:
-        return func
+        return func if ctx.remote == ADDRESS else func.with_attr("tilescale.remote", ctx.remote)
     params = list(func.params)
     buffer_map = dict(func.buffer_map)
     arguments = list(buffer_map.values())
@@ -62,6 +66,7 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
         hidden[name] = ""
     out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
     out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
+    out = out.with_attr("tilescale.remote", ctx.remote)
     if hasattr(func, "orig_func"):
         out.orig_func = func.orig_func
     return out

@@ -13,10 +13,16 @@ pipelining) and offsets and peers may be runtime values.
 
 ``dst_cta``/``src_cta`` do the same between the shared-memory tiles of the blocks of a
 thread-block cluster (see ``tilescale.language.cluster``).
+
+Kernels built with ``build_options(remote="nvshmem")`` lower a remote copy to one call of
+the backend's block-level put or get (``tilescale.comm.base.DeviceLowering``) on this
+rank's address of the symmetric tensor: both sides must then be contiguous (whole
+trailing dimensions) and of constant size, and the local side global or shared memory.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import tilelang.language as tl
@@ -26,8 +32,13 @@ from tilescale.language.cluster import on_peer_cta
 from tilescale.language.scale import current_context
 
 
-def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.Buffer:
-    """A view of rank ``pe``'s copy of the symmetric kernel argument ``buf``."""
+def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
+    """Raise unless ``buf`` can live on other ranks and a constant ``pe`` is a rank of the job.
+
+    Example::
+
+        check_remote(flags, peer, "T.signal's flag")
+    """
     if buf.scope() != "global":
         raise TypeError(
             f"{what} '{buf.name}' is a {buf.scope()} buffer; only global tensor arguments of the "
@@ -38,7 +49,12 @@ def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.
         raise IndexError(f"{what} '{buf.name}': peer {pe} out of range for world size {ctx.world}")
     if isinstance(pe, tirx.IntImm) and not 0 <= pe.value < ctx.world:
         raise IndexError(f"{what} '{buf.name}': peer {pe.value} out of range for world size {ctx.world}")
-    table = ctx.peer_table(buf)
+
+
+def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.Buffer:
+    """A view of rank ``pe``'s copy of the symmetric kernel argument ``buf``."""
+    check_remote(buf, pe, what)
+    table = current_context().peer_table(buf)
     strides = list(buf.strides) if len(buf.strides) else None
     return tl.make_tensor_from_addr(table[pe], list(buf.shape), str(buf.dtype), strides=strides)
 
@@ -51,6 +67,62 @@ def _on_peer(region: Any, pe: int | tirx.PrimExpr, what: str) -> Any:
     if isinstance(region, tirx.BufferRegion):
         return tirx.BufferRegion(remote_buffer(region.buffer, pe, what), region.region)
     raise TypeError(f"{what} must be a tensor, a tensor element or a tensor region; got {type(region).__name__}")
+
+
+def _extents(region: Any) -> tuple[tirx.Buffer, list[tirx.PrimExpr], list[int] | None]:
+    """(buffer, start indices, extents) of a copy operand; extents None for a single element."""
+    if isinstance(region, tirx.Buffer):
+        return region, [tirx.IntImm("int32", 0) for _ in region.shape], [_const(d, region) for d in region.shape]
+    if isinstance(region, tirx.BufferRegion):
+        return region.buffer, [r.min for r in region.region], [_const(r.extent, region.buffer) for r in region.region]
+    if isinstance(region, tirx.BufferLoad):
+        return region.buffer, list(region.indices), None
+    raise TypeError(f"T.copy operands must be tensors, tensor elements or regions; got {type(region).__name__}")
+
+
+def _const(extent: tirx.PrimExpr, buf: tirx.Buffer) -> int:
+    if not isinstance(extent, (int, tirx.IntImm)):
+        raise NotImplementedError(f"remote copy of '{buf.name}' through NVSHMEM calls needs constant extents, "
+                                  f"got {extent}")
+    return int(extent)
+
+
+def _contiguous(buf: tirx.Buffer, extents: list[int]) -> bool:
+    """Whether a box of ``extents`` is one run of memory in row-major ``buf``: ones, then at most
+    one partial dimension, then whole dimensions."""
+    if len(buf.strides):
+        return False
+    shape = [int(d) if isinstance(d, tirx.IntImm) else None for d in buf.shape]
+    dims = list(zip(extents, shape, strict=True))
+    first = next((i for i, (e, _) in enumerate(dims) if e != 1), len(dims))
+    return all(e == d for e, d in dims[first + 1:])
+
+
+def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.PrimExpr:
+    """A remote copy as one block-level put (``put``) or get of the backend's device lowering."""
+    lowering = current_context().lowering
+    (sbuf, smin, sext), (dbuf, dmin, dext) = _extents(src), _extents(dst)
+    remote, local = (dbuf, sbuf) if put else (sbuf, dbuf)
+    check_remote(remote, pe, "T.copy destination" if put else "T.copy source")
+    if local.scope() not in ("global", "shared", "shared.dyn"):
+        raise TypeError(f"T.copy through NVSHMEM calls: the local side '{local.name}' is {local.scope()} memory; "
+                        "stage it through shared or global memory (the NVSHMEM call reads or writes it by address)")
+    if sext is None and dext is None:
+        sext = dext = [1] * len(sbuf.shape)
+    sext = sext if sext is not None else [1] * (len(sbuf.shape) - len(dext)) + dext[-len(sbuf.shape):]
+    dext = dext if dext is not None else [1] * (len(dbuf.shape) - len(sext)) + sext[-len(dbuf.shape):]
+    count = math.prod(sext)
+    if count != math.prod(dext):
+        raise ValueError(f"T.copy through NVSHMEM calls: {sbuf.name}{sext} and {dbuf.name}{dext} differ in size")
+    for buf, ext in ((sbuf, sext), (dbuf, dext)):
+        if not _contiguous(buf, ext):
+            raise NotImplementedError(
+                f"T.copy through NVSHMEM calls: the {ext} box of '{buf.name}' {list(buf.shape)} is not one contiguous "
+                "run (copy whole trailing dimensions, or one row per call)"
+            )
+    nbytes = count * tirx.DataType(str(sbuf.dtype)).bits // 8
+    dst_addr, src_addr = tl.address_of(tirx.BufferLoad(dbuf, dmin)), tl.address_of(tirx.BufferLoad(sbuf, smin))
+    return tl.call_extern("handle", lowering.put if put else lowering.get, dst_addr, src_addr, nbytes, pe)
 
 
 def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
@@ -72,6 +144,8 @@ def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
     if len(remote) > 1:
         raise ValueError(f"T.copy takes one remote side (dst_pe or src_pe, not both; or dst_cta or src_cta), got "
                          f"{', '.join(remote)}: one side of a copy is local")
+    if (dst_pe is not None or src_pe is not None) and current_context().lowering is not None:
+        return _call_copy(src, dst, dst_pe if dst_pe is not None else src_pe, put=dst_pe is not None)
     if dst_pe is not None:
         dst = _on_peer(dst, dst_pe, "T.copy destination")
     elif src_pe is not None:

@@ -25,6 +25,7 @@ kernel's signature and ``tilescale.jit`` binds on every call.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import threading
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ import tilelang.language as tl
 from tilelang.language.kernel import KernelLaunchFrame
 from tvm import tirx
 
+from tilescale.comm.base import DeviceLowering
 from tilescale.runtime import is_initialized, world_size
 
 SCALES = ("device", "cta_cluster", "warpgroup", "warp")
@@ -47,6 +49,9 @@ STATUS_PARAM = "ts_status"
 TIMEOUT_PARAM = "ts_timeout_ns"
 SYNC_TABLE_PARAM = "ts_sync_peers"
 PEER_TABLE_SUFFIX = "__peers"
+# The default lowering of remote operations, and the ones a DeviceLowering provides.
+ADDRESS = "address"
+REMOTE_LOWERINGS = {"nvshmem": ("tilescale.language.nvshmem", "NVSHMEM_LOWERING")}
 
 
 @dataclass
@@ -59,6 +64,9 @@ class BuildContext:
     scalars: dict[str, tirx.Var] = field(default_factory=dict)
     sync: tirx.Buffer | None = None
     _world: int | None = None
+    # How remote operations lower: "address" (loads/stores through peer tables) or a
+    # DeviceLowering's name (set by build_options(remote=...); see tilescale.comm.base).
+    remote: str = field(default_factory=lambda: getattr(_state, "remote", None) or ADDRESS)
 
     @property
     def world(self) -> int:
@@ -84,6 +92,14 @@ class BuildContext:
             table = tirx.decl_buffer((self.world,), "int64", name=param.name + PEER_TABLE_SUFFIX)
             self.peer_tables[param.name] = (param, table)
         return self.peer_tables[param.name][1]
+
+    @property
+    def lowering(self) -> DeviceLowering | None:
+        """The device calls remote operations lower to, or None for the address lowering."""
+        if self.remote == ADDRESS:
+            return None
+        module, name = REMOTE_LOWERINGS[self.remote]
+        return getattr(importlib.import_module(module), name)
 
     def sync_table(self) -> tirx.Buffer:
         """Addresses of the runtime's barrier workspace on every rank."""
@@ -116,22 +132,31 @@ def _build_world_size() -> int:
 
 
 @contextlib.contextmanager
-def build_options(world_size: int) -> Iterator[None]:
-    """Build kernels for ``world_size`` ranks without a running job (e.g. to inspect lowering).
+def build_options(world_size: int | None = None, remote: str | None = None) -> Iterator[None]:
+    """Build kernels for ``world_size`` ranks without a running job (e.g. to inspect lowering),
+    and/or with remote operations lowered to a one-sided library's device calls.
 
     Example::
 
         with build_options(world_size=8):
             kernel = tilelang.lower(my_prim_func_factory(...), target="cuda")
+        with build_options(world_size=16, remote="nvshmem"):   # NVSHMEM calls, not peer addresses
+            func = my_prim_func_factory(...)
+
+    ``remote`` is ``"address"`` (the default: loads and stores through peer addresses) or
+    ``"nvshmem"`` (see ``tilescale.language.nvshmem``); None keeps the enclosing setting.
     """
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    saved = getattr(_state, "world_size", None)
-    _state.world_size = world_size
+    if remote not in (None, ADDRESS, *REMOTE_LOWERINGS):
+        raise ValueError(f"remote must be one of {[ADDRESS, *REMOTE_LOWERINGS]}, got {remote!r}")
+    saved = getattr(_state, "world_size", None), getattr(_state, "remote", None)
+    _state.world_size = world_size if world_size is not None else saved[0]
+    _state.remote = remote if remote is not None else saved[1]
     try:
         yield
     finally:
-        _state.world_size = saved
+        _state.world_size, _state.remote = saved
 
 
 @contextlib.contextmanager

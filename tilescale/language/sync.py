@@ -34,7 +34,7 @@ import tilelang.language as tl
 from tvm import tirx
 
 from tilescale.language.cluster import cluster_barrier
-from tilescale.language.remote import remote_buffer
+from tilescale.language.remote import check_remote, remote_buffer
 from tilescale.language.scale import STATUS_PARAM, TIMEOUT_PARAM, current_context
 
 COMPARISONS = {"eq": 0, "ne": 1, "ge": 2, "gt": 3, "le": 4, "lt": 5}
@@ -90,6 +90,21 @@ __device__ __forceinline__ bool compare(int cmp, int observed, int expected) {
   }
 }
 
+// The first wait of the job to time out records what it waited for; the host reads it.
+__device__ __forceinline__ void report_timeout(long long status_addr, const int* addr, int cmp, int expected,
+                                               int observed, int rank, int kind) {
+  volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
+  unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
+  if (atomicCAS(state, 0ull, 2ull) == 0ull) {
+    status[1] = rank; status[2] = block_id(); status[3] = (long long)addr;
+    status[4] = cmp; status[5] = expected; status[6] = observed; status[7] = kind;
+    __threadfence_system();
+    status[0] = 1;
+    __threadfence_system();
+    // No printf here: a device-side call would serialise wgmma pipelines in GEMM kernels.
+  }
+}
+
 // Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
 // the job has already timed out (then the status record tells the host what happened).
 template <bool kSystem>
@@ -113,15 +128,7 @@ __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, lon
     if ((i & 1023u) == 0) {
       if (status[0] != 0) return false;
       if ((long long)(now_ns() - start) > timeout_ns) {
-        unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
-        if (atomicCAS(state, 0ull, 2ull) == 0ull) {
-          status[1] = rank; status[2] = block_id(); status[3] = (long long)addr;
-          status[4] = cmp; status[5] = expected; status[6] = observed; status[7] = kind;
-          __threadfence_system();
-          status[0] = 1;
-          __threadfence_system();
-          // No printf here: a device-side call would serialise wgmma pipelines in GEMM kernels.
-        }
+        report_timeout(status_addr, addr, cmp, expected, observed, rank, kind);
         return false;
       }
     }
@@ -235,6 +242,12 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     if op not in SIGNAL_OPS:
         raise ValueError(f"T.signal op must be one of {sorted(SIGNAL_OPS)}, got {op!r}")
     flag = _int32_flag(flag, "T.signal")
+    lowering = current_context().lowering
+    if lowering is not None:  # NVSHMEM calls: this rank's address of the flag, and the peer
+        if pe is not None:
+            check_remote(flag.buffer, pe, "T.signal's flag")
+        target = pe if pe is not None else current_context().rank
+        return tl.call_extern("handle", lowering.signal, tl.address_of(flag), value, SIGNAL_OPS[op], target)
     if pe is not None:
         flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
     return tl.call_extern("handle", "tilescale::block_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
@@ -252,13 +265,15 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.Pr
     if cmp not in COMPARISONS:
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
     flag = _int32_flag(flag, "T.wait")
-    return tl.call_extern("handle", "tilescale::block_wait", tl.address_of(flag), COMPARISONS[cmp], value,
+    lowering = current_context().lowering
+    return tl.call_extern("handle", lowering.wait if lowering is not None else "tilescale::block_wait", tl.address_of(flag), COMPARISONS[cmp], value,
                           *_status_args())
 
 
 def fence() -> tirx.PrimExpr:
     """Order this block's earlier global writes (local, remote, TMA) before its later ones, system-wide."""
-    return tl.call_extern("handle", "tilescale::block_fence")
+    lowering = current_context().lowering
+    return tl.call_extern("handle", lowering.fence if lowering is not None else "tilescale::block_fence")
 
 
 def barrier() -> tirx.PrimExpr:
@@ -292,4 +307,5 @@ def barrier() -> tirx.PrimExpr:
         )
     table = ctx.sync_table()
     status, rank, timeout = _status_args()
-    return tl.call_extern("handle", "tilescale::grid_barrier", table.data, rank, ctx.world, status, timeout)
+    name = ctx.lowering.barrier if ctx.lowering is not None else "tilescale::grid_barrier"
+    return tl.call_extern("handle", name, table.data, rank, ctx.world, status, timeout)

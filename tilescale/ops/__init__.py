@@ -2,7 +2,7 @@
 
 from tilescale.ops.collectives import all_gather, all_reduce, reduce_scatter
 from tilescale.ops.grouped_gemm import grouped_gemm
-from tilescale.ops.moe import moe_combine, moe_dispatch
+from tilescale.ops.moe import moe_combine, moe_dispatch, moe_redispatch
 from tilescale.ops.p2p import get, put
 from tilescale.ops.tp_gemm import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
@@ -16,6 +16,7 @@ __all__ = [
     "grouped_gemm",
     "moe_combine",
     "moe_dispatch",
+    "moe_redispatch",
     "put",
     "reduce_scatter",
 ]

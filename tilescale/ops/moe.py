@@ -296,17 +296,20 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
 
 @dataclass
 class DispatchHandle:
-    """What combine needs to send rows back and sum them: returned by :func:`moe_dispatch`."""
+    """What combine (and a re-dispatch along the same routes) needs: returned by :func:`moe_dispatch`."""
 
     tokens: int
+    topk_idx: torch.Tensor  # (tokens, topk) int32 expert ids this rank dispatched
+    topk_w: torch.Tensor  # (tokens, topk) float32 their routing weights
     dest: torch.Tensor  # (world * tokens,) destination rank of pair (rank r, token t) at r * tokens + t, or -1
     slot: torch.Tensor  # (world * tokens,) the pair's slot at its destination
+    send_counts: torch.Tensor  # (world,) rows sent to each rank
     recv_counts: torch.Tensor  # (world,) rows received from each rank
     position: torch.Tensor  # (world * tokens, topk) grouped row of each received row's local experts, -1 if none
     offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
-    row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for padding past the last
+    row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
     source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
-    buffers: "_Buffers"  # the receive buffers this dispatch used (combine answers through the same set)
+    set_index: int  # which of the two receive-buffer sets the dispatch used (combine answers through it)
     low_latency: bool
 
 
@@ -426,34 +429,70 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     per_rank = num_experts // world
-    ex = _exchange(tokens, hidden, topk, x.dtype)
-    if low_latency:
-        ex.low_latency_calls += 1
-    buf = ex.sets[ex.low_latency_calls % 2]
     dev = x.device
 
     # Layout: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
     # order among this rank's tokens going to r.
     idx = topk_idx.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
     dest = torch.empty(world * tokens, dtype=torch.int32, device=dev)
     slot = torch.empty(world * tokens, dtype=torch.int32, device=dev)
     send_counts = torch.empty(world, dtype=torch.int32, device=dev)
     route_kernel(world, tokens, topk, per_rank)(idx, dest, slot, send_counts)
+    buf, set_index = _send(x, idx, weights, dest, slot, send_counts, low_latency)
 
+    position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
+    recv_x = _grouped(buf, position, row_expert.shape[0])
+    handle = DispatchHandle(tokens, idx, weights, dest, slot, send_counts, buf.counts.clone(), position, offsets,
+                            row_expert, source_row, set_index, low_latency)
+    return recv_x, recv_w, counts, handle
+
+
+def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Send the rows of ``x`` along the routes of an earlier dispatch, grouped as it grouped them.
+
+    Example::
+
+        recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts)
+        grad_rows = ts.ops.moe_redispatch(grad_y, handle)   # the backward of moe_combine
+
+    ``x`` is (tokens, any hidden), one row per token of this rank; the result is (rows,
+    hidden) in the dispatch's grouped layout (rows holding no token are undefined). Uses the
+    normal (barrier) exchange whatever mode the dispatch used.
+    """
+    check_input(x, "x")
+    if x.dim() != 2 or x.shape[0] != handle.tokens:
+        raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
+    check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
+    buf, _ = _send(x, handle.topk_idx, handle.topk_w, handle.dest, handle.slot, handle.send_counts, False)
+    return _grouped(buf, handle.position, handle.row_expert.shape[0])
+
+
+def _send(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor,
+          send_counts: torch.Tensor, low_latency: bool) -> tuple[_Buffers, int]:
+    """Rows, expert ids and weights of every pair into the destinations' receive buffers."""
+    world = runtime.world_size()
+    (tokens, hidden), topk = x.shape, idx.shape[1]
+    ex = _exchange(tokens, hidden, topk, x.dtype)
+    if low_latency:
+        ex.low_latency_calls += 1
+    set_index = ex.low_latency_calls % 2
+    buf = ex.sets[set_index]
     sms = sm_count()
     kernel = dispatch_kernel(world, tokens, hidden, topk, tl_dtype(x), sms, low_latency)
     arrived = ex.low_latency_calls * exchange_blocks(world, tokens, sms)  # every block of every rank, every call
-    kernel(x, idx, topk_weights.to(torch.float32).contiguous(), dest, slot, send_counts, buf.x, buf.idx, buf.w,
-           buf.counts, ex.dispatch_arrivals, arrived)
+    kernel(x, idx, weights, dest, slot, send_counts, buf.x, buf.idx, buf.w, buf.counts, ex.dispatch_arrivals,
+           arrived)
+    return buf, set_index
 
-    position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
-    rows = row_expert.shape[0]
-    recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-    group_rows_kernel(world, tokens, hidden, topk, rows, tl_dtype(x), sms)(buf.x.view(world * tokens, hidden),
-                                                                           position, recv_x)
-    handle = DispatchHandle(tokens, dest, slot, buf.counts.clone(), position, offsets, row_expert, source_row, buf,
-                            low_latency)
-    return recv_x, recv_w, counts, handle
+
+def _grouped(buf: _Buffers, position: torch.Tensor, rows: int) -> torch.Tensor:
+    """The received rows copied to their experts' grouped rows."""
+    world, tokens, hidden = buf.x.shape
+    out = torch.empty(rows, hidden, dtype=buf.x.dtype, device=buf.x.device)
+    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(buf.x), sm_count())
+    kernel(buf.x.view(world * tokens, hidden), position, out)
+    return out
 
 
 def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -475,9 +514,8 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
         raise ValueError(f"expert_out must be ({handle.row_expert.shape[0]}, hidden) and recv_weights "
                          f"({handle.row_expert.shape[0]},), got {tuple(expert_out.shape)} and "
                          f"{tuple(recv_weights.shape)}")
-    buf = handle.buffers
     topk = handle.position.shape[1]
-    ex = _exchange(tokens, hidden, topk, expert_out.dtype)
+    ex = _exchange(tokens, hidden, topk, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
     if handle.low_latency:
         ex.low_latency_combines += 1
     sms = sm_count()
@@ -485,5 +523,5 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
     arrived = ex.low_latency_combines * exchange_blocks(world, tokens, sms)
     out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
-           handle.dest, handle.slot, buf.back, out, ex.combine_arrivals, arrived)
+           handle.dest, handle.slot, ex.sets[handle.set_index].back, out, ex.combine_arrivals, arrived)
     return out
