@@ -1,16 +1,39 @@
-"""What a communication backend provides to tilescale.
+"""What a communication backend provides to tilescale: the backend interface.
 
-A backend owns symmetric memory: one allocation of the same size on every rank, each
-rank able to address every peer's copy directly. The language lowers a remote access to a
-load or store through the peer's address, so a backend that can hand out those addresses
-(CUDA IPC on one node, POSIX shared memory on a CPU) needs no device library at all.
-Backends whose peers are not load/store reachable (NVSHMEM across nodes) will add
-device-side lowering hooks to this interface.
+A backend owns symmetric memory: one allocation of the same size on every rank. What a
+backend must provide, and where tilescale uses it:
+
+1. **init / finalize**: ``__init__(group)`` joins the job's ranks (``group`` carries rank,
+   world size and a deadline-bounded ``exchange`` over the job's store, for bootstrap
+   data such as NVSHMEM's unique id); :meth:`CommBackend.finalize` releases everything,
+   allocations included, when ``tilescale.finalize`` runs.
+2. **symmetric allocation**: :meth:`CommBackend.allocate`, collective, zeroed memory that
+   every rank may write into as soon as the call returns.
+3. **peer reachability**: :class:`SymmetricAllocation` ``peer_ptrs[r]`` is rank r's copy
+   as an address this process can load from and store to, 0 where rank r is not
+   load/store reachable; ``peer(r)`` is the same memory as a torch tensor.
+4. **device-side lowering**: the lowerings of remote operations that kernels may use on
+   this backend's memory (:attr:`CommBackend.lowerings`, checked at launch by
+   :meth:`CommBackend.check_lowering`). ``"address"`` is the language's own: remote
+   copies, signals, waits and barriers become loads and stores through ``peer_ptrs``, so
+   a backend that hands out addresses (CUDA IPC on one node, POSIX shared memory on a
+   CPU) needs no device library. A backend whose peers are not all load/store reachable
+   also names a :class:`DeviceLowering`: CUDA helpers for put, get, signal, wait, fence
+   and barrier built on its one-sided library, and the compiler and linker flags they
+   need; kernels built with
+   ``build_options(remote=<name>)`` call those helpers instead (see
+   ``tilescale.language.nvshmem`` for NVSHMEM's).
+
+Adding another vendor's one-sided library is a new backend module registered in
+``tilescale.comm`` and, for peers without addresses, a new :class:`DeviceLowering`; the
+language itself does not change.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,11 +56,59 @@ class SymmetricAllocation(abc.ABC):
         """Rank ``rank``'s copy (``rank`` != own rank) as a uint8 tensor this process can read and write."""
 
 
+@dataclass(frozen=True)
+class DeviceLowering:
+    """How remote operations lower to a one-sided library's device calls (``build_options(remote=name)``).
+
+    Example (NVSHMEM's, in ``tilescale.language.nvshmem``)::
+
+        DeviceLowering("nvshmem", NVSHMEM_PRELUDE, put="tilescale::nvshmem_put_block", ...,
+                       compile_flags=nvshmem_compile_flags, link=nvshmem_link_flags)
+
+    ``prelude`` is CUDA source (after tilescale's own prelude) defining the helpers named
+    below, each a block-level operation that every thread of the block calls:
+
+    * ``put(dst, src, nbytes, pe)``: ``dst`` is this rank's address of a symmetric buffer,
+      ``src`` local (global or shared memory); non-blocking, ordered before the next signal.
+    * ``get(dst, src, nbytes, pe)``: ``src`` symmetric; the data is in ``dst`` on return.
+    * ``signal(flag, value, op, pe)``: int32 ``flag`` (symmetric) set (op 0) or added to
+      (op 1) on ``pe`` after this block's earlier puts are delivered there.
+    * ``wait(flag, cmp, value, status, rank, timeout_ns)``: bounded wait on this rank's flag,
+      reporting a timeout like ``tilescale::block_wait``.
+    * ``fence()``: this block's earlier puts are complete.
+    * ``barrier(workspace, rank, world, status, timeout_ns)``: every block of every rank.
+
+    ``compile_flags()`` are nvcc flags for the device compile (include paths, ``-rdc=true``),
+    ``link()`` the device-link inputs (``-L... -lnvshmem_device``).
+    """
+
+    name: str
+    prelude: str
+    put: str
+    get: str
+    signal: str
+    wait: str
+    fence: str
+    barrier: str
+    compile_flags: Callable[[], list[str]]
+    link: Callable[[], list[str]]
+
+
 class CommBackend(abc.ABC):
-    """Symmetric allocation and reachability for one process group."""
+    """Symmetric allocation and reachability for one process group.
+
+    Example (what ``tilescale.init`` and ``tilescale.empty`` do)::
+
+        backend = tilescale.comm.create("cuda_ipc", group, "cuda")
+        local, allocation = backend.allocate(4096, group.next_tag("alloc"))
+        backend.check_lowering("address")          # before launching an address-lowered kernel
+        backend.finalize()
+    """
 
     name: str
     device_type: str
+    # Lowerings of remote operations that kernels may use on this backend's memory (see module docs).
+    lowerings: tuple[str, ...] = ("address",)
 
     def __init__(self, group: Group):
         self.group = group
@@ -49,5 +120,20 @@ class CommBackend(abc.ABC):
         Returns this rank's copy as a uint8 tensor and the allocation describing all copies.
         """
 
+    def check_lowering(self, lowering: str) -> None:
+        """Raise unless kernels whose remote operations are lowered as ``lowering`` can run here.
+
+        Example::
+
+            backend.check_lowering("nvshmem")   # RuntimeError on cuda_ipc: no NVSHMEM heap
+        """
+        if lowering not in self.lowerings:
+            raise RuntimeError(
+                f"this kernel's remote operations are lowered as '{lowering}', which backend '{self.name}' cannot "
+                f"serve (it supports {', '.join(self.lowerings)}); "
+                + ("start the job with backend='nvshmem'" if lowering == "nvshmem" else "rebuild the kernel")
+            )
+
     def finalize(self) -> None:
-        """Release what the backend holds beyond its allocations."""
+        """Release what the backend holds beyond the memory the user's tensors keep alive (library
+        state; allocations too where their lifetime cannot follow the tensors, as on NVSHMEM)."""

@@ -33,6 +33,7 @@ from tvm import tirx
 
 from tilescale import runtime
 from tilescale.language.scale import (
+    ADDRESS,
     RANK_PARAM,
     STATUS_PARAM,
     SYNC_TABLE_PARAM,
@@ -100,6 +101,13 @@ class DistributedKernel:
                 "kernel accesses it on other ranks, so it must be a symmetric tensor passed in: drop it from out_idx"
             )
         self.grid_blocks = _grid_blocks(func)
+        self.remote = str(attrs.get("tilescale.remote", ADDRESS))
+        if self.remote != ADDRESS:
+            raise NotImplementedError(
+                f"kernels built with build_options(remote='{self.remote}') lower to device calls that tilelang "
+                "0.1.15's loaders cannot initialise yet (nvshmemx_cumodule_init on the loaded module); lower them "
+                "with tilelang.lower and link them with tilescale.language.nvshmem.build_cubin (comm/README.md)"
+            )
         if _runs_on_cpu(compile_kwargs):
             if outputs:
                 raise NotImplementedError("CPU path: out_idx is not supported; pass output tensors in")
@@ -119,6 +127,7 @@ class DistributedKernel:
         hidden arguments, with the index of the user argument where a peer table goes."""
         if self.world_size is not None and self.world_size != rt.group.world_size:
             raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
+        rt.backend.check_lowering(self.remote)
         if SYNC_TABLE_PARAM in self.hidden and rt.device.type == "cuda" and self.grid_blocks is not None:
             sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
             if self.grid_blocks > sms:

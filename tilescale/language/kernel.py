@@ -16,7 +16,7 @@ from typing import Any
 import tilelang.language as tl
 from tvm import tirx
 
-from tilescale.language.scale import ADDRESS, BuildContext, _state, building
+from tilescale.language.scale import ADDRESS, BuildContext, building, open_context
 from tilescale.language.sync import PRELUDE
 
 
@@ -29,7 +29,7 @@ def Kernel(*blocks: int | tirx.PrimExpr, threads: int | list[int] | tuple[int, .
         with T.Kernel(T.ceildiv(M, 64), threads=128) as bx:
             ...
     """
-    ctx = getattr(_state, "context", None)
+    ctx = open_context()
     lowering = ctx.lowering if ctx is not None else None
     device_calls = lowering.prelude if lowering is not None else ""
     return tl.Kernel(*blocks, threads=threads, prelude=PRELUDE + device_calls + (prelude or ""),
@@ -66,7 +66,8 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
         hidden[name] = ""
     out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
     out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
-    out = out.with_attr("tilescale.remote", ctx.remote)
+    if ctx.remote != ADDRESS:
+        out = out.with_attr("tilescale.remote", ctx.remote)
     if hasattr(func, "orig_func"):
         out.orig_func = func.orig_func
     return out

@@ -61,9 +61,8 @@ __device__ __forceinline__ void nvshmem_get_block(void* dst, const void* src, lo
 
 // A put and its uint64 NVSHMEM signal in one call: the signal lands after the data.
 __device__ __forceinline__ void nvshmem_put_signal_block(void* dst, const void* src, long long nbytes,
-                                                         unsigned long long* sig, unsigned long long value,
-                                                         int op, int pe) {
-  nvshmemx_putmem_signal_nbi_block(dst, src, (size_t)nbytes, (uint64_t*)sig, (uint64_t)value,
+                                                         uint64_t* sig, uint64_t value, int op, int pe) {
+  nvshmemx_putmem_signal_nbi_block(dst, src, (size_t)nbytes, sig, value,
                                    op == 0 ? NVSHMEM_SIGNAL_SET : NVSHMEM_SIGNAL_ADD, pe);
 }
 

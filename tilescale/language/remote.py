@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 import tilelang.language as tl
+import tvm
 from tvm import tirx
 
 from tilescale.language.cluster import on_peer_cta
@@ -90,9 +91,12 @@ def _const(extent: tirx.PrimExpr, buf: tirx.Buffer) -> int:
 def _contiguous(buf: tirx.Buffer, extents: list[int]) -> bool:
     """Whether a box of ``extents`` is one run of memory in row-major ``buf``: ones, then at most
     one partial dimension, then whole dimensions."""
-    if len(buf.strides):
-        return False
     shape = [int(d) if isinstance(d, tirx.IntImm) else None for d in buf.shape]
+    if len(buf.strides):
+        row_major = [math.prod(shape[i + 1:]) if None not in shape[i + 1:] else None for i in range(len(shape))]
+        strides = [int(st) if isinstance(st, tirx.IntImm) else None for st in buf.strides]
+        if None in strides or strides != row_major:
+            return False
     dims = list(zip(extents, shape, strict=True))
     first = next((i for i, (e, _) in enumerate(dims) if e != 1), len(dims))
     return all(e == d for e, d in dims[first + 1:])
@@ -120,7 +124,7 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
                 f"T.copy through NVSHMEM calls: the {ext} box of '{buf.name}' {list(buf.shape)} is not one contiguous "
                 "run (copy whole trailing dimensions, or one row per call)"
             )
-    nbytes = count * tirx.DataType(str(sbuf.dtype)).bits // 8
+    nbytes = count * tvm.DataType(str(sbuf.dtype)).bits // 8
     dst_addr, src_addr = tl.address_of(tirx.BufferLoad(dbuf, dmin)), tl.address_of(tirx.BufferLoad(sbuf, smin))
     return tl.call_extern("handle", lowering.put if put else lowering.get, dst_addr, src_addr, nbytes, pe)
 

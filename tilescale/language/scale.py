@@ -111,6 +111,17 @@ class BuildContext:
 _state = threading.local()
 
 
+def open_context() -> BuildContext | None:
+    """The build context of the ``T.prim_func`` being built, or None outside one.
+
+    Example::
+
+        ctx = open_context()
+        prelude = ctx.lowering.prelude if ctx is not None and ctx.lowering is not None else ""
+    """
+    return getattr(_state, "context", None)
+
+
 def current_context() -> BuildContext:
     """The build context of the ``T.prim_func`` being built (raises outside one)."""
     ctx = getattr(_state, "context", None)

@@ -266,7 +266,8 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.Pr
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
     flag = _int32_flag(flag, "T.wait")
     lowering = current_context().lowering
-    return tl.call_extern("handle", lowering.wait if lowering is not None else "tilescale::block_wait", tl.address_of(flag), COMPARISONS[cmp], value,
+    name = lowering.wait if lowering is not None else "tilescale::block_wait"
+    return tl.call_extern("handle", name, tl.address_of(flag), COMPARISONS[cmp], value,
                           *_status_args())
 
 

@@ -1,0 +1,261 @@
+"""The NVSHMEM backend and the NVSHMEM-call lowering, without a GPU.
+
+What runs here: the backend registry and its errors (no nvshmem4py, no GPU, unreachable
+peers), the lowering of remote operations to NVSHMEM device calls under
+``build_options(remote="nvshmem")`` (the generated source calls the prelude's helpers on
+this rank's symmetric addresses, with no peer tables), and, with nvcc and the pip NVSHMEM
+package, that the generated source compiles relocatably and device-links against
+``libnvshmem_device.a`` into an executable cubin. Running it needs GPUs (comm/README.md).
+
+No ``from __future__ import annotations`` here: TileLang evaluates the kernels' annotations.
+"""
+
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tilelang.env
+from cuda_build import NVCC, lower_cuda, needs_nvcc
+from tvm import tirx
+
+import tilescale.language as T
+from tilescale import comm
+from tilescale.comm.base import CommBackend
+from tilescale.comm.nvshmem import NvshmemAllocation, NvshmemBackend
+from tilescale.jit import DistributedKernel
+from tilescale.language import build_options
+from tilescale.language.nvshmem import NVSHMEM_LOWERING, build_cubin
+
+HAS_NVSHMEM_LIB = importlib.util.find_spec("nvidia.nvshmem") is not None
+needs_nvshmem_lib = pytest.mark.skipif(not HAS_NVSHMEM_LIB, reason='needs pip "nvidia-nvshmem-cu13==3.4.5"')
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+
+def put_signal_wait_get_barrier(fused: bool = False):
+    """Every remote operation once: put a shared tile, signal, wait, get it back, fence, barrier,
+    and (``fused``) a put-with-signal through the NVSHMEM prelude's helper."""
+
+    @T.prim_func
+    def main(src: T.Tensor((64, 256), "bfloat16"), dst: T.Tensor((128, 256), "bfloat16"),
+             flags: T.Tensor((8,), "int32"), sig: T.Tensor((8,), "uint64")):
+        with T.Kernel(2, threads=128) as bx:
+            with T.Scale("device") as (rank, world):
+                tile = T.alloc_shared((64, 256), "bfloat16")
+                T.copy(src, tile)
+                T.copy(tile, dst[bx * 64, 0], dst_pe=(rank + 1) % world)
+                T.signal(flags[bx], 1, pe=(rank + 1) % world, op="add")
+                T.wait(flags[bx], "ge", 1)
+                T.copy(dst[bx * 64, 0], tile, src_pe=(rank + world - 1) % world)
+                T.fence()
+                if fused:
+                    T.call_extern("handle", "tilescale::nvshmem_put_signal_block", T.address_of(dst[bx * 64, 0]),
+                                  T.address_of(tile[0, 0]), 512, T.address_of(sig[bx]), 1, 0, (rank + 1) % world)
+                T.barrier()
+
+    return main
+
+
+def fragment_put():
+    @T.prim_func
+    def main(dst: T.Tensor((64, 64), "float32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device") as (rank, world):
+                acc = T.alloc_fragment((64, 64), "float32")
+                T.clear(acc)
+                T.copy(acc, dst, dst_pe=(rank + 1) % world)
+
+    return main
+
+
+def strided_put():
+    @T.prim_func
+    def main(src: T.Tensor((64, 64), "float32"), dst: T.Tensor((128, 128), "float32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device") as (rank, world):
+                tile = T.alloc_shared((64, 64), "float32")
+                T.copy(src, tile)
+                T.copy(tile, dst[0, 0], dst_pe=(rank + 1) % world)  # 64 of 128 columns: 64 separate runs
+
+    return main
+
+
+@functools.cache
+def built(remote: str) -> tuple[tirx.PrimFunc, str]:
+    with build_options(world_size=4, remote=remote):
+        func = put_signal_wait_get_barrier(fused=remote == "nvshmem")
+    return func, lower_cuda(func)
+
+
+def kernel_body(src: str) -> str:
+    return src[src.index('extern "C" __global__'):]
+
+
+# --- 1. the backend registry and its errors --------------------------------------------------------
+
+
+def test_nvshmem_is_a_registered_cuda_backend():
+    with pytest.raises(ValueError, match="runs on cuda devices"):
+        comm.check("nvshmem", "cpu")
+
+
+def test_missing_nvshmem4py_is_named_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(comm, "_importable", lambda module: False)
+    with pytest.raises(ImportError, match=r"tilescale\[nvshmem\]"):
+        comm.check("nvshmem", "cuda")
+
+
+def test_backend_without_nvshmem4py_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvshmem", None)  # import nvshmem.core then fails
+    with pytest.raises(ImportError, match=r"pip install \"tilescale\[nvshmem\]\""):
+        NvshmemBackend(group=None)
+
+
+def test_backend_needs_a_gpu(monkeypatch):
+    if importlib.util.find_spec("nvshmem") is None:
+        pytest.skip("nvshmem4py not installed")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        NvshmemBackend(group=None)
+
+
+def test_address_lowering_is_refused_when_a_peer_has_no_address():
+    backend = object.__new__(NvshmemBackend)  # the checks need no NVSHMEM state
+    backend.group = type("G", (), {"rank": 0})()
+    backend.unreachable = []
+    backend.check_lowering("address")
+    backend.check_lowering("nvshmem")
+    backend.unreachable = [2, 3]
+    with pytest.raises(RuntimeError, match=r"ranks \[2, 3\].*build_options\(remote='nvshmem'\)"):
+        backend.check_lowering("address")
+
+
+def test_backends_without_nvshmem_refuse_nvshmem_kernels():
+    class Plain(CommBackend):
+        name = "cuda_ipc"
+
+        def allocate(self, nbytes, tag):
+            raise AssertionError
+
+    with pytest.raises(RuntimeError, match="backend='nvshmem'"):
+        Plain(None).check_lowering("nvshmem")
+
+
+def test_unreachable_peer_copy_has_no_view():
+    import torch
+
+    local = torch.zeros(16, dtype=torch.uint8)
+    alloc = NvshmemAllocation(local, [None, local, None], [0, local.data_ptr(), 0], rank=1)
+    assert alloc.peer_ptrs == [0, local.data_ptr(), 0] and alloc.nbytes == 16
+    assert alloc.peer(1) is local
+    with pytest.raises(RuntimeError, match="rank 2's copy is not load/store reachable"):
+        alloc.peer(2)
+
+
+# --- 2. lowering to NVSHMEM calls -------------------------------------------------------------------
+
+
+def test_remote_operations_lower_to_the_nvshmem_helpers():
+    func, src = built("nvshmem")
+    body = kernel_body(src)
+    assert str(func.attrs["tilescale.remote"]) == "nvshmem"
+    # Remote sides are this rank's symmetric addresses and a peer: no peer tables but the barrier's.
+    assert "__peers" not in body and "ts_sync_peers" in body
+    bf16_tile = 64 * 256 * 2
+    expected = [
+        rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[.*\]\)\), \(&\(tile\[0\]\)\), {bf16_tile}, \(\(ts_rank \+ 1\) & 3\)\)",
+        rf"{NVSHMEM_LOWERING.signal}\(\(&\(flags\[.*\]\)\), 1, 1, \(\(ts_rank \+ 1\) & 3\)\)",
+        rf"{NVSHMEM_LOWERING.wait}\(\(&\(flags\[.*\]\)\), 2, 1, ts_status, ts_rank, ts_timeout_ns\)",
+        rf"{NVSHMEM_LOWERING.get}\(\(&\(tile\[0\]\)\), \(&\(dst\[.*\]\)\), {bf16_tile}, \(\(ts_rank \+ 3\) & 3\)\)",
+        rf"{NVSHMEM_LOWERING.fence}\(\)",
+        r"tilescale::nvshmem_put_signal_block\(",
+        rf"{NVSHMEM_LOWERING.barrier}\(ts_sync_peers, ts_rank, 4, ts_status, ts_timeout_ns\)",
+    ]
+    positions = []
+    for pattern in expected:
+        m = re.search(pattern, body)
+        assert m, pattern
+        positions.append(m.start())
+    assert positions == sorted(positions), "calls out of program order"
+
+
+def test_the_prelude_brings_the_nvshmem_device_calls():
+    src = built("nvshmem")[1]
+    prelude = src[:src.index('extern "C" __global__')]
+    assert "#include <nvshmem.h>" in prelude and "#include <nvshmemx.h>" in prelude
+    for call in ("nvshmemx_putmem_nbi_block", "nvshmemx_getmem_block", "nvshmemx_putmem_signal_nbi_block",
+                 "nvshmem_int_atomic_add", "nvshmem_int_atomic_set", "nvshmem_int_test", "nvshmem_quiet"):
+        assert call + "(" in prelude, call
+
+
+def test_the_address_lowering_is_unchanged():
+    func, src = built("address")
+    assert "tilescale.remote" not in func.attrs
+    assert "nvshmem" not in src
+    assert "dst__peers" in kernel_body(src) and "flags__peers" in kernel_body(src)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "pattern"),
+    [
+        (fragment_put, TypeError, "local side 'acc' is local.fragment memory"),
+        (strided_put, NotImplementedError, r"\[64, 64\] box of 'dst' \[128, 128\] is not one contiguous run"),
+    ],
+)
+def test_nvshmem_copy_errors(build, error, pattern):
+    with build_options(world_size=2, remote="nvshmem"), pytest.raises(error, match=pattern):
+        build()
+
+
+def test_unknown_remote_lowering():
+    with pytest.raises(ValueError, match="remote must be one of"), build_options(remote="carrier-pigeon"):
+        pass
+
+
+def test_build_options_remote_nests_and_restores():
+    with build_options(world_size=2, remote="nvshmem"):
+        with build_options(world_size=4):
+            assert str(put_signal_wait_get_barrier().attrs["tilescale.remote"]) == "nvshmem"
+        with build_options(remote="address"):
+            assert "tilescale.remote" not in put_signal_wait_get_barrier().attrs
+    with build_options(world_size=2):
+        assert "tilescale.remote" not in put_signal_wait_get_barrier().attrs
+
+
+def test_the_jit_refuses_nvshmem_kernels_until_their_modules_can_be_initialised():
+    with pytest.raises(NotImplementedError, match="build_cubin"):
+        DistributedKernel(built("nvshmem")[0])
+
+
+# --- 3. nvcc compiles and device-links against the pip NVSHMEM ---------------------------------------
+
+
+@needs_nvcc
+@needs_nvshmem_lib
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generated_source_compiles_and_links_with_libnvshmem_device(tmp_path):
+    src = built("nvshmem")[1]
+    cubin = build_cubin(src, "sm_90a", tmp_path, [tilelang.env.TILELANG_TEMPLATE_PATH,
+                                                   tilelang.env.CUTLASS_INCLUDE_DIR], nvcc=NVCC)
+    data = cubin.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    if shutil.which("readelf") is None:
+        assert b"main_kernel" in data and b"nvshmemi_device_state_d" in data
+        return
+    header = subprocess.run(["readelf", "-hW", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "EXEC" in header  # linked: loadable with cuModuleLoadData
+    symbols = subprocess.run(["readelf", "-sW", str(cubin)], capture_output=True, text=True, check=True).stdout
+    defined, undefined = set(), set()
+    for line in symbols.splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and fields[4] == "GLOBAL":
+            (undefined if fields[-2] == "UND" else defined).add(fields[-1])
+    assert {"main_kernel", "nvshmemi_device_state_d"} <= defined  # the state nvshmemx_cumodule_init fills
+    # Left to the driver: printf and the reserved shared memory; nothing of NVSHMEM's.
+    assert undefined <= {"vprintf", ".nv.reservedSmem.offset0"}, undefined
