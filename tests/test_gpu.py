@@ -60,8 +60,18 @@ def test_non_symmetric_argument_is_refused():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("program", "marker", "count"),
-                         [("ops_check", "OPS-OK", 2), ("tp_gemm_check", " ok", 8), ("moe_check", "MOE-OK", 8)])
+                         [("ops_check", "OPS-OK", 2), ("tp_gemm_check", " ok", 8), ("moe_check", "MOE-OK", 8),
+                          ("moe_backward_check", "MOE-GRAD-OK", 2)])
 def test_rank_programs_of_the_cpu_suite_pass_on_gpus(program, marker, count):
     proc = run(str(RANKS / f"{program}.py"), timeout=550)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(marker) >= count
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example", ["cluster_splitk_gemm", "cluster_shared_operand_gemm"])
+def test_cluster_example_on_one_gpu(example):
+    proc = subprocess.run([sys.executable, f"examples/{example}.py"], capture_output=True, text=True, timeout=550,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "correct" in proc.stdout
