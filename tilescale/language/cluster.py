@@ -36,8 +36,6 @@ Rules, as in CUDA's distributed shared memory:
 
 from __future__ import annotations
 
-from typing import Any
-
 import tilelang.language as tl
 from tvm import tirx
 
@@ -78,17 +76,6 @@ def peer_tile(buf: tirx.Buffer, cta: int | tirx.PrimExpr, what: str) -> tirx.Buf
     address = tl.call_extern("int64", MAP_EXTERN, base, cta)
     strides = list(buf.strides) if len(buf.strides) else None
     return tl.make_tensor_from_addr(address, list(buf.shape), str(buf.dtype), strides=strides)
-
-
-def on_peer_cta(region: Any, cta: int | tirx.PrimExpr, what: str) -> Any:
-    """``region`` (a tile, an element or a region of it) in block ``cta`` of the cluster."""
-    if isinstance(region, tirx.Buffer):
-        return peer_tile(region, cta, what)
-    if isinstance(region, tirx.BufferLoad):
-        return tirx.BufferLoad(peer_tile(region.buffer, cta, what), region.indices)
-    if isinstance(region, tirx.BufferRegion):
-        return tirx.BufferRegion(peer_tile(region.buffer, cta, what), region.region)
-    raise TypeError(f"{what} must be a tile, a tile element or a tile region; got {type(region).__name__}")
 
 
 def cluster_barrier() -> tirx.PrimExpr:

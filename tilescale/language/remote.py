@@ -23,13 +23,14 @@ trailing dimensions) and of constant size, and the local side global or shared m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import tilelang.language as tl
 import tvm
 from tvm import tirx
 
-from tilescale.language.cluster import on_peer_cta
+from tilescale.language.cluster import peer_tile
 from tilescale.language.scale import current_context
 
 
@@ -60,14 +61,15 @@ def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.
     return tl.make_tensor_from_addr(table[pe], list(buf.shape), str(buf.dtype), strides=strides)
 
 
-def _on_peer(region: Any, pe: int | tirx.PrimExpr, what: str) -> Any:
+def _rebased(region: Any, view: Callable[[tirx.Buffer], tirx.Buffer], what: str, noun: str) -> Any:
+    """``region`` (a buffer, an element or a region of it) on the buffer ``view`` gives for its own."""
     if isinstance(region, tirx.Buffer):
-        return remote_buffer(region, pe, what)
+        return view(region)
     if isinstance(region, tirx.BufferLoad):
-        return tirx.BufferLoad(remote_buffer(region.buffer, pe, what), region.indices)
+        return tirx.BufferLoad(view(region.buffer), region.indices)
     if isinstance(region, tirx.BufferRegion):
-        return tirx.BufferRegion(remote_buffer(region.buffer, pe, what), region.region)
-    raise TypeError(f"{what} must be a tensor, a tensor element or a tensor region; got {type(region).__name__}")
+        return tirx.BufferRegion(view(region.buffer), region.region)
+    raise TypeError(f"{what} must be a {noun}, a {noun} element or a {noun} region; got {type(region).__name__}")
 
 
 def _extents(region: Any) -> tuple[tirx.Buffer, list[tirx.PrimExpr], list[int] | None]:
@@ -151,14 +153,14 @@ def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
     if (dst_pe is not None or src_pe is not None) and current_context().lowering is not None:
         return _call_copy(src, dst, dst_pe if dst_pe is not None else src_pe, put=dst_pe is not None)
     if dst_pe is not None:
-        dst = _on_peer(dst, dst_pe, "T.copy destination")
+        dst = _rebased(dst, lambda b: remote_buffer(b, dst_pe, "T.copy destination"), "T.copy destination", "tensor")
     elif src_pe is not None:
-        src = _on_peer(src, src_pe, "T.copy source")
+        src = _rebased(src, lambda b: remote_buffer(b, src_pe, "T.copy source"), "T.copy source", "tensor")
     elif dst_cta is not None or src_cta is not None:
         if dst_cta is not None:
-            dst = on_peer_cta(dst, dst_cta, "T.copy destination")
+            dst = _rebased(dst, lambda b: peer_tile(b, dst_cta, "T.copy destination"), "T.copy destination", "tile")
         else:
-            src = on_peer_cta(src, src_cta, "T.copy source")
+            src = _rebased(src, lambda b: peer_tile(b, src_cta, "T.copy source"), "T.copy source", "tile")
         # A bulk (TMA) copy would take the peer's shared memory for global memory.
         kwargs["disable_tma"] = True
     return tl.copy(src, dst, **kwargs)
