@@ -1,6 +1,5 @@
 """The CPU execution path: examples with 2 and 4 ranks, and the debugging checks the GPU lacks."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -8,16 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cpu_jobs import run_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "ranks"
 
 
 def run(script: str, n: int, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", script],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
-    )
+    return run_cpu(script, n, env, timeout)
 
 
 @pytest.mark.timeout(300)

@@ -1,26 +1,17 @@
 """MoE dispatch/combine: CPU path with 2 and 4 ranks against a reference; CUDA lowering and nvcc."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from cpu_jobs import run_cpu
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import moe
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_dispatch_combine_match_reference(n):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", "tests/ranks/moe_check.py"],
-        capture_output=True, text=True, timeout=280, cwd=ROOT, env=dict(os.environ),
-    )
+    proc = run_cpu("tests/ranks/moe_check.py", n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("MOE-OK") == 7 * n  # topk 1/2/8, skewed routing, low-latency mode; every rank
     assert proc.stdout.count("received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0 receives
@@ -32,10 +23,7 @@ def test_dispatch_combine_match_reference(n):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_moe_layer_gradients_match_autograd(n):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", "tests/ranks/moe_backward_check.py"],
-        capture_output=True, text=True, timeout=280, cwd=ROOT, env=dict(os.environ),
-    )
+    proc = run_cpu("tests/ranks/moe_backward_check.py", n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("MOE-GRAD-OK") == n  # input, router, both expert weights, every rank
 

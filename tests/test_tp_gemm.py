@@ -1,31 +1,21 @@
 """Fused TP GEMMs and TP layers: CPU-path correctness with 2 and 4 ranks, CUDA lowering and nvcc."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cpu_jobs import run_cpu
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
 
-ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "ranks"
-
-
-def run(script: str, n: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", script],
-        capture_output=True, text=True, timeout=280, cwd=ROOT, env={**os.environ, **(env or {})},
-    )
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_fused_tp_gemms_match_torch(n):
-    proc = run(str(RANKS / "tp_gemm_check.py"), n)
+    proc = run_cpu(str(RANKS / "tp_gemm_check.py"), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("(130, 64, 200) ok") == 2 * n  # fp16 and bf16, every rank
     assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
@@ -35,7 +25,7 @@ def test_fused_tp_gemms_match_torch(n):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_mlp_training_on_fused_ops_matches_reference(n):
-    proc = run("examples/tp_mlp_training.py", n, env={"TILESCALE_TP_PLAN": "fused"})
+    proc = run_cpu("examples/tp_mlp_training.py", n, env={"TILESCALE_TP_PLAN": "fused"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TP MLP training correct: matches the single-process reference") == n
 

@@ -125,9 +125,8 @@ class _GroupedGemm(torch.autograd.Function):
         d_out = torch.where(valid, d_out, 0).contiguous()
         d_x = ops.grouped_gemm(d_out, w.transpose(1, 2).contiguous(), handle.row_expert)
         d_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        counts = (handle.row_expert[:, None] == torch.arange(w.shape[0], device=w.device)).sum(0)
         # One host read for the segment bounds: a weight gradient is one GEMM per expert.
-        for e, (start, n) in enumerate(zip(handle.offsets.tolist(), counts.tolist(), strict=True)):
+        for e, (start, n) in enumerate(zip(handle.offsets.tolist(), handle.counts.tolist(), strict=True)):
             if n:
                 d_w[e] = d_out[start:start + n].float().T @ x[start:start + n].float()
         return d_x, d_w.to(w.dtype), None

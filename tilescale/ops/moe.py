@@ -146,9 +146,9 @@ def route_kernel(world: int, tokens: int, topk: int, per_rank: int):
 
 
 @T.macro
-def _expert_hits(idx, recv_counts, flags, chunk, expert, tokens, topk, entries):
+def _expert_hits(idx, recv_counts, flags, prefix, chunk, expert, tokens, topk, entries):
     """flags[j] = 1 where entry ``chunk * SCAN_CHUNK + j`` of the received (source, token, k)
-    expert ids names local expert ``expert`` of a row that arrived."""
+    expert ids names local expert ``expert`` of a row that arrived; prefix: their running count."""
     for j in T.Parallel(SCAN_CHUNK):
         flags[j] = T.if_then_else(
             (chunk * SCAN_CHUNK + j < entries)
@@ -156,6 +156,7 @@ def _expert_hits(idx, recv_counts, flags, chunk, expert, tokens, topk, entries):
             and ((chunk * SCAN_CHUNK + j) // topk % tokens
                  < recv_counts[T.min(chunk * SCAN_CHUNK + j, entries - 1) // (topk * tokens)]),
             1, 0)
+    T.cumsum(src=flags, dst=prefix, dim=0)
 
 
 @jit
@@ -173,8 +174,7 @@ def count_hits_kernel(world: int, tokens: int, topk: int, per_rank: int):
                 total = T.alloc_local((1,), "int32")
                 total[0] = 0
                 for c in T.serial(T.ceildiv(entries, SCAN_CHUNK)):
-                    _expert_hits(idx, recv_counts, flags, c, rank * per_rank + e, tokens, topk, entries)
-                    T.cumsum(src=flags, dst=prefix, dim=0)
+                    _expert_hits(idx, recv_counts, flags, prefix, c, rank * per_rank + e, tokens, topk, entries)
                     total[0] = total[0] + prefix[SCAN_CHUNK - 1]
                 counts[e] = total[0]
 
@@ -203,8 +203,7 @@ def place_hits_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: i
                     start[0] = start[0] + T.ceildiv(counts[f], ROW_TILE) * ROW_TILE
                 offsets[e] = start[0]
                 for c in T.serial(T.ceildiv(entries, SCAN_CHUNK)):
-                    _expert_hits(idx, recv_counts, flags, c, rank * per_rank + e, tokens, topk, entries)
-                    T.cumsum(src=flags, dst=prefix, dim=0)
+                    _expert_hits(idx, recv_counts, flags, prefix, c, rank * per_rank + e, tokens, topk, entries)
                     for j in T.Parallel(SCAN_CHUNK):
                         if flags[j] == 1:
                             position[c * SCAN_CHUNK + j] = start[0] + prefix[j] - 1
@@ -306,6 +305,7 @@ class DispatchHandle:
     send_counts: torch.Tensor  # (world,) rows sent to each rank
     recv_counts: torch.Tensor  # (world,) rows received from each rank
     position: torch.Tensor  # (world * tokens, topk) grouped row of each received row's local experts, -1 if none
+    counts: torch.Tensor  # (local_experts,) grouped rows holding tokens of each local expert
     offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
     row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
     source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
@@ -443,8 +443,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
     position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
     recv_x = _grouped(buf, position, row_expert.shape[0])
-    handle = DispatchHandle(tokens, idx, weights, dest, slot, send_counts, buf.counts.clone(), position, offsets,
-                            row_expert, source_row, set_index, low_latency)
+    handle = DispatchHandle(tokens, idx, weights, dest, slot, send_counts, buf.counts.clone(), position, counts,
+                            offsets, row_expert, source_row, set_index, low_latency)
     return recv_x, recv_w, counts, handle
 
 
