@@ -11,27 +11,8 @@ written in TileLang, and brings the weighted results back (``ts.ops.moe_combine`
 import torch
 
 import tilescale as ts
-from tilescale.testing import do_bench
-
-
-def reference_moe(x: torch.Tensor, seed: int, hidden: int, ffn: int, num_experts: int, topk: int) -> torch.Tensor:
-    """The same MoE on one process: every expert, every token, fp32."""
-    g = torch.Generator().manual_seed(seed)
-    router = torch.randn(num_experts, hidden, generator=g) / hidden**0.5
-    w1 = torch.randn(num_experts, ffn, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, ffn, generator=g) / ffn**0.5
-    xf = x.float().cpu()
-    probs = torch.softmax(xf @ router.T, dim=-1)
-    weights, experts = probs.topk(topk, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    out = torch.zeros_like(xf)
-    for slot in range(topk):
-        for e in range(num_experts):
-            rows = experts[:, slot] == e
-            if rows.any():
-                h = torch.nn.functional.gelu(xf[rows] @ w1[e].T)
-                out[rows] += weights[rows, slot, None] * (h @ w2[e].T)
-    return out
+from tilescale.nn.moe import moe_weights
+from tilescale.testing import do_bench, reference_moe
 
 
 def main() -> None:
@@ -43,7 +24,7 @@ def main() -> None:
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank)).to(ts.device(), torch.bfloat16)
     with torch.no_grad():  # inference here; tests/ranks/moe_backward_check.py checks the gradients
         y = moe(x)
-    expected = reference_moe(x, 7, hidden, ffn, num_experts, topk)
+    expected = reference_moe(x.float().cpu(), *moe_weights(hidden, ffn, num_experts, 7), topk)
     torch.testing.assert_close(y.float().cpu(), expected, rtol=5e-2, atol=5e-2)
     with torch.no_grad():
         ms = do_bench(lambda: moe(x), iters=5)

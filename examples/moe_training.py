@@ -16,20 +16,8 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.testing import do_bench
-
-
-def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  topk: int) -> torch.Tensor:
-    """Top-k routed GELU experts, every token through its experts, in one process."""
-    probs = torch.softmax(x @ router.T, dim=-1)
-    weights, experts = probs.topk(topk, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    out = torch.zeros_like(x)
-    for k in range(topk):
-        h = torch.nn.functional.gelu(torch.einsum("th,tfh->tf", x, w1[experts[:, k]]))
-        out = out + weights[:, k, None] * torch.einsum("tf,thf->th", h, w2[experts[:, k]])
-    return out
+from tilescale.nn.moe import moe_weights
+from tilescale.testing import do_bench, reference_moe
 
 
 def main(steps: int = 4, lr: float = 0.5) -> None:
@@ -47,10 +35,7 @@ def main(steps: int = 4, lr: float = 0.5) -> None:
     mine = slice(rank * tokens, (rank + 1) * tokens)
     x, target = x_all[mine].to(ts.device(), dtype), target_all[mine].to(ts.device(), dtype)
 
-    gen = torch.Generator().manual_seed(5)  # the layer's initial weights, all experts
-    ref = [(torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).requires_grad_(),
-           (torch.randn(num_experts, ffn, hidden, generator=gen) / hidden**0.5).requires_grad_(),
-           (torch.randn(num_experts, hidden, ffn, generator=gen) / ffn**0.5).requires_grad_()]
+    ref = [w.requires_grad_() for w in moe_weights(hidden, ffn, num_experts, 5)]  # all experts, one process
     ref_opt = torch.optim.SGD(ref, lr=lr)
     tol = 3e-2 if gpu else 1e-4
 

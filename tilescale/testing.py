@@ -1,4 +1,5 @@
-"""Helpers for examples and tests: time a distributed op the way the examples report it."""
+"""Helpers for examples and tests: time a distributed op the way the examples report it, and
+reference implementations to check layers against."""
 
 from __future__ import annotations
 
@@ -36,3 +37,27 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk: int) -> torch.Tensor:
+    """A top-k routed MoE of GELU experts in one process, every expert local (differentiable).
+
+    Example::
+
+        y = reference_moe(x.float().cpu(), *ts.nn.moe.moe_weights(hidden, ffn, experts, seed), topk)
+
+    ``router`` (experts, hidden), ``w1`` (experts, ffn, hidden), ``w2`` (experts, hidden, ffn),
+    the routing as ``ts.nn.ExpertParallelMoE`` does it (softmax, top-k, renormalised).
+    """
+    probs = torch.softmax(x @ router.T, dim=-1)
+    weights, experts = probs.topk(topk, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for k in range(topk):
+        for e in range(router.shape[0]):
+            rows = (experts[:, k] == e).nonzero(as_tuple=True)[0]
+            if len(rows):
+                h = torch.nn.functional.gelu(x[rows] @ w1[e].T)
+                out = out.index_add(0, rows, weights[rows, k, None] * (h @ w2[e].T))
+    return out

@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+from tilescale.nn.moe import moe_weights
+from tilescale.testing import reference_moe
 
 ts.init()
 torch.set_default_device(ts.device())
@@ -22,18 +24,9 @@ xs = [torch.empty_like(x) for _ in range(world)]
 gs = [torch.empty_like(grad_y) for _ in range(world)]
 dist.all_gather(xs, x.detach())
 dist.all_gather(gs, grad_y)
-gen = torch.Generator().manual_seed(11)
-router = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).requires_grad_()
-w1 = (torch.randn(num_experts, ffn, hidden, generator=gen) / hidden**0.5).requires_grad_()
-w2 = (torch.randn(num_experts, hidden, ffn, generator=gen) / ffn**0.5).requires_grad_()
+router, w1, w2 = (w.requires_grad_() for w in moe_weights(hidden, ffn, num_experts, 11))
 x_all = torch.cat(xs).float().cpu().requires_grad_()
-probs = torch.softmax(x_all @ router.T, dim=-1)
-weights, experts = probs.topk(topk, dim=-1)
-weights = weights / weights.sum(-1, keepdim=True)
-y_all = torch.zeros_like(x_all)
-for k in range(topk):
-    h = torch.nn.functional.gelu(torch.einsum("th,tfh->tf", x_all, w1[experts[:, k]]))
-    y_all = y_all + weights[:, k, None] * torch.einsum("tf,thf->th", h, w2[experts[:, k]])
+y_all = reference_moe(x_all, router, w1, w2, topk)
 (y_all * torch.cat(gs).float().cpu()).sum().backward()
 
 per_rank = num_experts // world

@@ -19,6 +19,22 @@ from torch import nn
 from tilescale import ops, runtime
 
 
+def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """The full fp32 (router, w1, w2) of every expert that ``ExpertParallelMoE(..., seed=seed)``
+    starts from (each rank keeps its experts' slices).
+
+    Example::
+
+        router, w1, w2 = moe_weights(1024, 2048, num_experts=16, seed=0)
+    """
+    # On the host whatever torch's default device: the draw must not depend on it.
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(num_experts, hidden, generator=g, device="cpu") / hidden**0.5
+    w1 = torch.randn(num_experts, ffn_hidden, hidden, generator=g, device="cpu") / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, ffn_hidden, generator=g, device="cpu") / ffn_hidden**0.5
+    return router, w1, w2
+
+
 class ExpertParallelMoE(nn.Module):
     """Top-k routed MoE with ``num_experts // world`` experts on each rank (GELU FFN experts)."""
 
@@ -33,10 +49,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         device = device or runtime.device()
         # Every rank draws the same full weights and keeps its experts: no broadcast needed.
-        g = torch.Generator().manual_seed(seed)
-        router = torch.randn(num_experts, hidden, generator=g) / hidden**0.5
-        w1 = torch.randn(num_experts, ffn_hidden, hidden, generator=g) / hidden**0.5
-        w2 = torch.randn(num_experts, hidden, ffn_hidden, generator=g) / ffn_hidden**0.5
+        router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
         mine = slice(rank * (num_experts // world), (rank + 1) * (num_experts // world))
         self.router = nn.Parameter(router.to(device=device, dtype=torch.float32))
         self.w1 = nn.Parameter(w1[mine].to(device=device, dtype=dtype).contiguous())
