@@ -13,7 +13,8 @@ class WaitTimeoutError(RuntimeError):
 
 # Layout of the int64 record a timed-out device wait fills in (see tilescale.language.sync).
 WAIT_STATUS_FIELDS = ("state", "rank", "block", "address", "comparison", "expected", "observed", "kind")
-_COMPARISON_TEXT = ("==", "!=", ">=", ">", "<=", "<")
+# T.wait comparison codes (tilescale.language.sync.COMPARISONS) as text.
+COMPARISON_TEXT = ("==", "!=", ">=", ">", "<=", "<")
 
 
 def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeout_s: float | None = None) -> str:
@@ -23,6 +24,6 @@ def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeo
     after = f" after {timeout_s:g} s" if timeout_s is not None else ""
     return (
         f"rank {record['rank']}, block {record['block']}: {what} timed out{after} waiting for "
-        f"{flag} {_COMPARISON_TEXT[record['comparison']]} {record['expected']} (observed {record['observed']}). "
+        f"{flag} {COMPARISON_TEXT[record['comparison']]} {record['expected']} (observed {record['observed']}). "
         "A peer never signalled: did a rank skip a signal, crash, or run a different kernel sequence?"
     )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import math
+import operator
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
 from tilescale import runtime
-from tilescale.errors import WaitTimeoutError
+from tilescale.errors import COMPARISON_TEXT, WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.symmetric import host_regions
 
@@ -59,7 +60,8 @@ _MATH = {
     "tirx.fabs": torch.abs, "tirx.abs": torch.abs, "tirx.floor": torch.floor, "tirx.ceil": torch.ceil,
     "tirx.round": torch.round, "tirx.sin": torch.sin, "tirx.cos": torch.cos, "tirx.erf": torch.erf,
 }
-_COMPARE = {0: "==", 1: "!=", 2: ">=", 3: ">", 4: "<=", 5: "<"}
+# T.wait comparison codes (tilescale.language.sync.COMPARISONS), in order.
+_COMPARE = (operator.eq, operator.ne, operator.ge, operator.gt, operator.le, operator.lt)
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -67,11 +69,6 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
     if name not in _TORCH_DTYPES:
         raise NotImplementedError(f"CPU path: dtype {name} is not supported")
     return _TORCH_DTYPES[name]
-
-
-def _compare(cmp: int, observed: int, expected: int) -> bool:
-    return {0: observed == expected, 1: observed != expected, 2: observed >= expected,
-            3: observed > expected, 4: observed <= expected, 5: observed < expected}[cmp]
 
 
 @dataclass
@@ -346,8 +343,8 @@ class _Block:
                 ptr.flat[0] += value
 
     def wait(self, ptr: _Pointer, cmp: int, expected: int) -> None:
-        what = f"T.wait({ptr.label} {_COMPARE[cmp]} {expected}) in block {self.block_id}"
-        self.launch.kernel.spin(lambda: _compare(cmp, int(ptr.flat[0]), expected),
+        what = f"T.wait({ptr.label} {COMPARISON_TEXT[cmp]} {expected}) in block {self.block_id}"
+        self.launch.kernel.spin(lambda: _COMPARE[cmp](int(ptr.flat[0]), expected),
                                 lambda: int(ptr.flat[0]), what, self.launch)
 
     def barrier(self, table: torch.Tensor, world: int) -> None:

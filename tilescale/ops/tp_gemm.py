@@ -17,7 +17,8 @@ so that ranks send to different peers first.
 Flags only grow: each call adds one "epoch" of arrivals, and waits compare against the
 running total, so no flag is ever reset between calls (which would race with a fast peer).
 Each op picks ``plan="fused"`` or the non-overlapped ``plan="unfused"`` (torch.distributed
-collective + torch matmul) from the shape; pass ``plan`` to force one.
+collective + torch matmul): on GPUs the measured faster one, unfused (see ``_choose``),
+elsewhere from the shape; pass ``plan`` to force one.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -295,7 +296,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     _check_pair(a, weight)
     (m, k), n = a.shape, weight.shape[0]
     check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
-    # Decode-sized M is what the fused all-reduce is for: fused unless asked otherwise.
+    # Decode-sized M is what the fused all-reduce is for: the row threshold does not apply.
     if _choose(plan, FUSED_MIN_ROWS) == "unfused":
         out = a @ weight.T
         dist.all_reduce(out)
