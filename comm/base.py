@@ -134,6 +134,15 @@ class CommBackend(abc.ABC):
                 + ("start the job with backend='nvshmem'" if lowering == "nvshmem" else "rebuild the kernel")
             )
 
+    def kernel_lowering(self) -> str:
+        """The lowering ``tilescale.jit`` builds kernels with in this job (one of :attr:`lowerings`).
+
+        Example::
+
+            backend.kernel_lowering()   # "address" unless a peer needs the library's device calls
+        """
+        return self.lowerings[0]
+
     def finalize(self) -> None:
         """Release what the backend holds beyond the memory the user's tensors keep alive (library
         state; allocations too where their lifetime cannot follow the tensors, as on NVSHMEM)."""

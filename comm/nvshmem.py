@@ -13,6 +13,10 @@ kernels that touch them must be built with ``build_options(remote="nvshmem")``, 
 lowers remote operations to NVSHMEM device calls (see ``tilescale.language.nvshmem``).
 Launching an address-lowered kernel in such a job raises (``check_lowering``).
 
+``tilescale.jit`` builds kernels with the peer-address lowering when every peer has an
+address (the fast path) and with NVSHMEM calls otherwise; ``TILESCALE_NVSHMEM_CALLS=1``
+forces the calls for every peer, so the path that crosses nodes runs on one node too.
+
 Example::
 
     ts.init(backend="nvshmem")          # or TILESCALE_BACKEND=nvshmem
@@ -33,6 +37,9 @@ from tilescale.comm.group import Group
 
 INSTALL_HINT = 'pip install "tilescale[nvshmem]" (nvshmem4py-cu13 and nvidia-nvshmem-cu13)'
 ADDRESS, NVSHMEM_CALLS = "address", "nvshmem"
+# Set to 1: kernels use NVSHMEM device calls for every peer, also those reachable by address
+# (the path that crosses nodes, exercised on one node).
+FORCE_CALLS_ENV = "TILESCALE_NVSHMEM_CALLS"
 
 
 def import_nvshmem() -> tuple[ModuleType, ModuleType]:
@@ -98,6 +105,7 @@ class NvshmemBackend(CommBackend):
             raise RuntimeError(f"NVSHMEM made this process PE {pe} of {npes}, but it is rank {group.rank} of "
                                f"{group.world_size}: start NVSHMEM and torch.distributed with the same ranks")
         self.unreachable: list[int] = []  # peers without an address, known after the first allocation
+        self.force_calls = os.environ.get(FORCE_CALLS_ENV, "0") not in ("", "0")
         self._live: list[torch.Tensor] = []
 
     def _exchange_uid(self) -> object:
@@ -136,6 +144,10 @@ class NvshmemBackend(CommBackend):
                 "or no P2P), so this kernel's peer-address lowering cannot reach them: build it inside "
                 "tilescale.language.build_options(remote='nvshmem') to lower remote operations to NVSHMEM calls"
             )
+
+    def kernel_lowering(self) -> str:
+        """Peer addresses when every peer has one (the fast path), NVSHMEM calls otherwise or when forced."""
+        return NVSHMEM_CALLS if self.force_calls or self.unreachable else ADDRESS
 
     def finalize(self) -> None:
         torch.cuda.synchronize()

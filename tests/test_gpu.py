@@ -75,3 +75,42 @@ def test_cluster_example_on_one_gpu(example):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "correct" in proc.stdout
+
+
+NVSHMEM_MODES = {"fast_path": "0", "nvshmem_calls": "1"}
+
+
+def nvshmem_env(mode: str, cache: Path, **extra: str) -> dict:
+    return {"TILESCALE_BACKEND": "nvshmem", "TILESCALE_NVSHMEM_CALLS": NVSHMEM_MODES[mode],
+            "TILELANG_CACHE_DIR": str(cache), **extra}
+
+
+def nvshmem_modules(cache: Path) -> int:
+    """Kernels device-linked with NVSHMEM under ``cache`` (only the call lowering builds them)."""
+    return len(list((cache / "tilescale-nvshmem").glob("*/kernel.cubin")))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", sorted(NVSHMEM_MODES))
+@pytest.mark.parametrize(("program", "marker", "count"),
+                         [("examples/ring_shift.py", "ring shift correct", 2),
+                          ("examples/all_gather.py", " correct: ", 1), ("examples/all_reduce.py", " correct: ", 1),
+                          ("examples/reduce_scatter.py", " correct: ", 1),
+                          ("tests/ranks/ops_check.py", "OPS-OK", 2), ("tests/ranks/tp_gemm_check.py", " ok", 8),
+                          ("tests/ranks/moe_check.py", "MOE-OK", 8)])
+def test_nvshmem_backend_runs_the_same_programs(program, marker, count, mode, tmp_path):
+    proc = run(program, timeout=850, env=nvshmem_env(mode, tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(marker) >= count
+    linked = nvshmem_modules(tmp_path)
+    assert (linked > 0) if mode == "nvshmem_calls" else (linked == 0), linked
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", sorted(NVSHMEM_MODES))
+def test_nvshmem_backend_under_mpirun_with_the_mpi_bootstrap(mode, tmp_path):
+    proc = run("--launcher", "mpirun", "examples/ring_shift.py", timeout=550,
+               env=nvshmem_env(mode, tmp_path, TILESCALE_NVSHMEM_BOOTSTRAP="mpi"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ring shift correct") == 2
+    assert (nvshmem_modules(tmp_path) > 0) == (mode == "nvshmem_calls")

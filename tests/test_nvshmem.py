@@ -18,8 +18,7 @@ import subprocess
 import sys
 
 import pytest
-import tilelang.env
-from cuda_build import NVCC, lower_cuda, needs_nvcc
+from cuda_build import lower_cuda, needs_nvcc
 from tvm import tirx
 
 import tilescale.language as T
@@ -28,7 +27,8 @@ from tilescale.comm.base import CommBackend
 from tilescale.comm.nvshmem import NvshmemAllocation, NvshmemBackend
 from tilescale.jit import DistributedKernel
 from tilescale.language import build_options
-from tilescale.language.nvshmem import NVSHMEM_LOWERING, build_cubin
+from tilescale.language.nvshmem import NVSHMEM_LOWERING
+from tilescale.nvshmem_kernel import link_module
 
 HAS_NVSHMEM_LIB = importlib.util.find_spec("nvidia.nvshmem") is not None
 needs_nvshmem_lib = pytest.mark.skipif(not HAS_NVSHMEM_LIB, reason='needs pip "nvidia-nvshmem-cu13==3.4.5"')
@@ -188,7 +188,7 @@ def test_the_prelude_brings_the_nvshmem_device_calls():
     src = built("nvshmem")[1]
     prelude = src[:src.index('extern "C" __global__')]
     assert "#include <nvshmem.h>" in prelude and "#include <nvshmemx.h>" in prelude
-    for call in ("nvshmemx_putmem_nbi_block", "nvshmemx_getmem_block", "nvshmemx_putmem_signal_nbi_block",
+    for call in ("nvshmemx_putmem_block", "nvshmemx_getmem_block", "nvshmemx_putmem_signal_nbi_block",
                  "nvshmem_int_atomic_add", "nvshmem_int_atomic_set", "nvshmem_int_test", "nvshmem_quiet"):
         assert call + "(" in prelude, call
 
@@ -200,16 +200,39 @@ def test_the_address_lowering_is_unchanged():
     assert "dst__peers" in kernel_body(src) and "flags__peers" in kernel_body(src)
 
 
-@pytest.mark.parametrize(
-    ("build", "error", "pattern"),
-    [
-        (fragment_put, TypeError, "local side 'acc' is local.fragment memory"),
-        (strided_put, NotImplementedError, r"\[64, 64\] box of 'dst' \[128, 128\] is not one contiguous run"),
-    ],
-)
-def test_nvshmem_copy_errors(build, error, pattern):
-    with build_options(world_size=2, remote="nvshmem"), pytest.raises(error, match=pattern):
-        build()
+def test_registers_are_staged_through_shared_memory():
+    with build_options(world_size=2, remote="nvshmem"):
+        body = kernel_body(lower_cuda(fragment_put()))
+    stage = re.search(r"__shared__ __align__\(\d+\) float (\w+)\[\]", body).group(1)
+    store = body.index(f"*(float4*)({stage} + ")  # the fragment written to the stage
+    put = re.search(rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[0\]\)\), \(&\({stage}\[0\]\)\), 16384, ", body)
+    assert put and store < put.start()
+
+
+def test_a_strided_box_is_one_call_per_row():
+    with build_options(world_size=2, remote="nvshmem"):
+        body = kernel_body(lower_cuda(strided_put()))
+    # 64 rows of 64 floats into rows of 128: 64 puts of 256 bytes.
+    assert re.search(r"for \(int (\w+) = 0; \1 < 64; \+\+\1\) \{\s*"
+                     rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[\(\1 \* 128\)\]\)\), \(&\(tile\[\(\1 \* 64\)\]\)\), 256, ",
+                     body), body
+
+
+def column_major_put():
+    @T.prim_func
+    def main(dst: T.StridedTensor((64, 64), (1, 64), "float32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device") as (rank, world):
+                tile = T.alloc_shared((64, 64), "float32")
+                T.clear(tile)
+                T.copy(tile, dst, dst_pe=(rank + 1) % world)
+
+    return main
+
+
+def test_a_non_row_major_remote_side_is_refused():
+    with build_options(world_size=2, remote="nvshmem"), pytest.raises(NotImplementedError, match="row-major"):
+        column_major_put()
 
 
 def test_unknown_remote_lowering():
@@ -227,8 +250,19 @@ def test_build_options_remote_nests_and_restores():
         assert "tilescale.remote" not in put_signal_wait_get_barrier().attrs
 
 
-def test_the_jit_refuses_nvshmem_kernels_until_their_modules_can_be_initialised():
-    with pytest.raises(NotImplementedError, match="build_cubin"):
+def test_the_backend_picks_peer_addresses_unless_a_peer_needs_calls(monkeypatch):
+    backend = object.__new__(NvshmemBackend)
+    backend.unreachable, backend.force_calls = [], False
+    assert backend.kernel_lowering() == "address"
+    backend.unreachable = [3]
+    assert backend.kernel_lowering() == "nvshmem"
+    backend.unreachable, backend.force_calls = [], True
+    assert backend.kernel_lowering() == "nvshmem"
+
+
+def test_nvshmem_kernels_need_a_gpu(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"run on CUDA GPUs.*backend='nvshmem'"):
         DistributedKernel(built("nvshmem")[0])
 
 
@@ -239,23 +273,32 @@ def test_the_jit_refuses_nvshmem_kernels_until_their_modules_can_be_initialised(
 @needs_nvshmem_lib
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_generated_source_compiles_and_links_with_libnvshmem_device(tmp_path):
-    src = built("nvshmem")[1]
-    cubin = build_cubin(src, "sm_90a", tmp_path, [tilelang.env.TILELANG_TEMPLATE_PATH,
-                                                   tilelang.env.CUTLASS_INCLUDE_DIR], nvcc=NVCC)
-    data = cubin.read_bytes()
+def test_link_module_builds_the_launcher_and_the_linked_cubin(tmp_path, monkeypatch):
+    """What NvshmemKernel loads: TileLang's Python launcher and a cubin that is executable
+    (``readelf``: EXEC) and leaves nothing of NVSHMEM's undefined."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    module = link_module(built("nvshmem")[0], "sm_90a")
+    assert module.cubin.parent.parent == tmp_path / "tilescale-nvshmem"
+    assert module.cubin.with_suffix(".py").read_text() == module.launcher
+    # Hidden arguments follow the user's; the launcher passes all of them to the kernel.
+    assert re.search(r"def call\(kernels, src, dst, flags, sig, ts_sync_peers, ts_rank, ts_status, ts_timeout_ns, "
+                     r"stream=0\)", module.launcher)
+    assert 'cuLaunchKernelEx(config, kernels["main_kernel"]' in module.launcher
+    assert link_module(built("nvshmem")[0], "sm_90a").cubin == module.cubin  # cached by source
+    data = module.cubin.read_bytes()
     assert data[:4] == b"\x7fELF"
     if shutil.which("readelf") is None:
         assert b"main_kernel" in data and b"nvshmemi_device_state_d" in data
         return
-    header = subprocess.run(["readelf", "-hW", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert "EXEC" in header  # linked: loadable with cuModuleLoadData
-    symbols = subprocess.run(["readelf", "-sW", str(cubin)], capture_output=True, text=True, check=True).stdout
+    header = subprocess.run(["readelf", "-hW", str(module.cubin)], capture_output=True, text=True, check=True).stdout
+    assert "EXEC" in header  # linked: loadable with cuLibraryLoadData
+    symbols = subprocess.run(["readelf", "-sW", str(module.cubin)], capture_output=True, text=True,
+                             check=True).stdout
     defined, undefined = set(), set()
     for line in symbols.splitlines():
         fields = line.split()
         if len(fields) >= 8 and fields[4] == "GLOBAL":
             (undefined if fields[-2] == "UND" else defined).add(fields[-1])
-    assert {"main_kernel", "nvshmemi_device_state_d"} <= defined  # the state nvshmemx_cumodule_init fills
+    assert {"main_kernel", "nvshmemi_device_state_d"} <= defined  # the state nvshmemx_culibrary_init fills
     # Left to the driver: printf and the reserved shared memory; nothing of NVSHMEM's.
     assert undefined <= {"vprintf", ".nv.reservedSmem.offset0"}, undefined

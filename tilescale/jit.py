@@ -34,11 +34,13 @@ from tvm import tirx
 from tilescale import runtime
 from tilescale.language.scale import (
     ADDRESS,
+    NVSHMEM_CALLS,
     RANK_PARAM,
     STATUS_PARAM,
     SYNC_TABLE_PARAM,
     TIMEOUT_PARAM,
     build_options,
+    requested_remote,
 )
 from tilescale.symmetric import peer_ptrs
 
@@ -102,13 +104,13 @@ class DistributedKernel:
             )
         self.grid_blocks = _grid_blocks(func)
         self.remote = str(attrs.get("tilescale.remote", ADDRESS))
-        if self.remote != ADDRESS:
-            raise NotImplementedError(
-                f"kernels built with build_options(remote='{self.remote}') lower to device calls that tilelang "
-                "0.1.15's loaders cannot initialise yet (nvshmemx_cumodule_init on the loaded module); lower them "
-                "with tilelang.lower and link them with tilescale.language.nvshmem.build_cubin (comm/README.md)"
-            )
-        if _runs_on_cpu(compile_kwargs):
+        if self.remote == NVSHMEM_CALLS:
+            from tilescale.nvshmem_kernel import NvshmemKernel
+
+            self.kernel = NvshmemKernel(func, outputs, **compile_kwargs)
+        elif self.remote != ADDRESS:
+            raise NotImplementedError(f"no loader for kernels built with build_options(remote='{self.remote}')")
+        elif _runs_on_cpu(compile_kwargs):
             if outputs:
                 raise NotImplementedError("CPU path: out_idx is not supported; pass output tensors in")
             from tilescale.interpreter import CpuKernel
@@ -194,10 +196,10 @@ def _source_lines() -> Iterator[None]:
             os.environ["TILELANG_ENABLE_IR_SPAN"] = saved
 
 
-def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | None,
+def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | None, remote: str | None,
            cpu: bool) -> tirx.PrimFunc:
     spans = _source_lines() if cpu else contextlib.nullcontext()
-    with spans, build_options(world_size=world) if world is not None else contextlib.nullcontext():
+    with spans, build_options(world_size=world, remote=remote) if world is not None else contextlib.nullcontext():
         func = factory(*args, **kwargs)
     if not isinstance(func, tirx.PrimFunc):
         raise TypeError(f"{factory.__name__} must return a T.prim_func, got {type(func).__name__}")
@@ -229,11 +231,15 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
 
         @functools.wraps(factory)
         def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:
-            world = runtime.world_size() if runtime.is_initialized() else None
-            key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world)
+            rt = runtime.current() if runtime.is_initialized() else None
+            world = rt.group.world_size if rt is not None else None
+            # How remote operations lower: as build_options asks, else as the job's backend picks
+            # (NVSHMEM calls where peers need them).
+            remote = requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
+            key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
             kernel = compiled.get(key)
             if kernel is None:
-                func = _build(factory, args, kwargs, world, _runs_on_cpu(compile_kwargs))
+                func = _build(factory, args, kwargs, world, remote, _runs_on_cpu(compile_kwargs))
                 kernel = compiled[key] = DistributedKernel(func, out_idx, **compile_kwargs)
             return kernel
 

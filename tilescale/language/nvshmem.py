@@ -8,8 +8,8 @@ NVSHMEM device calls that take this rank's (symmetric) address and a peer rank:
 ==========================  =====================================================================
 tilescale operation         NVSHMEM device calls
 ==========================  =====================================================================
-``T.copy(.., dst_pe=pe)``   ``nvshmemx_putmem_nbi_block`` (one per contiguous run)
-``T.copy(.., src_pe=pe)``   ``nvshmemx_getmem_block``
+``T.copy(.., dst_pe=pe)``   ``nvshmemx_putmem_block`` (one per contiguous run)
+``T.copy(.., src_pe=pe)``   ``nvshmemx_getmem_block`` (one per contiguous run)
 ``T.signal(f, v, pe=pe)``   ``nvshmem_quiet`` then ``nvshmem_int_atomic_set`` / ``_add`` (leader)
 ``T.wait(f, cmp, v)``       ``nvshmem_int_test`` polled under tilescale's timeout
 ``T.fence()``               ``nvshmem_quiet``
@@ -47,10 +47,14 @@ NVSHMEM_PRELUDE = r"""
 
 namespace tilescale {
 
-// Non-blocking put of nbytes from local src (global or shared memory) to dst on rank pe;
-// dst is this rank's address of a symmetric buffer. Complete at the next signal or fence.
+// Put of nbytes from local src (global or shared memory) to dst on rank pe; dst is this
+// rank's address of a symmetric buffer. Blocking at the source, as a remote T.copy is: src
+// may be overwritten on return (the syncs cover a shared src the whole block writes and
+// rewrites); delivered at the next signal or fence (their nvshmem_quiet).
 __device__ __forceinline__ void nvshmem_put_block(void* dst, const void* src, long long nbytes, int pe) {
-  nvshmemx_putmem_nbi_block(dst, src, (size_t)nbytes, pe);
+  __syncthreads();
+  nvshmemx_putmem_block(dst, src, (size_t)nbytes, pe);
+  __syncthreads();
 }
 
 // Blocking get: rank pe's copy of symmetric src into local dst; usable on return.
@@ -206,7 +210,7 @@ NVSHMEM_LOWERING = DeviceLowering(
 
 
 def build_cubin(source: str, arch: str, workdir: Path, include_dirs: list[str] | None = None,
-                nvcc: str = "nvcc") -> Path:
+                nvcc: str = "nvcc", extra: list[str] | None = None) -> Path:
     """Compile generated CUDA ``source`` relocatably and device-link it with ``libnvshmem_device.a``.
 
     Example::
@@ -214,7 +218,8 @@ def build_cubin(source: str, arch: str, workdir: Path, include_dirs: list[str] |
         cubin = build_cubin(kernel.get_kernel_source(), "sm_90a", Path("/tmp/k"),
                             [tilelang.env.TILELANG_TEMPLATE_PATH, tilelang.env.CUTLASS_INCLUDE_DIR])
 
-    Returns the linked, executable cubin (``workdir/kernel.cubin``); raises
+    ``extra``: more flags for the compile step (a kernel's ``compile_flags``). Returns the
+    linked, executable cubin (``workdir/kernel.cubin``); raises
     ``RuntimeError`` with nvcc's output when a step fails.
     """
     workdir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +229,7 @@ def build_cubin(source: str, arch: str, workdir: Path, include_dirs: list[str] |
     includes = [f"-I{d}" for d in include_dirs or []]
     steps = [
         [nvcc, "-std=c++20", "-O3", f"-arch={arch}", "--cubin", *nvshmem_compile_flags(), *includes,
-         "-DENABLE_BF16", "--expt-relaxed-constexpr", "-w", "-o", str(obj), str(cu)],
+         "-DENABLE_BF16", "--expt-relaxed-constexpr", "-w", *(extra or []), "-o", str(obj), str(cu)],
         [nvcc, f"-arch={arch}", "-dlink", "--cubin", str(obj), *nvshmem_link_flags(), "-o", str(cubin)],
     ]
     for cmd in steps:

@@ -14,10 +14,11 @@ pipelining) and offsets and peers may be runtime values.
 ``dst_cta``/``src_cta`` do the same between the shared-memory tiles of the blocks of a
 thread-block cluster (see ``tilescale.language.cluster``).
 
-Kernels built with ``build_options(remote="nvshmem")`` lower a remote copy to one call of
-the backend's block-level put or get (``tilescale.comm.base.DeviceLowering``) on this
-rank's address of the symmetric tensor: both sides must then be contiguous (whole
-trailing dimensions) and of constant size, and the local side global or shared memory.
+Kernels built with ``build_options(remote="nvshmem")`` lower a remote copy to calls of the
+backend's block-level put or get (``tilescale.comm.base.DeviceLowering``) on this rank's
+address of the symmetric tensor: one call per contiguous run that both sides share (one
+for whole trailing dimensions, one per row otherwise). Extents must be constants; a local
+side in registers (fragment, local) is staged through a shared-memory tile.
 """
 
 from __future__ import annotations
@@ -90,29 +91,40 @@ def _const(extent: tirx.PrimExpr, buf: tirx.Buffer) -> int:
     return int(extent)
 
 
-def _contiguous(buf: tirx.Buffer, extents: list[int]) -> bool:
-    """Whether a box of ``extents`` is one run of memory in row-major ``buf``: ones, then at most
-    one partial dimension, then whole dimensions."""
-    shape = [int(d) if isinstance(d, tirx.IntImm) else None for d in buf.shape]
+def _run(buf: tirx.Buffer, extents: list[int]) -> int:
+    """Elements of the longest contiguous runs a box of ``extents`` splits into in row-major ``buf``."""
     if len(buf.strides):
-        row_major = [math.prod(shape[i + 1:]) if None not in shape[i + 1:] else None for i in range(len(shape))]
-        strides = [int(st) if isinstance(st, tirx.IntImm) else None for st in buf.strides]
-        if None in strides or strides != row_major:
-            return False
-    dims = list(zip(extents, shape, strict=True))
-    first = next((i for i, (e, _) in enumerate(dims) if e != 1), len(dims))
-    return all(e == d for e, d in dims[first + 1:])
+        analyzer = tvm.arith.Analyzer()
+        for i, stride in enumerate(buf.strides):
+            row_major = math.prod(buf.shape[i + 1:]) if i + 1 < len(buf.shape) else 1
+            if not analyzer.can_prove_equal(stride, row_major):
+                raise NotImplementedError(f"T.copy through NVSHMEM calls: '{buf.name}' is not a row-major tensor")
+    run = 1
+    for extent, dim in zip(reversed(extents), reversed(buf.shape), strict=True):
+        run *= extent
+        if not (isinstance(dim, tirx.IntImm) and extent == dim.value):
+            break
+    return run
 
 
-def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.PrimExpr:
-    """A remote copy as one block-level put (``put``) or get of the backend's device lowering."""
+def _unravel(offset: tirx.PrimExpr, extents: list[int]) -> list[tirx.PrimExpr]:
+    """Indices of element ``offset`` of a box of ``extents``, row-major."""
+    return [(offset // math.prod(extents[i + 1:])) % e for i, e in enumerate(extents)]
+
+
+def _staged(buf: tirx.Buffer, extents: list[int]) -> tirx.Buffer:
+    """A shared-memory tile for a register-resident local side (the library reads and writes
+    its local side by address)."""
+    return tl.alloc_shared(list(extents), str(buf.dtype))
+
+
+def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.PrimExpr | None:
+    """A remote copy as block-level puts (``put``) or gets of the backend's device lowering: one
+    per contiguous run of both sides, local registers staged through shared memory."""
     lowering = current_context().lowering
     (sbuf, smin, sext), (dbuf, dmin, dext) = _extents(src), _extents(dst)
-    remote, local = (dbuf, sbuf) if put else (sbuf, dbuf)
+    remote = dbuf if put else sbuf
     check_remote(remote, pe, "T.copy destination" if put else "T.copy source")
-    if local.scope() not in ("global", "shared", "shared.dyn"):
-        raise TypeError(f"T.copy through NVSHMEM calls: the local side '{local.name}' is {local.scope()} memory; "
-                        "stage it through shared or global memory (the NVSHMEM call reads or writes it by address)")
     if sext is None and dext is None:
         sext = dext = [1] * len(sbuf.shape)
     sext = sext if sext is not None else [1] * (len(sbuf.shape) - len(dext)) + dext[-len(sbuf.shape):]
@@ -120,15 +132,36 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
     count = math.prod(sext)
     if count != math.prod(dext):
         raise ValueError(f"T.copy through NVSHMEM calls: {sbuf.name}{sext} and {dbuf.name}{dext} differ in size")
-    for buf, ext in ((sbuf, sext), (dbuf, dext)):
-        if not _contiguous(buf, ext):
-            raise NotImplementedError(
-                f"T.copy through NVSHMEM calls: the {ext} box of '{buf.name}' {list(buf.shape)} is not one contiguous "
-                "run (copy whole trailing dimensions, or one row per call)"
-            )
-    nbytes = count * tvm.DataType(str(sbuf.dtype)).bits // 8
-    dst_addr, src_addr = tl.address_of(tirx.BufferLoad(dbuf, dmin)), tl.address_of(tirx.BufferLoad(sbuf, smin))
-    return tl.call_extern("handle", lowering.put if put else lowering.get, dst_addr, src_addr, nbytes, pe)
+    staged = None
+    local = sbuf if put else dbuf
+    if local.scope() not in ("global", "shared", "shared.dyn"):
+        region, ext = (src, sext) if put else (dst, dext)
+        staged = (region, _staged(local, ext))
+        if put:
+            tl.evaluate(tl.copy(region, staged[1]))
+            src = staged[1]
+            sbuf, smin, sext = staged[1], [0] * len(staged[1].shape), [int(d) for d in staged[1].shape]
+        else:
+            dbuf, dmin, dext = staged[1], [0] * len(staged[1].shape), [int(d) for d in staged[1].shape]
+    run = math.gcd(_run(sbuf, sext), _run(dbuf, dext))
+    nbytes = run * tvm.DataType(str(sbuf.dtype)).bits // 8
+    call = lowering.put if put else lowering.get
+
+    def one(offset: tirx.PrimExpr) -> tirx.PrimExpr:
+        s_at = [m + i for m, i in zip(smin, _unravel(offset, sext), strict=True)]
+        d_at = [m + i for m, i in zip(dmin, _unravel(offset, dext), strict=True)]
+        return tl.call_extern("handle", call, tl.address_of(tirx.BufferLoad(dbuf, d_at)),
+                              tl.address_of(tirx.BufferLoad(sbuf, s_at)), nbytes, pe)
+
+    if count == run:
+        transfer = one(tirx.IntImm("int32", 0))
+        if staged is None or put:
+            return transfer
+        tl.evaluate(transfer)
+    else:
+        with tl.serial(count // run) as k:
+            tl.evaluate(one(k * run))
+    return tl.copy(staged[1], staged[0]) if staged is not None and not put else None
 
 
 def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,

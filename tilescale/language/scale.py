@@ -51,7 +51,8 @@ SYNC_TABLE_PARAM = "ts_sync_peers"
 PEER_TABLE_SUFFIX = "__peers"
 # The default lowering of remote operations, and the ones a DeviceLowering provides.
 ADDRESS = "address"
-REMOTE_LOWERINGS = {"nvshmem": ("tilescale.language.nvshmem", "NVSHMEM_LOWERING")}
+NVSHMEM_CALLS = "nvshmem"
+REMOTE_LOWERINGS = {NVSHMEM_CALLS: ("tilescale.language.nvshmem", "NVSHMEM_LOWERING")}
 
 
 @dataclass
@@ -142,6 +143,11 @@ def _build_world_size() -> int:
     )
 
 
+def requested_remote() -> str | None:
+    """The lowering an enclosing ``build_options(remote=...)`` asks for, or None."""
+    return getattr(_state, "remote", None)
+
+
 @contextlib.contextmanager
 def build_options(world_size: int | None = None, remote: str | None = None) -> Iterator[None]:
     """Build kernels for ``world_size`` ranks without a running job (e.g. to inspect lowering),
@@ -156,6 +162,8 @@ def build_options(world_size: int | None = None, remote: str | None = None) -> I
 
     ``remote`` is ``"address"`` (the default: loads and stores through peer addresses) or
     ``"nvshmem"`` (see ``tilescale.language.nvshmem``); None keeps the enclosing setting.
+    Around calls of ``tilescale.jit`` kernels (and ``ts.ops``) in a running job, ``remote``
+    overrides the lowering the job's backend would pick (``backend.kernel_lowering()``).
     """
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")

@@ -1,20 +1,117 @@
-"""The tile GEMM the library's GEMM kernels share: tile shape and one output tile's K loop."""
+"""The tile GEMM the library's GEMM kernels share: tile shape and one output tile's K loop.
+
+``TileConfig`` says how one output tile is computed; ``DEFAULT`` is what the kernels use
+(``BLOCK_M`` ... ``THREADS`` are its fields, for the kernels' grid arithmetic).
+``benchmarks/gemm_tiles.py`` times the alternatives against cuBLAS::
+
+    python benchmarks/gemm_tiles.py                  # one sm_90 GPU
+"""
+
+from dataclasses import dataclass
 
 import tilescale.language as T
 
+POLICIES = ("Square", "FullRow", "FullCol")
+EPILOGUES = ("direct", "shared")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One output tile's computation.
+
+    ``block_M`` x ``block_N``: the output tile; ``block_K``: the K step; ``stages``: pipeline
+    depth of the K loop; ``threads``: the block's threads as the kernel declares them (128 per
+    warpgroup; on sm_90 TileLang adds a 128-thread producer warpgroup when it warp-specialises
+    the loop). ``policy``: how ``T.gemm`` splits the tile among the warps (a
+    ``T.GemmWarpPolicy`` name). ``epilogue``: ``"direct"`` stores the fp32 accumulator's
+    casts from registers to global memory; ``"shared"`` stages the tile in shared memory
+    first (whole-row, vectorised stores; costs ``block_M * block_N`` elements of shared
+    memory). ``panel``: tile rows per panel of :func:`tile_coords` (0: row-major tile order).
+    """
+
+    block_M: int = 128
+    block_N: int = 128
+    block_K: int = 64
+    stages: int = 3
+    threads: int = 256
+    policy: str = "Square"
+    epilogue: str = "direct"
+    panel: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if min(self.block_M, self.block_N, self.block_K, self.stages, self.threads) < 1 or self.panel < 0:
+            raise ValueError(f"bad tile config {self}")
+
+    @property
+    def warp_policy(self) -> "T.GemmWarpPolicy":
+        return getattr(T.GemmWarpPolicy, self.policy)
+
+    def shared_bytes(self, elem_bytes: int = 2) -> int:
+        """Shared memory the tile's buffers take (the pipeline's stages and the epilogue tile)."""
+        stage = (self.block_M + self.block_N) * self.block_K * elem_bytes
+        out = self.block_M * self.block_N * elem_bytes if self.epilogue == "shared" else 0
+        return self.stages * stage + out
+
+    def name(self) -> str:
+        """Short label: ``128x256x64 s3 t256 FullRow shared p8``."""
+        panel = f" p{self.panel}" if self.panel else ""
+        return (f"{self.block_M}x{self.block_N}x{self.block_K} s{self.stages} t{self.threads} "
+                f"{self.policy} {self.epilogue}{panel}")
+
+
+# What the kernels use. Candidates measured by benchmarks/gemm_tiles.py (H200, bf16), e.g.
+# TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8): TileLang's sm_90 GEMM recipe.
+DEFAULT = TileConfig()
+
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = 128, 128, 64, 3, 256
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = DEFAULT.block_M, DEFAULT.block_N, DEFAULT.block_K, DEFAULT.stages, \
+    DEFAULT.threads
+
+
+def tile_coords(tile, m_tiles: int, n_tiles: int, panel: int = 0):
+    """(row tile, column tile) of linear tile index ``tile`` (>= 0) of an ``m_tiles x n_tiles`` grid.
+
+    ``panel == 0``: row-major order. Otherwise tiles go column by column through panels of
+    ``panel`` tile rows (the last panel may be shorter), so the blocks running at once share
+    a few A row tiles and W column tiles in L2 instead of sweeping all of W.
+    """
+    if panel <= 0:
+        return tile // n_tiles, tile % n_tiles
+    if panel >= m_tiles:  # one panel: column-major order
+        return tile % m_tiles, tile // m_tiles
+    per_panel = panel * n_tiles
+    first = tile // per_panel * panel
+    within = tile % per_panel
+    if m_tiles % panel == 0:
+        return first + within % panel, within // panel
+    # The last panel is shorter. Non-negative operands: C division (TVM's floor division by
+    # a non-constant divisor expands into sign tests).
+    rows = T.min(panel, m_tiles - first)
+    return first + T.truncmod(within, rows), T.truncdiv(within, rows)
 
 
 @T.macro
-def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages):
-    """C[c_row:+BM, c_col:+BN] = A[a_row:+BM, :] @ W[w_row:+BN, :].T, accumulated in fp32."""
-    a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-    w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
-    acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
+def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT):
+    """C[c_row:+BM, c_col:+BN] = A[a_row:+BM, :] @ W[w_row:+BN, :].T, accumulated in fp32.
+
+    ``cfg`` gives the tile and K step, the warp policy and the epilogue; ``stages`` the
+    pipeline depth (the kernels pass ``STAGES``).
+    """
+    a = T.alloc_shared((cfg.block_M, cfg.block_K), dtype)
+    w = T.alloc_shared((cfg.block_N, cfg.block_K), dtype)
+    acc = T.alloc_fragment((cfg.block_M, cfg.block_N), "float32")
     T.clear(acc)
-    for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=stages):
-        T.copy(A[a_row, k * BLOCK_K], a)
-        T.copy(W[w_row, k * BLOCK_K], w)
-        T.gemm(a, w, acc, transpose_B=True)
-    T.copy(acc, C[c_row, c_col])
+    for k in T.Pipelined(T.ceildiv(K, cfg.block_K), num_stages=stages):
+        T.copy(A[a_row, k * cfg.block_K], a)
+        T.copy(W[w_row, k * cfg.block_K], w)
+        T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
+    if cfg.epilogue == "shared":
+        out = T.alloc_shared((cfg.block_M, cfg.block_N), dtype)
+        T.copy(acc, out)
+        T.copy(out, C[c_row, c_col])
+    else:
+        T.copy(acc, C[c_row, c_col])
