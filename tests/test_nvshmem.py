@@ -302,3 +302,24 @@ def test_link_module_builds_the_launcher_and_the_linked_cubin(tmp_path, monkeypa
     assert {"main_kernel", "nvshmemi_device_state_d"} <= defined  # the state nvshmemx_culibrary_init fills
     # Left to the driver: printf and the reserved shared memory; nothing of NVSHMEM's.
     assert undefined <= {"vprintf", ".nv.reservedSmem.offset0"}, undefined
+
+
+def test_dynamic_dimensions_reach_the_launcher():
+    """TileLang's Python launcher passes bare dynamic dimensions only; tilescale solves the
+    ``n * c`` ones (the ops' vectorised sizes) from the arguments' shapes."""
+    from tilescale.nvshmem_kernel import _shape_symbols
+
+    @T.prim_func
+    def main(src: T.Tensor((T.dynamic("n_vectors") * 8,), "bfloat16"), rows: T.Tensor((T.dynamic("m"), 4), "int32")):
+        with T.Kernel(1, threads=128):
+            T.evaluate(0)
+
+    assert _shape_symbols(main) == {"n_vectors": ("int32", 0, 0, 8), "m": ("int32", 1, 0, 1)}
+
+    @T.prim_func
+    def shifted(src: T.Tensor((T.dynamic("k") + 1,), "bfloat16")):
+        with T.Kernel(1, threads=128):
+            T.evaluate(0)
+
+    with pytest.raises(NotImplementedError, match=r"n or n \* c; got src dimension 0 \(k \+ 1\)"):
+        _shape_symbols(shifted)

@@ -107,6 +107,15 @@ def _run(buf: tirx.Buffer, extents: list[int]) -> int:
     return run
 
 
+def _pointer(buf: tirx.Buffer, at: list[tirx.PrimExpr], extent: int, access: str) -> tirx.PrimExpr:
+    """Address of ``buf[at]`` for ``extent`` elements (an access pointer: TileLang's storage passes
+    see what it covers, where an ``address_of`` of a large shared tile breaks them)."""
+    offset = 0
+    for i, index in enumerate(at):
+        offset = offset + index * math.prod(buf.shape[i + 1:]) if i + 1 < len(buf.shape) else offset + index
+    return buf.access_ptr(access, offset=offset, extent=extent)
+
+
 def _unravel(offset: tirx.PrimExpr, extents: list[int]) -> list[tirx.PrimExpr]:
     """Indices of element ``offset`` of a box of ``extents``, row-major."""
     return [(offset // math.prod(extents[i + 1:])) % e for i, e in enumerate(extents)]
@@ -150,8 +159,8 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
     def one(offset: tirx.PrimExpr) -> tirx.PrimExpr:
         s_at = [m + i for m, i in zip(smin, _unravel(offset, sext), strict=True)]
         d_at = [m + i for m, i in zip(dmin, _unravel(offset, dext), strict=True)]
-        return tl.call_extern("handle", call, tl.address_of(tirx.BufferLoad(dbuf, d_at)),
-                              tl.address_of(tirx.BufferLoad(sbuf, s_at)), nbytes, pe)
+        return tl.call_extern("handle", call, _pointer(dbuf, d_at, run, "w"), _pointer(sbuf, s_at, run, "r"),
+                              nbytes, pe)
 
     if count == run:
         transfer = one(tirx.IntImm("int32", 0))
