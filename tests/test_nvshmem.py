@@ -323,3 +323,25 @@ def test_dynamic_dimensions_reach_the_launcher():
 
     with pytest.raises(NotImplementedError, match=r"n or n \* c; got src dimension 0 \(k \+ 1\)"):
         _shape_symbols(shifted)
+
+
+def test_a_tile_over_the_end_of_a_tensor_is_clipped():
+    """As TileLang's copies skip what lies past a tensor's end, the NVSHMEM calls move only the
+    part of the last tile that is inside (a call of 0 bytes does nothing)."""
+
+    def build():
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def main(src: T.Tensor((n,), "float32"), dst: T.Tensor((n,), "float32")):
+            with T.Kernel(4, threads=128) as bx:
+                with T.Scale("device") as (rank, world):
+                    T.copy(src[bx * 1024:bx * 1024 + 1024], dst[bx * 1024:bx * 1024 + 1024],
+                           dst_pe=(rank + 1) % world)
+
+        return main
+
+    with build_options(world_size=2, remote="nvshmem"):
+        body = kernel_body(lower_cuda(build()))
+    assert re.search(rf"{NVSHMEM_LOWERING.put}\(.*, \(max\(min\(\(n - \(\(\(int\)blockIdx.x\) \* 1024\)\), 1024\), 0\) "
+                     r"\* 4\), ", body), body

@@ -52,6 +52,7 @@ namespace tilescale {
 // may be overwritten on return (the syncs cover a shared src the whole block writes and
 // rewrites); delivered at the next signal or fence (their nvshmem_quiet).
 __device__ __forceinline__ void nvshmem_put_block(void* dst, const void* src, long long nbytes, int pe) {
+  if (nbytes <= 0) return;  // a run past the tensor's end (block-uniform)
   __syncthreads();
   nvshmemx_putmem_block(dst, src, (size_t)nbytes, pe);
   __syncthreads();
@@ -59,6 +60,7 @@ __device__ __forceinline__ void nvshmem_put_block(void* dst, const void* src, lo
 
 // Blocking get: rank pe's copy of symmetric src into local dst; usable on return.
 __device__ __forceinline__ void nvshmem_get_block(void* dst, const void* src, long long nbytes, int pe) {
+  if (nbytes <= 0) return;  // a run past the tensor's end (block-uniform)
   nvshmemx_getmem_block(dst, src, (size_t)nbytes, pe);
   __syncthreads();
 }

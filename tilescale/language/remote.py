@@ -17,8 +17,9 @@ thread-block cluster (see ``tilescale.language.cluster``).
 Kernels built with ``build_options(remote="nvshmem")`` lower a remote copy to calls of the
 backend's block-level put or get (``tilescale.comm.base.DeviceLowering``) on this rank's
 address of the symmetric tensor: one call per contiguous run that both sides share (one
-for whole trailing dimensions, one per row otherwise). Extents must be constants; a local
-side in registers (fragment, local) is staged through a shared-memory tile.
+for whole trailing dimensions, one per row otherwise), clipped where a tile hangs over a
+tensor's end. Extents must be constants; a local side in registers (fragment, local) is
+staged through a shared-memory tile.
 """
 
 from __future__ import annotations
@@ -116,6 +117,24 @@ def _pointer(buf: tirx.Buffer, at: list[tirx.PrimExpr], extent: int, access: str
     return buf.access_ptr(access, offset=offset, extent=extent)
 
 
+def _in_bounds(buf: tirx.Buffer, at: list[tirx.PrimExpr], extents: list[int], run: int) -> tirx.PrimExpr | None:
+    """Elements of the run of ``run`` elements at ``buf[at]`` that lie inside ``buf`` (a tile may
+    hang over a tensor's end, as TileLang's copies allow), or None when that is all of them."""
+    k, inner = len(extents) - 1, 1
+    while inner * extents[k] < run:  # the run covers whole dimensions k+1.. and part of dimension k
+        inner *= extents[k]
+        k -= 1
+    analyzer = tvm.arith.Analyzer()
+    limits = [(at[j] + (run // inner if j == k else 1), buf.shape[j]) for j in range(k + 1)]
+    if all(analyzer.can_prove(end <= dim) for end, dim in limits):
+        return None
+    count = tl.max(tl.min(buf.shape[k] - at[k], run // inner), 0) * inner
+    inside = [at[j] < buf.shape[j] for j in range(k) if not analyzer.can_prove(at[j] < buf.shape[j])]
+    for condition in inside:
+        count = tl.if_then_else(condition, count, 0)
+    return count
+
+
 def _unravel(offset: tirx.PrimExpr, extents: list[int]) -> list[tirx.PrimExpr]:
     """Indices of element ``offset`` of a box of ``extents``, row-major."""
     return [(offset // math.prod(extents[i + 1:])) % e for i, e in enumerate(extents)]
@@ -153,12 +172,15 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
         else:
             dbuf, dmin, dext = staged[1], [0] * len(staged[1].shape), [int(d) for d in staged[1].shape]
     run = math.gcd(_run(sbuf, sext), _run(dbuf, dext))
-    nbytes = run * tvm.DataType(str(sbuf.dtype)).bits // 8
+    elem_bytes = tvm.DataType(str(sbuf.dtype)).bits // 8
     call = lowering.put if put else lowering.get
 
     def one(offset: tirx.PrimExpr) -> tirx.PrimExpr:
         s_at = [m + i for m, i in zip(smin, _unravel(offset, sext), strict=True)]
         d_at = [m + i for m, i in zip(dmin, _unravel(offset, dext), strict=True)]
+        limits = [n for n in (_in_bounds(sbuf, s_at, sext, run), _in_bounds(dbuf, d_at, dext, run)) if n is not None]
+        valid = run if not limits else limits[0] if len(limits) == 1 else tl.min(*limits)
+        nbytes = valid * elem_bytes
         return tl.call_extern("handle", call, _pointer(dbuf, d_at, run, "w"), _pointer(sbuf, s_at, run, "r"),
                               nbytes, pe)
 
