@@ -70,3 +70,69 @@ def test_gemm_kernels_compile_for_sm90a(name, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # A device-side call inside a GEMM kernel would serialise its wgmma pipeline.
     assert "wgmma.mma_async instructions are serialized" not in proc.stderr
+
+
+@pytest.mark.parametrize(("m_tiles", "n_tiles", "panel"),
+                         [(7, 5, 0), (7, 5, 3), (8, 5, 4), (4, 6, 8), (9, 2, 2), (5, 3, 1)])
+def test_tile_coords_visit_every_tile_once_panel_by_panel(m_tiles, n_tiles, panel):
+    from tvm import arith, tirx
+
+    from tilescale.ops._gemm import tile_coords
+
+    analyzer = arith.Analyzer()
+    order = []
+    for t in range(m_tiles * n_tiles):
+        row, col = (int(analyzer.simplify(e)) for e in tile_coords(tirx.IntImm("int32", t), m_tiles, n_tiles, panel))
+        assert 0 <= row < m_tiles and 0 <= col < n_tiles
+        order.append((row, col))
+    assert len(set(order)) == m_tiles * n_tiles
+    if panel == 0:
+        assert order == [(r, c) for r in range(m_tiles) for c in range(n_tiles)]
+    else:  # panel by panel, each column by column
+        rows = [r for r, _ in order]
+        assert rows == sorted(rows, key=lambda r: r // panel)  # panels in order
+        assert order[:min(panel, m_tiles)] == [(r, 0) for r in range(min(panel, m_tiles))]
+
+
+def test_tile_config_checks_its_fields():
+    from tilescale.ops._gemm import DEFAULT, THREADS, TileConfig
+
+    assert (DEFAULT.block_M, DEFAULT.block_N, DEFAULT.threads) == (tp_gemm.BLOCK_M, tp_gemm.BLOCK_N, THREADS)
+    assert TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8).shared_bytes() == 208 * 1024
+    with pytest.raises(ValueError, match="policy"):
+        TileConfig(policy="Diagonal")
+    with pytest.raises(ValueError, match="epilogue"):
+        TileConfig(epilogue="tma")
+
+
+def _tile_kernel(cfg):
+    import tilescale.language as T
+    from tilescale.ops._gemm import gemm_tile, tile_coords
+
+    M, N, K, dtype = 1024, 1024, 512, "bfloat16"
+    m_tiles, n_tiles = M // cfg.block_M, N // cfg.block_N
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
+        with T.Kernel(m_tiles * n_tiles, threads=cfg.threads) as b:
+            by, bx = tile_coords(b, m_tiles, n_tiles, cfg.panel)
+            gemm_tile(A, by * cfg.block_M, W, bx * cfg.block_N, C, by * cfg.block_M, bx * cfg.block_N, K, dtype,
+                      cfg.stages, cfg)
+
+    return main
+
+
+@pytest.mark.timeout(120)
+def test_tile_configs_lower_to_their_wgmma_and_epilogue():
+    from tilescale.ops._gemm import DEFAULT, TileConfig
+
+    default = lower_cuda(_tile_kernel(DEFAULT))
+    assert "kFloat32, 64, 64, 16" in default and "tma_store" not in default  # Square: 2x m64n64 per warpgroup
+    wide = lower_cuda(_tile_kernel(TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 4)))
+    assert "kFloat32, 64, 256, 16" in wide  # FullRow: one m64n256 per warpgroup
+    assert "tma_store" in wide  # the shared epilogue stores the tile with TMA
+    # Tile rows: panel (16 tiles of 4 rows x 4 columns) * 4 rows, plus the row within the panel.
+    assert "(((((int)blockIdx.x) >> 4) * 512) + ((((int)blockIdx.x) & 3) * 128))" in wide
+    # A shorter last panel: C division and remainder, no sign tests of floor division.
+    uneven = lower_cuda(_tile_kernel(TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 3)))
+    assert "% min(3, (8 - " in uneven and "?" not in uneven.split("tma_load(A_desc")[1].split(";")[0]

@@ -63,8 +63,11 @@ class TileConfig:
                 f"{self.policy} {self.epilogue}{panel}")
 
 
-# What the kernels use. Candidates measured by benchmarks/gemm_tiles.py (H200, bf16), e.g.
-# TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8): TileLang's sm_90 GEMM recipe.
+# What the kernels use (gemm_tile's policy and epilogue, and the BLOCK_* below). Today's
+# Square policy gives each warpgroup 2x m64n64 wgmmas. benchmarks/gemm_tiles.py times the
+# candidates, e.g. TileLang's sm_90 recipe TileConfig(128, 256, 64, 3, 256, "FullRow",
+# "shared", 8) (one m64n256 per warpgroup). ``panel`` takes effect only in kernels that
+# order their tiles with tile_coords.
 DEFAULT = TileConfig()
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
