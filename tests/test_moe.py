@@ -1,4 +1,6 @@
-"""MoE dispatch/combine: CPU path with 2 and 4 ranks against a reference; CUDA lowering and nvcc."""
+"""MoE dispatch/combine: CPU path with 2, 3 and 4 ranks against references; CUDA lowering and nvcc."""
+
+import textwrap
 
 import pytest
 from cpu_jobs import run_cpu
@@ -28,15 +30,133 @@ def test_moe_layer_gradients_match_autograd(n):
     assert proc.stdout.count("MOE-GRAD-OK") == n  # input, router, both expert weights, every rank
 
 
+# Entry by entry: the routing kernel over several scan chunks (with repeated and out-of-range
+# ids), each grouped row's source, weight, data and order, and a bad id reported by the call
+# that passed it while the exchange still ran on every rank.
+LAYOUT_CHECK = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+
+    import tilescale as ts
+    from tilescale.ops import moe
+
+    ts.init()
+    torch.set_default_device(ts.device())
+    rank, world = ts.rank(), ts.world_size()
+    per_rank, topk, hidden = 3, 3, 24
+    num_experts = per_rank * world
+
+
+    def draw(tokens, seed):
+        g = torch.Generator(device=ts.device()).manual_seed(seed)
+        idx = torch.randint(0, num_experts, (tokens, topk), generator=g)  # ids may repeat within a token
+        return idx, torch.rand(tokens, topk, generator=g), torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+
+
+    def slots(idx, d):  # the slot of each token at rank d, -1 if it does not go there
+        goes = ((idx >= d * per_rank) & (idx < (d + 1) * per_rank)).any(1)
+        return torch.where(goes, goes.int().cumsum(0) - 1, -1)
+
+
+    tokens = moe.SCAN_ROWS * moe.SCAN_COLS + 5  # two chunks of the routing scan
+    idx, _, _ = draw(tokens, 7 + rank)
+    idx[::97, 1] = idx[::97, 0]
+    idx[3, 2], idx[tokens - 1, 0] = -1, num_experts
+    i32 = dict(dtype=torch.int32)
+    dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
+    send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
+    expert_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
+    moe.route_kernel(world, tokens, topk, num_experts)(idx.to(torch.int32), dest, slot, send_counts, expert_slot,
+                                                       expert_counts, bad)
+    flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < num_experts)
+    order = torch.full_like(flat, -1)
+    for e in range(num_experts):
+        hits = (flat == e).nonzero()[:, 0]
+        order[hits] = torch.arange(len(hits))
+    assert torch.equal(expert_slot.flatten()[valid].long(), order[valid])
+    assert torch.equal(expert_counts.long(), torch.bincount(flat[valid], minlength=num_experts))
+    assert int(bad[0]) == 2
+    for d in range(world):
+        assert torch.equal(slot[d * tokens:(d + 1) * tokens].long(), slots(idx, d)), d
+        assert torch.equal(dest[d * tokens:(d + 1) * tokens].long(), torch.where(slots(idx, d) >= 0, d, -1)), d
+        assert int(send_counts[d]) == int((slots(idx, d) >= 0).sum())
+    print(f"rank {rank}: ROUTE-OK", flush=True)
+
+    tokens = 150
+    idx, w, x = draw(tokens, 100 + rank)
+    idx[::5, 1] = idx[::5, 0]  # a token naming an expert twice has two entries, two grouped rows
+    recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (idx.cpu(), w.cpu(), x.cpu()))
+    end = 0
+    for e in range(per_rank):
+        # Entries of local expert e in (source, token, k) order, each one grouped row.
+        entries = [(src, t, k) for src, (i, _, _) in enumerate(everyone) for t in range(tokens) for k in range(topk)
+                   if int(i[t, k]) == rank * per_rank + e]
+        start = int(h.offsets[e])
+        assert start == end and int(counts[e]) == len(entries), (e, start, end, int(counts[e]), len(entries))
+        for n, (src, t, k) in enumerate(entries):
+            p, s = start + n, int(slots(everyone[src][0], rank)[t])
+            assert int(h.source_row[p]) == src * tokens + s and int(h.position[src * tokens + s, k]) == p, (e, n)
+            assert int(h.row_expert[p]) == e and float(recv_w[p]) == float(everyone[src][1][t, k]), (e, n)
+            assert torch.equal(recv_x[p].cpu(), everyone[src][2][t]), (e, n)
+        end = start + -(-len(entries) // 128) * 128
+        assert bool((h.row_expert[start + len(entries):end] == -1).all())
+        assert bool((h.source_row[start + len(entries):end] == -1).all())
+    assert bool((h.row_expert[end:] == -1).all()) and int((h.position >= 0).sum()) == int(counts.sum())
+    y = ts.ops.moe_combine(recv_x, recv_w, h)  # identity experts: each token times its weights' sum
+    torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    print(f"rank {rank}: LAYOUT-OK", flush=True)
+
+    idx, w, x = draw(tokens, 200 + rank)
+    if rank == 0:
+        idx[5, 1] = -3
+    try:
+        ts.ops.moe_dispatch(x, idx, w, num_experts)
+        print(f"rank {rank}: no error", flush=True)
+    except ValueError as err:
+        print(f"rank {rank}: ValueError: {err}", flush=True)
+    idx[5, 1] = 0
+    recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=True)
+    y = ts.ops.moe_combine(recv_x, recv_w, h)
+    torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    print(f"rank {rank}: RECOVERED-OK", flush=True)
+    ts.finalize()
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3])
+def test_grouped_layout_entry_by_entry(n, tmp_path):
+    program = tmp_path / "layout_check.py"
+    program.write_text(LAYOUT_CHECK)
+    proc = run_cpu(str(program), n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for marker in ("ROUTE-OK", "LAYOUT-OK", "RECOVERED-OK"):
+        assert proc.stdout.count(marker) == n, marker
+    # The rank with the bad id raises in that call (the CPU path finishes the device check at
+    # once); the others are unaffected, and every rank goes on.
+    assert "rank 0: ValueError: moe_dispatch: rank 0: expert ids must be in [0, " in proc.stdout
+    assert "got -3.." in proc.stdout and "(1 out of range, not sent)" in proc.stdout
+    assert proc.stdout.count("no error") == n - 1
+
+
+# DeepEP's normal size on 8 ranks: 4096 tokens, hidden 7168, top-8 of 256 experts (32 per rank).
+W, TOKENS, HIDDEN, TOPK, PER_RANK = 8, 4096, 7168, 8, 32
+ROWS = 266240  # grouped_rows(4096, 8, 32) with 8 ranks: 8 * 4096 * 8 hits + 32 * 127 padding, in tiles
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
 @pytest.mark.parametrize("low_latency", [False, True])
 @pytest.mark.parametrize("name", ["dispatch", "combine"])
 def test_kernels_lower_and_compile(name, low_latency, tmp_path):
-    with build_options(world_size=4):
-        func = (moe.dispatch_kernel.__wrapped__(4, 128, 7168, 8, "bfloat16", 132, low_latency) if name == "dispatch"
-                else moe.combine_kernel.__wrapped__(4, 128, 7168, 8, 4096, "bfloat16", 132, low_latency))
+    tokens = 128 if low_latency else TOKENS
+    with build_options(world_size=W):
+        func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, "bfloat16", 132, low_latency)
+                if name == "dispatch"
+                else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, ROWS, "bfloat16", 132, low_latency))
     src = lower_cuda(func)
     if low_latency:  # no device-wide barrier: per-source arrival counts instead
         assert "tilescale::grid_barrier(" not in src
@@ -44,6 +164,8 @@ def test_kernels_lower_and_compile(name, low_latency, tmp_path):
     else:
         assert src.count("tilescale::grid_barrier(") == 2  # the barriers around the exchange
     assert "uint4" in src  # rows move as 16-byte vectors
+    if name == "dispatch":
+        assert src.count("*(uint4*)(x + ") == 1  # a token's row is read once, whatever its destinations
     proc = nvcc(src, tmp_path / f"{name}_{low_latency}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -64,8 +186,9 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
 @pytest.mark.timeout(300)
 @needs_nvcc
 def test_grouping_kernel_lowers_to_vector_copies_and_compiles(tmp_path):
-    src = lower_cuda(moe.group_rows_kernel.__wrapped__(2, 4096, 7168, 8, 81920, "bfloat16", 132))
+    src = lower_cuda(moe.group_rows_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, ROWS, "bfloat16"))
     assert "uint4" in src and "position[" in src
+    assert src.count("*(uint4*)(recv_x + ") == 1  # each received row read once, written per local expert
     proc = nvcc(src, tmp_path / "group_rows.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -73,14 +196,20 @@ def test_grouping_kernel_lowers_to_vector_copies_and_compiles(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize("name", ["route", "count", "place"])
-def test_scan_kernels_lower_and_compile(name, tmp_path):
-    kernels = {"route": lambda: moe.route_kernel.__wrapped__(2, 4096, 8, 128),
-               "count": lambda: moe.count_hits_kernel.__wrapped__(2, 4096, 8, 128),
-               "place": lambda: moe.place_hits_kernel.__wrapped__(2, 4096, 8, 128, 81920)}
-    with build_options(world_size=2):
+@pytest.mark.parametrize(("name", "tokens"), [("route", TOKENS), ("route", 128), ("layout", TOKENS),
+                                              ("place", TOKENS)])
+def test_layout_kernels_lower_and_compile(name, tokens, tmp_path):
+    kernels = {"route": lambda: moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK),
+               "layout": lambda: moe.layout_kernel.__wrapped__(W, PER_RANK, ROWS, 132),
+               "place": lambda: moe.place_kernel.__wrapped__(W, tokens, TOPK, PER_RANK, ROWS)}
+    with build_options(world_size=W):
         func = kernels[name]()
     src = lower_cuda(func)
-    assert "cumsum" in src.lower() or "scan" in src.lower()  # the block-wide scan of hit flags
+    if name == "route":  # two-level scan: a warp per row of tokens, then the row totals
+        assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
+    elif name == "layout":  # over sources, then over the padded segments
+        assert "CumSum2D<256, 0, false>" in src and "CumSum1D<256, false>" in src
+    else:  # no scan on the receiver: a grouped row is base[source, expert] + the entry's expert slot
+        assert "CumSum" not in src and "base[" in src
     proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]

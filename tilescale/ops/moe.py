@@ -4,19 +4,27 @@ Experts are split evenly over ranks (expert ``e`` lives on rank ``e // experts_p
 A token routed to several experts of one rank crosses the link once (DeepEP's
 deduplication): every (token, destination rank) pair is one row.
 
-Dispatch:
-1. Layout, on the device with torch (no host synchronisation): each pair's destination
-   and its slot in the destination's receive buffer (one slot range per source rank, so
-   senders never need the receivers' offsets).
-2. ``dispatch_kernel`` (tilescale): every pair's row, expert ids and weights are put into
-   the destination's receive buffers with remote copies, the per-destination counts after
-   them; a device-scope barrier (or, in low-latency mode, per-source arrival counts)
-   publishes everything.
-3. The receiver sorts the (row, local expert) hits by expert on the device (torch) and
-   ``group_rows_kernel`` copies each received row to its experts' segments: one flat
-   ``(rows, hidden)`` tensor in which expert ``l`` owns rows ``offsets[l]:offsets[l] +
-   counts[l]``, each segment padded to whole 128-row GEMM tiles. Its size is a bound known
-   without a host round trip.
+Dispatch, five kernels and no host synchronisation:
+
+1. ``route_kernel``, on the sender: each pair's destination and its slot in the
+   destination's receive buffer (one slot range per source rank, token order, so senders
+   never need the receivers' offsets); and each (token, k) entry's order among this rank's
+   entries naming the same expert (``expert_slot``), with the entries sent to each expert.
+   One block per destination rank and per expert, each a two-level scan over the tokens.
+2. ``dispatch_kernel``: each token's row is read once and put, with its expert ids, weights
+   and expert slots, into the receive buffers of every rank it goes to (destinations
+   interleaved, so no rank receives from all the others at once); block d then sends rank d
+   the row count and the per-expert entry counts. A device-scope barrier (or, in
+   low-latency mode, per-source arrival counts) publishes everything.
+3. ``layout_kernel``, on the receiver: from the (source, local expert) entry counts, each
+   expert's count, its segment's first row (segments padded to 128-row GEMM tiles) and the
+   first row of each source's entries in it: ``base[src, e]``.
+4. ``place_kernel``: entry (src, row, k) of local expert e goes to grouped row
+   ``base[src, e] + expert_slot``, i.e. each segment holds its entries in (source, token, k)
+   order, deterministically and without a scan on the receiver.
+5. ``group_rows_kernel``: each received row, read once, is written to its experts' grouped
+   rows: one flat ``(rows, hidden)`` tensor in which expert ``l`` owns rows
+   ``offsets[l]:offsets[l] + counts[l]``. Its size is a bound known without a host round trip.
 
 Combine reverses it in one kernel: each received row's expert outputs are summed with
 their routing weights on the expert side and put back into the source rank's slot; after
@@ -26,7 +34,7 @@ the exchange each token sums its rows from its destination ranks.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,9 +47,14 @@ from tilescale.symmetric import zeros
 
 # Each expert's segment of the grouped rows is padded to whole GEMM row tiles.
 ROW_TILE = 128
-# Block-wide scans (routing, expert grouping) take flags in chunks of this many, with these threads.
-SCAN_CHUNK = 4096
+# Routing scans take tokens in chunks of (up to) SCAN_ROWS x SCAN_COLS: each row scanned by a
+# warp, then the row totals (a two-level scan: TileLang's scan gives a whole line to one warp).
+SCAN_ROWS = 32
+SCAN_COLS = 128
 SCAN_THREADS = 512
+# Received rows per block of the placement kernel; grouped rows per step of the fills.
+PLACE_ROWS = 64
+FILL = 1024
 
 
 def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
@@ -52,9 +65,15 @@ def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
 
 
 def exchange_blocks(world: int, tokens: int, sms: int) -> int:
-    """Blocks of the dispatch and combine kernels: one per SM at most (so that device-wide
-    barriers hold), but no fewer than the ranks (block d sends the row count to rank d)."""
+    """Blocks of the combine kernel: one per SM at most (so that device-wide barriers hold),
+    but no fewer than the ranks."""
     return max(min(world * tokens, sms), world)
+
+
+def send_blocks(world: int, tokens: int, sms: int) -> int:
+    """Blocks of the dispatch kernel (one token each at a time): one per SM at most, but no
+    fewer than the ranks (block d sends the counts to rank d)."""
+    return max(min(tokens, sms), world)
 
 
 @T.macro
@@ -76,172 +95,241 @@ def _close(low_latency, arrivals, arrived):
         T.barrier()  # everything sent has landed everywhere
 
 
+def _entries(idx, t, topk, lo, hi):
+    """Entries k of token t whose expert id is in [lo, hi) (unrolled over k)."""
+    n = 0
+    for k in range(topk):
+        n = n + T.if_then_else(T.And(lo <= idx[t, k], idx[t, k] < hi), 1, 0)
+    return n
+
+
+def _token_hits(idx, t, b, world, num_experts, topk):
+    """What block b of the routing kernel counts for token t: whether it goes to rank b
+    (b < world), its entries naming expert b - world, or (last block) its ids out of range."""
+    per_rank = num_experts // world
+    return T.if_then_else(
+        b < world, T.min(_entries(idx, t, topk, b * per_rank, b * per_rank + per_rank), 1),
+        T.if_then_else(b < world + num_experts, _entries(idx, t, topk, b - world, b - world + 1),
+                       topk - _entries(idx, t, topk, 0, num_experts)))
+
+
+def _earlier(idx, t, k, expert, topk):
+    """Entries before k of token t naming ``expert`` (several only for repeated ids)."""
+    n = 0
+    for kk in range(topk - 1):
+        n = n + T.if_then_else(T.And(kk < k, idx[t, kk] == expert), 1, 0)
+    return n
+
+
 @jit
-def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, dtype: str, sms: int, low_latency: bool):
-    """Put pair p's row of ``x`` (token ``p % tokens``) into slot ``slot[p]`` of rank ``dest[p]``.
+def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
+    """Block r < world: which tokens go to rank r (``dest``), their slots there in token
+    order (``slot``), how many (``send_counts[r]``); pair index ``r * tokens + t``.
+    Block world + e: the order of each (token, k) entry naming expert e among this rank's
+    entries naming it, in (token, k) order (``expert_slot``), and how many
+    (``expert_counts[e]``). The last block counts the ids outside [0, num_experts) into
+    ``bad[0]``: those are routed nowhere."""
+    scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
+    chunk = scan_rows * SCAN_COLS
+
+    @T.prim_func
+    def main(topk_idx: T.Tensor((tokens, topk), "int32"), dest: T.Tensor((world * tokens,), "int32"),
+             slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
+             bad: T.Tensor((1,), "int32")):
+        with T.Kernel(world + num_experts + 1, threads=SCAN_THREADS) as b:
+            hits = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # per token: 0/1 (rank), entries (expert)
+            prefix = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # inclusive, along each row
+            row_end = T.alloc_shared((scan_rows,), "int32")  # inclusive prefix of the row totals
+            done = T.alloc_local((1,), "int32")  # counted in earlier chunks
+            done[0] = 0
+            for c in T.serial(T.ceildiv(tokens, chunk)):
+                for i, j in T.Parallel(scan_rows, SCAN_COLS):
+                    u = c * chunk + i * SCAN_COLS + j
+                    hits[i, j] = T.if_then_else(
+                        u < tokens, _token_hits(topk_idx, T.min(u, tokens - 1), b, world, num_experts, topk), 0)
+                T.cumsum(src=hits, dst=prefix, dim=1)
+                for i in T.Parallel(scan_rows):
+                    row_end[i] = prefix[i, SCAN_COLS - 1]
+                T.cumsum(src=row_end, dim=0)
+                # Exclusive prefix of token (i, j): done + row_end[i] - prefix[i, -1] + prefix[i, j] - hits[i, j].
+                if b < world:
+                    for i, j in T.Parallel(scan_rows, SCAN_COLS):
+                        u = c * chunk + i * SCAN_COLS + j
+                        if u < tokens:
+                            dest[b * tokens + u] = T.if_then_else(hits[i, j] > 0, b, -1)
+                        if u < tokens:
+                            slot[b * tokens + u] = T.if_then_else(
+                                hits[i, j] > 0, done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j] - 1, -1)
+                elif b < world + num_experts:
+                    for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
+                        u = c * chunk + i * SCAN_COLS + j
+                        t = T.min(u, tokens - 1)
+                        if u < tokens and topk_idx[t, k] == b - world:
+                            expert_slot[t, k] = (done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j]
+                                                 - hits[i, j] + T.if_then_else(
+                                                     hits[i, j] > 1, _earlier(topk_idx, t, k, b - world, topk), 0))
+                done[0] = done[0] + row_end[scan_rows - 1]
+            if b < world:
+                send_counts[b] = done[0]
+            elif b < world + num_experts:
+                expert_counts[b - world] = done[0]
+            else:
+                bad[0] = done[0]
+
+    return main
+
+
+@jit
+def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, dtype: str, sms: int,
+                    low_latency: bool):
+    """Put token t's row of ``x``, expert ids, weights and expert slots into slot
+    ``slot[d * tokens + t]`` of every rank d where that is >= 0; block d also
+    sends rank d the row count and this rank's entry count of each of d's experts.
 
     ``low_latency``: no barriers; the receive buffers alternate between two sets from call to
     call (so the opening barrier is not needed) and per-source arrival counts end the kernel.
     """
-    pairs = tokens * world
-    blocks = exchange_blocks(world, tokens, sms)
+    blocks = send_blocks(world, tokens, sms)
 
     @T.prim_func
     def main(x: T.Tensor((tokens, hidden), dtype), topk_idx: T.Tensor((tokens, topk), "int32"),
-             topk_w: T.Tensor((tokens, topk), "float32"),
-             dest: T.Tensor((pairs,), "int32"), slot: T.Tensor((pairs,), "int32"),
-             send_counts: T.Tensor((world,), "int32"),
+             topk_w: T.Tensor((tokens, topk), "float32"), expert_slot: T.Tensor((tokens, topk), "int32"),
+             slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             expert_counts: T.Tensor((world * per_rank,), "int32"),
              recv_x: T.Tensor((world, tokens, hidden), dtype), recv_idx: T.Tensor((world, tokens, topk), "int32"),
-             recv_w: T.Tensor((world, tokens, topk), "float32"), recv_counts: T.Tensor((world,), "int32"),
+             recv_w: T.Tensor((world, tokens, topk), "float32"),
+             recv_slot: T.Tensor((world, tokens, topk), "int32"), recv_counts: T.Tensor((world,), "int32"),
+             recv_expert_counts: T.Tensor((world, per_rank), "int32"),
              arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
+                row = T.alloc_shared((hidden,), dtype)
+                at = T.alloc_local((world,), "int32")  # the token's slot at each destination, -1 for none
                 _open(low_latency)
-                for q in T.serial(T.ceildiv(pairs - bx, blocks)):
-                    p = bx + q * blocks
-                    if dest[p] >= 0:
-                        t = p % tokens
-                        T.copy(x[t, 0:hidden], recv_x[rank, slot[p], 0:hidden], dst_pe=dest[p])
-                        T.copy(topk_idx[t, 0:topk], recv_idx[rank, slot[p], 0:topk], dst_pe=dest[p])
-                        T.copy(topk_w[t, 0:topk], recv_w[rank, slot[p], 0:topk], dst_pe=dest[p])
+                for q in T.serial(T.ceildiv(tokens - bx, blocks)):
+                    t = bx + q * blocks
+                    # Destinations rotate with the token: the tokens in flight go to every rank at once.
+                    for i in T.unroll(ranks):
+                        at[i] = slot[(rank + t + i) % ranks * tokens + t]
+                    T.copy(x[t, 0:hidden], row)  # read once, put to every destination
+                    for i in T.unroll(ranks):
+                        if at[i] >= 0:
+                            T.copy(row, recv_x[rank, at[i], 0:hidden], dst_pe=(rank + t + i) % ranks)
+                            T.copy(topk_idx[t, 0:topk], recv_idx[rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
+                            T.copy(topk_w[t, 0:topk], recv_w[rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
+                            T.copy(expert_slot[t, 0:topk], recv_slot[rank, at[i], 0:topk],
+                                   dst_pe=(rank + t + i) % ranks)
                 if bx < ranks:  # there are at least as many blocks as ranks
                     T.copy(send_counts[bx:bx + 1], recv_counts[rank:rank + 1], dst_pe=bx)
+                    T.copy(expert_counts[bx * per_rank:bx * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
+                           dst_pe=bx)
                 _close(low_latency, arrivals, arrived)
 
     return main
 
 
 @jit
-def route_kernel(world: int, tokens: int, topk: int, per_rank: int):
-    """Block r: which tokens go to rank r (``dest``), their slots there in token order
-    (``slot``), and how many (``send_counts[r]``). Pair index ``r * tokens + t``."""
+def layout_kernel(world: int, per_rank: int, rows: int, sms: int):
+    """Block 0: ``counts[e]`` (entries of local expert e from every source), ``offsets[e]``
+    (its segment's first grouped row, segments padded to row tiles) and ``base[src, e]``
+    (the first grouped row of source src's entries of e). Every block: the per-row outputs
+    reset (weight 0, source row and expert -1) before the placement writes the rows in use."""
+    blocks = max(min(sms, -(-rows // FILL)), 1)
 
     @T.prim_func
-    def main(topk_idx: T.Tensor((tokens, topk), "int32"), dest: T.Tensor((world * tokens,), "int32"),
-             slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32")):
-        with T.Kernel(world, threads=SCAN_THREADS) as r:
-            flags = T.alloc_shared((SCAN_CHUNK,), "int32")
-            prefix = T.alloc_shared((SCAN_CHUNK,), "int32")
-            sent = T.alloc_local((1,), "int32")
-            sent[0] = 0
-            for c in T.serial(T.ceildiv(tokens, SCAN_CHUNK)):
-                T.clear(flags)
-                for j, k in T.Parallel(SCAN_CHUNK, topk):
-                    t = T.min(c * SCAN_CHUNK + j, tokens - 1)
-                    if c * SCAN_CHUNK + j < tokens and topk_idx[t, k] // per_rank == r:
-                        flags[j] = 1
-                T.cumsum(src=flags, dst=prefix, dim=0)
-                for j in T.Parallel(SCAN_CHUNK):
-                    if c * SCAN_CHUNK + j < tokens:
-                        dest[r * tokens + c * SCAN_CHUNK + j] = T.if_then_else(flags[j] == 1, r, -1)
-                for j in T.Parallel(SCAN_CHUNK):
-                    if c * SCAN_CHUNK + j < tokens:
-                        slot[r * tokens + c * SCAN_CHUNK + j] = sent[0] + prefix[j] - 1
-                sent[0] = sent[0] + prefix[SCAN_CHUNK - 1]
-            send_counts[r] = sent[0]
-
-    return main
-
-
-
-
-@T.macro
-def _expert_hits(idx, recv_counts, flags, prefix, chunk, expert, tokens, topk, entries):
-    """flags[j] = 1 where entry ``chunk * SCAN_CHUNK + j`` of the received (source, token, k)
-    expert ids names local expert ``expert`` of a row that arrived; prefix: their running count."""
-    for j in T.Parallel(SCAN_CHUNK):
-        flags[j] = T.if_then_else(
-            (chunk * SCAN_CHUNK + j < entries)
-            and (idx[T.min(chunk * SCAN_CHUNK + j, entries - 1)] == expert)
-            and ((chunk * SCAN_CHUNK + j) // topk % tokens
-                 < recv_counts[T.min(chunk * SCAN_CHUNK + j, entries - 1) // (topk * tokens)]),
-            1, 0)
-    T.cumsum(src=flags, dst=prefix, dim=0)
-
-
-@jit
-def count_hits_kernel(world: int, tokens: int, topk: int, per_rank: int):
-    """``counts[e]``: received (row, k) entries naming local expert e (one block per expert)."""
-    entries = world * tokens * topk
-
-    @T.prim_func
-    def main(idx: T.Tensor((entries,), "int32"), recv_counts: T.Tensor((world,), "int32"),
-             counts: T.Tensor((per_rank,), "int32")):
-        with T.Kernel(per_rank, threads=SCAN_THREADS) as e:
-            with T.Scale("device") as (rank, ranks):
-                flags = T.alloc_shared((SCAN_CHUNK,), "int32")
-                prefix = T.alloc_shared((SCAN_CHUNK,), "int32")
-                total = T.alloc_local((1,), "int32")
-                total[0] = 0
-                for c in T.serial(T.ceildiv(entries, SCAN_CHUNK)):
-                    _expert_hits(idx, recv_counts, flags, prefix, c, rank * per_rank + e, tokens, topk, entries)
-                    total[0] = total[0] + prefix[SCAN_CHUNK - 1]
-                counts[e] = total[0]
-
-    return main
-
-
-@jit
-def place_hits_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: int):
-    """Give each hit of local expert e its grouped row, in (source, token, k) order: its
-    ``position``, and per grouped row the routing weight, source row and expert."""
-    entries = world * tokens * topk
-
-    @T.prim_func
-    def main(idx: T.Tensor((entries,), "int32"), recv_counts: T.Tensor((world,), "int32"),
-             recv_w: T.Tensor((entries,), "float32"), counts: T.Tensor((per_rank,), "int32"),
-             offsets: T.Tensor((per_rank,), "int32"), position: T.Tensor((entries,), "int32"),
+    def main(recv_expert_counts: T.Tensor((world, per_rank), "int32"), counts: T.Tensor((per_rank,), "int32"),
+             offsets: T.Tensor((per_rank,), "int32"), base: T.Tensor((world, per_rank), "int32"),
              weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
              row_expert: T.Tensor((rows,), "int32")):
-        with T.Kernel(per_rank, threads=SCAN_THREADS) as e:
-            with T.Scale("device") as (rank, ranks):
-                flags = T.alloc_shared((SCAN_CHUNK,), "int32")
-                prefix = T.alloc_shared((SCAN_CHUNK,), "int32")
-                start = T.alloc_local((1,), "int32")
-                start[0] = 0
-                for f in T.serial(e):  # segments before this expert's, padded to row tiles
-                    start[0] = start[0] + T.ceildiv(counts[f], ROW_TILE) * ROW_TILE
-                offsets[e] = start[0]
-                for c in T.serial(T.ceildiv(entries, SCAN_CHUNK)):
-                    _expert_hits(idx, recv_counts, flags, prefix, c, rank * per_rank + e, tokens, topk, entries)
-                    for j in T.Parallel(SCAN_CHUNK):
-                        if flags[j] == 1:
-                            position[c * SCAN_CHUNK + j] = start[0] + prefix[j] - 1
-                    for j in T.Parallel(SCAN_CHUNK):
-                        if flags[j] == 1:
-                            weight[start[0] + prefix[j] - 1] = recv_w[T.min(c * SCAN_CHUNK + j, entries - 1)]
-                    for j in T.Parallel(SCAN_CHUNK):
-                        if flags[j] == 1:
-                            source_row[start[0] + prefix[j] - 1] = (c * SCAN_CHUNK + j) // topk
-                    for j in T.Parallel(SCAN_CHUNK):
-                        if flags[j] == 1:
-                            row_expert[start[0] + prefix[j] - 1] = e
-                    start[0] = start[0] + prefix[SCAN_CHUNK - 1]
+        with T.Kernel(blocks, threads=256) as bx:
+            upto = T.alloc_shared((world, per_rank), "int32")  # inclusive prefix over sources
+            end = T.alloc_shared((per_rank,), "int32")  # inclusive prefix of the padded segments
+            for q in T.serial(T.ceildiv(rows, FILL * blocks)):
+                for i in T.Parallel(FILL):
+                    if (q * blocks + bx) * FILL + i < rows:
+                        weight[(q * blocks + bx) * FILL + i] = 0.0
+                    if (q * blocks + bx) * FILL + i < rows:
+                        source_row[(q * blocks + bx) * FILL + i] = -1
+                    if (q * blocks + bx) * FILL + i < rows:
+                        row_expert[(q * blocks + bx) * FILL + i] = -1
+            if bx == 0:
+                T.copy(recv_expert_counts, upto)
+                T.cumsum(src=upto, dim=0)
+                for e in T.Parallel(per_rank):
+                    end[e] = T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
+                T.cumsum(src=end, dim=0)
+                for e in T.Parallel(per_rank):
+                    counts[e] = upto[world - 1, e]
+                for e in T.Parallel(per_rank):
+                    offsets[e] = end[e] - T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
+                for s, e in T.Parallel(world, per_rank):
+                    base[s, e] = (end[e] - T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE + upto[s, e]
+                                  - recv_expert_counts[s, e])
 
     return main
 
 
 @jit
-def group_rows_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int):
-    """Copy received row r to grouped row ``position[r, k]`` for every k where it is >= 0."""
+def place_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: int):
+    """Entry (received row r, k) of local expert e goes to grouped row ``base[src, e] +
+    recv_slot[r, k]`` (src = r // tokens): its ``position``, and per grouped row the routing
+    weight, source row and expert. Entries of no local expert, and rows past the count
+    received from their source, get position -1."""
+    received = world * tokens
+
+    @T.prim_func
+    def main(recv_idx: T.Tensor((received, topk), "int32"), recv_slot: T.Tensor((received, topk), "int32"),
+             recv_w: T.Tensor((received, topk), "float32"), recv_counts: T.Tensor((world,), "int32"),
+             base: T.Tensor((world, per_rank), "int32"), position: T.Tensor((received, topk), "int32"),
+             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
+             row_expert: T.Tensor((rows,), "int32")):
+        with T.Kernel(T.ceildiv(received, PLACE_ROWS), threads=128) as bx:
+            with T.Scale("device") as (rank, ranks):
+                pos = T.alloc_shared((PLACE_ROWS, topk), "int32")
+                for i, k in T.Parallel(PLACE_ROWS, topk):
+                    r = T.min(bx * PLACE_ROWS + i, received - 1)
+                    e = recv_idx[r, k] - rank * per_rank
+                    pos[i, k] = T.if_then_else(
+                        bx * PLACE_ROWS + i < received and r % tokens < recv_counts[r // tokens]
+                        and e >= 0 and e < per_rank,
+                        base[r // tokens, T.max(T.min(e, per_rank - 1), 0)] + recv_slot[r, k], -1)
+                for i, k in T.Parallel(PLACE_ROWS, topk):
+                    if bx * PLACE_ROWS + i < received:
+                        position[bx * PLACE_ROWS + i, k] = pos[i, k]
+                for i, k in T.Parallel(PLACE_ROWS, topk):
+                    if pos[i, k] >= 0:
+                        weight[pos[i, k]] = recv_w[T.min(bx * PLACE_ROWS + i, received - 1), k]
+                for i, k in T.Parallel(PLACE_ROWS, topk):
+                    if pos[i, k] >= 0:
+                        source_row[pos[i, k]] = bx * PLACE_ROWS + i
+                for i, k in T.Parallel(PLACE_ROWS, topk):
+                    if pos[i, k] >= 0:
+                        row_expert[pos[i, k]] = recv_idx[T.min(bx * PLACE_ROWS + i, received - 1), k] - rank * per_rank
+
+    return main
+
+
+@jit
+def group_rows_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str):
+    """Block r: copy received row r to grouped row ``position[r, k]`` for every k where it
+    is >= 0 (the row is read once, into registers)."""
     received = world * tokens
 
     @T.prim_func
     def main(recv_x: T.Tensor((received, hidden), dtype), position: T.Tensor((received, topk), "int32"),
              out: T.Tensor((rows, hidden), dtype)):
-        with T.Kernel(T.min(received, sms), threads=128) as bx:
-            row = T.alloc_shared((1, hidden), dtype)
+        with T.Kernel(received, threads=128) as r:
+            row = T.alloc_fragment((1, hidden), dtype)
             last = T.alloc_local((1,), "int32")
-            for q in T.serial(T.ceildiv(received - bx, T.min(received, sms))):
-                r = bx + q * T.min(received, sms)
-                last[0] = -1
+            last[0] = -1
+            for k in T.serial(topk):
+                last[0] = T.max(last[0], position[r, k])
+            if last[0] >= 0:  # a row with no local expert (or not received) is not read
+                T.copy(recv_x[r:r + 1, 0:hidden], row)
                 for k in T.serial(topk):
-                    last[0] = T.max(last[0], position[r, k])
-                if last[0] >= 0:  # a row with no local expert is not read
-                    T.copy(recv_x[r:r + 1, 0:hidden], row)
-                    for k in T.serial(topk):
-                        if position[r, k] >= 0:
-                            T.copy(row, out[position[r, k]:position[r, k] + 1, 0:hidden])
+                    if position[r, k] >= 0:
+                        T.copy(row, out[position[r, k]:position[r, k] + 1, 0:hidden])
 
     return main
 
@@ -267,16 +355,20 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                 row = T.alloc_shared((1, hidden), dtype)
                 _open(low_latency)
                 for q in T.serial(T.ceildiv(received - bx, blocks)):
-                    r = bx + q * blocks
-                    if r % tokens < counts[r // tokens]:
+                    # Sources interleaved (row s of source src at step s * ranks + src): the rows
+                    # in flight go back to every rank at once, not to one rank from all.
+                    src = (bx + q * blocks) % ranks
+                    s = (bx + q * blocks) // ranks
+                    if s < counts[src]:
                         T.clear(acc)
                         for k in T.serial(topk):
-                            if position[r, k] >= 0:
-                                T.copy(expert_out[position[r, k]:position[r, k] + 1, 0:hidden], part)
+                            if position[src * tokens + s, k] >= 0:
+                                T.copy(expert_out[position[src * tokens + s, k]:position[src * tokens + s, k] + 1,
+                                                  0:hidden], part)
                                 for i, j in T.Parallel(1, hidden):
-                                    acc[i, j] += T.cast(part[i, j], "float32") * weight[position[r, k]]
+                                    acc[i, j] += T.cast(part[i, j], "float32") * weight[position[src * tokens + s, k]]
                         T.copy(acc, row)
-                        T.copy(row, back[rank, r % tokens:r % tokens + 1, 0:hidden], dst_pe=r // tokens)
+                        T.copy(row, back[rank, s:s + 1, 0:hidden], dst_pe=src)
                 _close(low_latency, arrivals, arrived)
                 # Token t's row from destination rank d is back[d, slot[d * tokens + t]].
                 for q in T.serial(T.ceildiv(tokens - bx, blocks)):
@@ -300,9 +392,11 @@ class DispatchHandle:
     tokens: int
     topk_idx: torch.Tensor  # (tokens, topk) int32 expert ids this rank dispatched
     topk_w: torch.Tensor  # (tokens, topk) float32 their routing weights
+    expert_slot: torch.Tensor  # (tokens, topk) order of entry (t, k) among this rank's entries of its expert
     dest: torch.Tensor  # (world * tokens,) destination rank of pair (rank r, token t) at r * tokens + t, or -1
-    slot: torch.Tensor  # (world * tokens,) the pair's slot at its destination
+    slot: torch.Tensor  # (world * tokens,) the pair's slot at its destination (-1 where no pair)
     send_counts: torch.Tensor  # (world,) rows sent to each rank
+    expert_send_counts: torch.Tensor  # (num_experts,) entries sent to each expert
     recv_counts: torch.Tensor  # (world,) rows received from each rank
     position: torch.Tensor  # (world * tokens, topk) grouped row of each received row's local experts, -1 if none
     counts: torch.Tensor  # (local_experts,) grouped rows holding tokens of each local expert
@@ -318,8 +412,17 @@ class _Buffers:
     x: torch.Tensor
     idx: torch.Tensor
     w: torch.Tensor
+    expert_slot: torch.Tensor
     counts: torch.Tensor
     back: torch.Tensor
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # (world, per_rank), by per_rank
+
+    def expert_counts_for(self, per_rank: int) -> torch.Tensor:
+        """The (source, local expert) entry counts' buffer (allocated at first use: every
+        rank dispatches with the same number of experts)."""
+        if per_rank not in self.expert_counts:
+            self.expert_counts[per_rank] = zeros((runtime.world_size(), per_rank), dtype=torch.int32)
+        return self.expert_counts[per_rank]
 
 
 @dataclass
@@ -342,20 +445,52 @@ def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Excha
         world = runtime.world_size()
         sets = [_Buffers(
             zeros((world, tokens, hidden), dtype=dtype), zeros((world, tokens, topk), dtype=torch.int32),
-            zeros((world, tokens, topk), dtype=torch.float32), zeros((world,), dtype=torch.int32),
-            zeros((world, tokens, hidden), dtype=dtype),
+            zeros((world, tokens, topk), dtype=torch.float32), zeros((world, tokens, topk), dtype=torch.int32),
+            zeros((world,), dtype=torch.int32), zeros((world, tokens, hidden), dtype=dtype),
         ) for _ in range(2)]
         _exchanges[key] = _Exchange(sets, zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32))
     return _exchanges[key]
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
-    """Shapes are checked locally and, at a shape's first call, across ranks; expert ids locally.
+@dataclass
+class _IdCheck:
+    """The routing kernel's count of out-of-range expert ids for one call, read when ready."""
 
-    An expert id out of range would make a remote copy land outside its buffer, so it is
-    checked before anything is sent (one device-to-host read). The rank with the bad id
-    raises; a rank whose input was fine goes on and its bounded waits report the rank that
-    never arrived.
+    bad: torch.Tensor  # (1,) int32 in host memory (pinned, filled by an asynchronous copy, on GPUs)
+    ready: torch.cuda.Event | None  # recorded after that copy; None on the CPU path
+    idx: torch.Tensor  # the call's expert ids, for the message
+    num_experts: int
+
+
+_id_checks: list[_IdCheck] = []
+
+
+def _watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
+    """Queue the device's id check of this call, without waiting for it."""
+    if bad.is_cuda:
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(bad, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        _id_checks.append(_IdCheck(host, ready, idx, num_experts))
+    else:
+        _id_checks.append(_IdCheck(bad, None, idx, num_experts))
+
+
+def _raise_bad_ids() -> None:
+    """Raise for the first finished id check that found ids out of range (finished checks are dropped)."""
+    while _id_checks and (_id_checks[0].ready is None or _id_checks[0].ready.query()):
+        check = _id_checks.pop(0)
+        if int(check.bad[0]):
+            low, high = int(check.idx.min()), int(check.idx.max())
+            raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {check.num_experts}); "
+                             f"got {low}..{high} ({int(check.bad[0])} out of range, not sent)")
+
+
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+    """Shapes are checked locally and, at a shape's first call, across ranks.
+
+    Expert ids are checked on the device, without a host round trip: see :func:`moe_dispatch`.
     """
     check_input(x, "x")
     world = runtime.world_size()
@@ -367,11 +502,6 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     if num_experts % world:
         raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
     check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts])
-    if topk_idx.numel():
-        low, high = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
-        if low < 0 or high >= num_experts:
-            raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {num_experts}); "
-                             f"got {low}..{high}")
 
 
 def _group_by_expert(buf: _Buffers, tokens: int, per_rank: int) -> tuple[torch.Tensor, ...]:
@@ -383,18 +513,20 @@ def _group_by_expert(buf: _Buffers, tokens: int, per_rank: int) -> tuple[torch.T
     world, topk = buf.idx.shape[0], buf.idx.shape[2]
     dev = buf.idx.device
     rows = grouped_rows(tokens, topk, per_rank)
-    entries = world * tokens * topk
+    received = world * tokens
     counts = torch.empty(per_rank, dtype=torch.int32, device=dev)
     offsets = torch.empty(per_rank, dtype=torch.int32, device=dev)
-    position = torch.full((entries,), -1, dtype=torch.int32, device=dev)
-    weight = torch.zeros(rows, dtype=torch.float32, device=dev)
-    source_row = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    row_expert = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    idx = buf.idx.view(-1)
-    count_hits_kernel(world, tokens, topk, per_rank)(idx, buf.counts, counts)
-    place_hits_kernel(world, tokens, topk, per_rank, rows)(idx, buf.counts, buf.w.view(-1), counts, offsets,
-                                                          position, weight, source_row, row_expert)
-    return position.view(world * tokens, topk), counts, offsets, row_expert, source_row, weight
+    base = torch.empty(world, per_rank, dtype=torch.int32, device=dev)
+    position = torch.empty(received, topk, dtype=torch.int32, device=dev)
+    weight = torch.empty(rows, dtype=torch.float32, device=dev)
+    source_row = torch.empty(rows, dtype=torch.int32, device=dev)
+    row_expert = torch.empty(rows, dtype=torch.int32, device=dev)
+    layout_kernel(world, per_rank, rows, sm_count())(buf.expert_counts_for(per_rank), counts, offsets, base, weight,
+                                                     source_row, row_expert)
+    place_kernel(world, tokens, topk, per_rank, rows)(
+        buf.idx.view(received, topk), buf.expert_slot.view(received, topk), buf.w.view(received, topk), buf.counts,
+        base, position, weight, source_row, row_expert)
+    return position, counts, offsets, row_expert, source_row, weight
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -412,17 +544,22 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     size needs a host round trip. Expert segments start at ``handle.offsets`` and are padded
     to whole 128-row tiles (``handle.row_expert`` names each row's expert, -1 past the
     last); rows past an expert's count are not written (their contents are undefined).
-    ``ts.ops.grouped_gemm`` consumes this layout. Every rank passes the same number of
-    tokens (pad with tokens weighted 0).
+    Within a segment, rows come in (source rank, token, k) order. ``ts.ops.grouped_gemm``
+    consumes this layout. Every rank passes the same number of tokens (pad with tokens
+    weighted 0).
 
     ``low_latency=True`` (decode batches) drops the kernel's two device-wide barriers: the
     receive buffers alternate between two sets, and each rank waits only until every other
     rank's blocks have reported their rows sent. Every rank must pick the same mode, and a
     low-latency handle must be combined before two more low-latency dispatches reuse its set.
 
-    One device-to-host read remains per call: the expert ids are range-checked (a bad id
-    would make a remote copy land outside its buffer). The ranks agree on shapes through
-    the job's store at a shape's first call.
+    No host synchronisation: the ranks agree on shapes through the job's store at a shape's
+    first call, and expert ids are checked on the device. An id outside [0, num_experts)
+    is routed nowhere (no copy can land outside a buffer), and ``moe_dispatch`` raises
+    ValueError naming the rank and the ids' range at its end, once its exchange has run on
+    every rank: on the CPU path in the call that passed the id; on GPUs, where the host does
+    not wait for the device, in the first dispatch or combine on this rank that finds the
+    check done (usually the combine of the same step).
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
     world = runtime.world_size()
@@ -431,20 +568,29 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     per_rank = num_experts // world
     dev = x.device
 
-    # Layout: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
-    # order among this rank's tokens going to r.
+    # Routing: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
+    # order among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
+    # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
     idx = topk_idx.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     dest = torch.empty(world * tokens, dtype=torch.int32, device=dev)
     slot = torch.empty(world * tokens, dtype=torch.int32, device=dev)
     send_counts = torch.empty(world, dtype=torch.int32, device=dev)
-    route_kernel(world, tokens, topk, per_rank)(idx, dest, slot, send_counts)
-    buf, set_index = _send(x, idx, weights, dest, slot, send_counts, low_latency)
+    expert_slot = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
+    expert_send_counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    bad = torch.empty(1, dtype=torch.int32, device=dev)
+    route_kernel(world, tokens, topk, num_experts)(idx, dest, slot, send_counts, expert_slot, expert_send_counts, bad)
+    buf, set_index = _send(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
+    _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
 
     position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
     recv_x = _grouped(buf, position, row_expert.shape[0])
-    handle = DispatchHandle(tokens, idx, weights, dest, slot, send_counts, buf.counts.clone(), position, counts,
-                            offsets, row_expert, source_row, set_index, low_latency)
+    handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
+                            send_counts=send_counts, expert_send_counts=expert_send_counts,
+                            recv_counts=buf.counts.clone(), position=position, counts=counts, offsets=offsets,
+                            row_expert=row_expert, source_row=source_row, set_index=set_index,
+                            low_latency=low_latency)
+    _raise_bad_ids()
     return recv_x, recv_w, counts, handle
 
 
@@ -464,25 +610,27 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
     check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
-    buf, _ = _send(x, handle.topk_idx, handle.topk_w, handle.dest, handle.slot, handle.send_counts, False)
+    buf, _ = _send(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+                   handle.expert_send_counts, False)
     return _grouped(buf, handle.position, handle.row_expert.shape[0])
 
 
-def _send(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor,
-          send_counts: torch.Tensor, low_latency: bool) -> tuple[_Buffers, int]:
-    """Rows, expert ids and weights of every pair into the destinations' receive buffers."""
+def _send(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor, slot: torch.Tensor,
+          send_counts: torch.Tensor, expert_send_counts: torch.Tensor, low_latency: bool) -> tuple[_Buffers, int]:
+    """Rows, expert ids, weights and expert slots of every pair into the destinations' receive buffers."""
     world = runtime.world_size()
     (tokens, hidden), topk = x.shape, idx.shape[1]
+    per_rank = expert_send_counts.numel() // world
     ex = _exchange(tokens, hidden, topk, x.dtype)
     if low_latency:
         ex.low_latency_calls += 1
     set_index = ex.low_latency_calls % 2
     buf = ex.sets[set_index]
     sms = sm_count()
-    kernel = dispatch_kernel(world, tokens, hidden, topk, tl_dtype(x), sms, low_latency)
-    arrived = ex.low_latency_calls * exchange_blocks(world, tokens, sms)  # every block of every rank, every call
-    kernel(x, idx, weights, dest, slot, send_counts, buf.x, buf.idx, buf.w, buf.counts, ex.dispatch_arrivals,
-           arrived)
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, tl_dtype(x), sms, low_latency)
+    arrived = ex.low_latency_calls * send_blocks(world, tokens, sms)  # every block of every rank, every call
+    kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, buf.x, buf.idx, buf.w,
+           buf.expert_slot, buf.counts, buf.expert_counts_for(per_rank), ex.dispatch_arrivals, arrived)
     return buf, set_index
 
 
@@ -490,7 +638,7 @@ def _grouped(buf: _Buffers, position: torch.Tensor, rows: int) -> torch.Tensor:
     """The received rows copied to their experts' grouped rows."""
     world, tokens, hidden = buf.x.shape
     out = torch.empty(rows, hidden, dtype=buf.x.dtype, device=buf.x.device)
-    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(buf.x), sm_count())
+    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(buf.x))
     kernel(buf.x.view(world * tokens, hidden), position, out)
     return out
 
@@ -505,6 +653,7 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
     ``expert_out`` is (rows, hidden) in ``moe_dispatch``'s grouped layout; ``recv_weights``
     the (rows,) routing weights it returned (pass ones to sum unweighted).
     """
+    _raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
     check_input(expert_out, "expert_out")
     check_input(recv_weights, "recv_weights")
     world = runtime.world_size()

@@ -1,0 +1,79 @@
+"""Where moe_dispatch's time goes: each of its kernels timed alone, then the whole call.
+
+    tilescale run -n 8 benchmarks/moe_profile.py                  # DeepEP's normal size, any world size
+    tilescale run -n 2 --cpu benchmarks/moe_profile.py --small
+
+Each step is timed as ``benchmarks/moe.py`` times a call (CUDA events around single calls,
+median of ``--iters``, ranks released together by a barrier), on the inputs the steps
+before it left; the table shows the slowest rank's median. ``send`` also shows the rate of
+the rows it puts on other ranks (bytes out of this rank over NVLink / time).
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from harness import Report, time_fn
+from moe import CASES, SMALL, routing
+
+import tilescale as ts
+from tilescale.ops import moe
+from tilescale.ops._common import sm_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--case", choices=sorted(CASES), default="normal")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    ts.init()
+    tokens, hidden, topk, num_experts = (SMALL if args.small else CASES)[args.case]
+    low_latency = args.case == "low-latency"
+    world, rank = ts.world_size(), ts.rank()
+    per_rank = num_experts // world
+    experts, weights = routing(tokens, num_experts, topk)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+
+    # One whole call builds every kernel and leaves the outputs the steps below overwrite.
+    _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
+    rows = h.row_expert.shape[0]
+    buf = moe._exchange(tokens, hidden, topk, x.dtype).sets[h.set_index]
+    base = torch.empty(world, per_rank, dtype=torch.int32, device=x.device)
+    bad = torch.empty(1, dtype=torch.int32, device=x.device)
+    route = moe.route_kernel(world, tokens, topk, num_experts)
+    layout = moe.layout_kernel(world, per_rank, rows, sm_count())
+    place = moe.place_kernel(world, tokens, topk, per_rank, rows)
+    recv_w = torch.empty(rows, dtype=torch.float32, device=x.device)
+    received = world * tokens
+    steps = {
+        "route": lambda: route(h.topk_idx, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad),
+        "send": lambda: moe._send(x, h.topk_idx, h.topk_w, h.expert_slot, h.slot, h.send_counts,
+                                  h.expert_send_counts, low_latency),
+        "layout (counts)": lambda: layout(buf.expert_counts_for(per_rank), h.counts, h.offsets, base, recv_w,
+                                          h.source_row, h.row_expert),
+        "place": lambda: place(buf.idx.view(received, topk), buf.expert_slot.view(received, topk),
+                               buf.w.view(received, topk), buf.counts, base, h.position, recv_w, h.source_row,
+                               h.row_expert),
+        "group rows": lambda: moe._grouped(buf, h.position, rows),
+        "moe_dispatch": lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency),
+    }
+    medians = torch.tensor([time_fn(fn, iters=args.iters, barrier=dist.barrier).median_ms * 1e3
+                            for fn in steps.values()], device=x.device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    remote_bytes = (int(h.send_counts.sum()) - int(h.send_counts[rank])) * hidden * x.element_size()
+    total = float(medians[-1])
+    report = Report("moe-profile", columns=["step", "us", "share", "GBps"])
+    for (name, _), us in zip(steps.items(), medians.tolist(), strict=True):
+        report.add({"step": name, "us": us, "share": us / total,
+                    "GBps": remote_bytes / us / 1e3 if name == "send" else None})
+    report.add({"step": "sum of steps", "us": float(medians[:-1].sum()), "share": float(medians[:-1].sum()) / total})
+    if rank == 0:
+        print(f"world {world}, {tokens} tokens/rank, hidden {hidden}, top-{topk} of {num_experts} experts "
+              f"({args.case}); rank 0 sends {remote_bytes / 1e6:.1f} MB to other ranks")
+    report.print_table()
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
