@@ -3,7 +3,9 @@
 NVSHMEM is initialised from the job tilescale already has: rank 0 creates a unique id,
 the store carries it to every rank (``Group.exchange``, so a missing rank is named
 instead of hanging), and each rank joins with ``initializer_method="uid"``. Ranks started
-by ``mpirun`` can instead let NVSHMEM bootstrap over MPI (``TILESCALE_NVSHMEM_BOOTSTRAP=mpi``).
+by Open MPI's ``mpirun`` can instead let NVSHMEM bootstrap over MPI
+(``TILESCALE_NVSHMEM_BOOTSTRAP=mpi``; the pip package's MPI bootstrap is built for Open MPI,
+so under MPICH use the default).
 
 Every symmetric tensor is ``nvshmem.core.tensor`` memory: the same heap offset on every
 rank. Peers that NVSHMEM maps into this process (same node, P2P or NVLink) get an address
@@ -57,6 +59,32 @@ def import_nvshmem() -> tuple[ModuleType, ModuleType]:
     return core, bindings
 
 
+def check_mpi_bootstrap() -> None:
+    """Raise unless NVSHMEM's MPI bootstrap can run in this process.
+
+    The pip package's ``nvshmem_bootstrap_mpi.so.3`` is built against Open MPI
+    (``libmpi.so.40``): under MPICH it loads another MPI beside the one the job started,
+    and the process crashes (seen on H200s: exit 11). The unique-id bootstrap, the
+    default, works under any launcher.
+
+    Example::
+
+        check_mpi_bootstrap()   # RuntimeError under MPICH's mpiexec
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise RuntimeError(f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi needs mpi4py ({err}); or leave it unset (the unique-id "
+                           "bootstrap through the job's store)") from None
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    if "Open MPI" not in library:
+        raise RuntimeError(
+            f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi: NVSHMEM's MPI bootstrap in the pip package is built against Open MPI "
+            f"(libmpi.so.40), but this process runs {library!r}; leave TILESCALE_NVSHMEM_BOOTSTRAP unset (the "
+            "unique-id bootstrap works under mpirun too), or start the job with Open MPI"
+        )
+
+
 class NvshmemAllocation(SymmetricAllocation):
     """One ``nvshmem.core.tensor``; ``peer_ptrs[r]`` is 0 where rank r is not load/store reachable."""
 
@@ -93,6 +121,7 @@ class NvshmemBackend(CommBackend):
         device.set_current()
         method = os.environ.get("TILESCALE_NVSHMEM_BOOTSTRAP", "uid")
         if method == "mpi":
+            check_mpi_bootstrap()
             self._core.init(device=device, initializer_method="mpi")
         elif method == "uid":
             self._core.init(device=device, uid=self._exchange_uid(), rank=group.rank, nranks=group.world_size,

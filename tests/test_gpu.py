@@ -108,9 +108,16 @@ def test_nvshmem_backend_runs_the_same_programs(program, marker, count, mode, tm
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", sorted(NVSHMEM_MODES))
-def test_nvshmem_backend_under_mpirun_with_the_mpi_bootstrap(mode, tmp_path):
-    proc = run("--launcher", "mpirun", "examples/ring_shift.py", timeout=550,
-               env=nvshmem_env(mode, tmp_path, TILESCALE_NVSHMEM_BOOTSTRAP="mpi"))
+def test_nvshmem_backend_under_mpirun(mode, tmp_path):
+    proc = run("--launcher", "mpirun", "examples/ring_shift.py", timeout=550, env=nvshmem_env(mode, tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ring shift correct") == 2
     assert (nvshmem_modules(tmp_path) > 0) == (mode == "nvshmem_calls")
+
+
+@pytest.mark.timeout(300)
+def test_nvshmem_mpi_bootstrap_under_mpich_is_refused_clearly(tmp_path):
+    proc = run("--launcher", "mpirun", "examples/ring_shift.py", timeout=250,
+               env=nvshmem_env("fast_path", tmp_path, TILESCALE_NVSHMEM_BOOTSTRAP="mpi"))
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("built against Open MPI") >= 2

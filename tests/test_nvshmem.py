@@ -345,3 +345,14 @@ def test_a_tile_over_the_end_of_a_tensor_is_clipped():
         body = kernel_body(lower_cuda(build()))
     assert re.search(rf"{NVSHMEM_LOWERING.put}\(.*, \(max\(min\(\(n - \(\(\(int\)blockIdx.x\) \* 1024\)\), 1024\), 0\) "
                      r"\* 4\), ", body), body
+
+
+def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
+    mpi = pytest.importorskip("mpi4py.MPI")
+    from tilescale.comm.nvshmem import check_mpi_bootstrap
+
+    if "Open MPI" in mpi.Get_library_version():
+        check_mpi_bootstrap()
+    else:  # MPICH (the tilescale[mpi] extra): NVSHMEM's plugin needs libmpi.so.40
+        with pytest.raises(RuntimeError, match=r"built against Open MPI .*leave TILESCALE_NVSHMEM_BOOTSTRAP unset"):
+            check_mpi_bootstrap()
