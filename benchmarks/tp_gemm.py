@@ -16,6 +16,7 @@ import torch.distributed as dist
 from harness import Report, check_close, progress, time_fn
 
 import tilescale as ts
+from tilescale.ops._gemm import WIDE
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
@@ -51,7 +52,7 @@ def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
             return gathered @ weight.T
 
         alone = lambda: gathered @ weight.T  # noqa: E731
-        fused = lambda: ts.ops.all_gather_gemm(a, weight, plan="fused")  # noqa: E731
+        fused = lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused", tile=tile)  # noqa: E731
     elif op == "rs":
         out = torch.empty(a.shape[0] // world, weight.shape[0], dtype=a.dtype, device=a.device)
 
@@ -60,7 +61,7 @@ def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
             return out
 
         alone = lambda: a @ weight.T  # noqa: E731
-        fused = lambda: ts.ops.gemm_reduce_scatter(a, weight, plan="fused")  # noqa: E731
+        fused = lambda tile=None: ts.ops.gemm_reduce_scatter(a, weight, plan="fused", tile=tile)  # noqa: E731
     else:
         def unfused():
             c = a @ weight.T
@@ -68,7 +69,7 @@ def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
             return c
 
         alone = lambda: a @ weight.T  # noqa: E731
-        fused = lambda: ts.ops.gemm_all_reduce(a, weight, plan="fused")  # noqa: E731
+        fused = lambda tile=None: ts.ops.gemm_all_reduce(a, weight, plan="fused", tile=tile)  # noqa: E731
     return alone, unfused, fused
 
 
@@ -86,8 +87,10 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     # the world - 1 additions rounds: the tolerance grows with the world size.
     tol = 2e-2 if op == "ag" else 1e-2 * max(2, ts.world_size())
     row = {"op": op, "M": m, "K": k, "N": n,
-           "checks": [check_close(f"{op} {shape}", fused(), expected, rtol=tol, atol=tol)]}
-    timings = {"gemm_alone": alone, "nccl_cublas": unfused, "tilescale_fused": fused}
+           "checks": [check_close(f"{op} {shape}", fused(), expected, rtol=tol, atol=tol),
+                      check_close(f"{op} {shape} wide tile", fused(WIDE), expected, rtol=tol, atol=tol)]}
+    timings = {"gemm_alone": alone, "nccl_cublas": unfused, "tilescale_fused": fused,
+               "tilescale_fused_wide": lambda: fused(WIDE)}
     async_tp, why = _torch_async_tp(op, a, weight)
     if async_tp is not None:
         row["checks"].append(check_close(f"{op} {shape} torch async-TP", async_tp(), expected, rtol=tol, atol=tol))
@@ -98,6 +101,7 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
         row[f"{name}_ms"] = time_fn(fn, iters=iters, barrier=dist.barrier).median_ms
     row["fused_vs_gemm_alone"] = row["tilescale_fused_ms"] / row["gemm_alone_ms"]
     row["speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_ms"]
+    row["wide_speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_wide_ms"]
     return row
 
 
@@ -112,7 +116,8 @@ def main() -> None:
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
-                                        "tilescale_fused_ms", "fused_vs_gemm_alone", "speedup_vs_nccl_cublas"])
+                                        "tilescale_fused_ms", "tilescale_fused_wide_ms", "fused_vs_gemm_alone",
+                                        "speedup_vs_nccl_cublas", "wide_speedup_vs_nccl_cublas"])
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
         report.add(measure(op, shape, args.iters))
     report.print_table()

@@ -8,6 +8,7 @@ from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
+from tilescale.ops._gemm import DEFAULT, WIDE
 
 RANKS = Path(__file__).resolve().parent / "ranks"
 
@@ -31,9 +32,13 @@ def test_tp_mlp_training_on_fused_ops_matches_reference(n):
 
 
 KERNELS = {
-    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 3, 16),
-    "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, 3),
-    "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, 3),
+    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16, DEFAULT),
+    "all_gather_gemm_wide": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
+                                                                       WIDE),
+    "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, DEFAULT),
+    "gemm_reduce_scatter_wide": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2,
+                                                                             WIDE),
+    "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, DEFAULT),
     "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
 }
 
@@ -136,3 +141,14 @@ def test_tile_configs_lower_to_their_wgmma_and_epilogue():
     # A shorter last panel: C division and remainder, no sign tests of floor division.
     uneven = lower_cuda(_tile_kernel(TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 3)))
     assert "% min(3, (8 - " in uneven and "?" not in uneven.split("tma_load(A_desc")[1].split(";")[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_wide_tile_reaches_both_fused_kernels():
+    """``tile=WIDE``: one m64n256 wgmma per warpgroup in both kernels, panel order in the
+    all-gather GEMM, the epilogue through shared memory."""
+    ag, rs = lower("all_gather_gemm_wide"), lower("gemm_reduce_scatter_wide")
+    for src in (ag, rs):
+        assert "kFloat32, 64, 256, 16" in src and "kFloat32, 64, 64, 16" not in src
+    assert "tilescale::block_wait(" in ag and "tilescale::block_signal(" in rs
+    assert "tma_store" in ag  # the shared-memory epilogue

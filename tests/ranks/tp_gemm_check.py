@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+from tilescale.ops._gemm import WIDE
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
@@ -16,8 +17,8 @@ for dtype in (torch.float16, torch.bfloat16):
         full = torch.empty(world * m, k, dtype=dtype)
         dist.all_gather_into_tensor(full, a)
         ref = (full.float() @ w.float().T)
-        for _ in range(2):
-            got = ts.ops.all_gather_gemm(a, w, plan="fused")
+        for tile in (None, WIDE, None):
+            got = ts.ops.all_gather_gemm(a, w, plan="fused", tile=tile)
             torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-1)
         # row parallel
         M = world * m
@@ -25,8 +26,8 @@ for dtype in (torch.float16, torch.bfloat16):
         part = a2.float() @ w.float().T
         rs_ref = torch.empty(m, n)
         dist.reduce_scatter_tensor(rs_ref, part)
-        for _ in range(2):
-            got = ts.ops.gemm_reduce_scatter(a2, w, plan="fused")
+        for tile in (None, WIDE, None):
+            got = ts.ops.gemm_reduce_scatter(a2, w, plan="fused", tile=tile)
             torch.testing.assert_close(got.float(), rs_ref, rtol=2e-2, atol=3e-1)
         ar_ref = part.clone()
         dist.all_reduce(ar_ref)

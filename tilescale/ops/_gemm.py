@@ -63,12 +63,15 @@ class TileConfig:
                 f"{self.policy} {self.epilogue}{panel}")
 
 
-# What the kernels use (gemm_tile's policy and epilogue, and the BLOCK_* below). Today's
-# Square policy gives each warpgroup 2x m64n64 wgmmas. benchmarks/gemm_tiles.py times the
-# candidates, e.g. TileLang's sm_90 recipe TileConfig(128, 256, 64, 3, 256, "FullRow",
-# "shared", 8) (one m64n256 per warpgroup). ``panel`` takes effect only in kernels that
-# order their tiles with tile_coords.
+# What the kernels use (gemm_tile's policy and epilogue, and the BLOCK_* below). Its Square
+# policy gives each warpgroup 2x m64n64 wgmmas: 0.62-0.75x cuBLAS on H200
+# (benchmarks/gemm_tiles.py, log benchmarks/results/logs/gpu-gemm-tiles-x8-20261122.log).
 DEFAULT = TileConfig()
+# TileLang's sm_90 recipe with panel order (one m64n256 wgmma per warpgroup): in that sweep
+# 1.10-1.12x cuBLAS (8192^3: 1.389 vs 1.478 ms; 4096x14336x8192: 1.213 vs 1.313 ms). The
+# fused TP kernels take it with ``tile=WIDE``; it becomes the default once they have run
+# with it on GPUs.
+WIDE = TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8)
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = DEFAULT.block_M, DEFAULT.block_N, DEFAULT.block_K, DEFAULT.stages, \

@@ -34,7 +34,7 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
-from tilescale.ops._gemm import BLOCK_K, BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
+from tilescale.ops._gemm import DEFAULT, THREADS, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
 
 # Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles).
@@ -44,8 +44,8 @@ FUSED_MIN_ROWS = 1024
 
 
 @jit
-def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, stages: int,
-                   push_blocks: int):
+def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
+                   tile_cfg: TileConfig):
     """Blocks ``0..push_blocks-1`` push this rank's rows into every rank's gather buffer; the
     others compute ``C = gathered @ W.T`` tile by tile, own segment first, waiting per segment.
 
@@ -53,8 +53,8 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     dispatched in index order, so the first blocks run before any GEMM block can fill the
     SMs with waits (a push kernel on a side stream could be starved by them, and was).
     """
-    m_tiles = padded_rows // BLOCK_M
-    n_tiles = T.ceildiv(N, BLOCK_N)
+    m_tiles = padded_rows // tile_cfg.block_M
+    n_tiles = -(-N // tile_cfg.block_N)
     # Pushers move chunks of whole rows, about 16K elements each, that divide the shard.
     chunk_rows = 1
     while chunk_rows * 2 * K <= 16384 and rows % (chunk_rows * 2) == 0:
@@ -67,7 +67,7 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((world * padded_rows, K), dtype),
              W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
              flags: T.Tensor((world,), "int32"), arrived: T.int32):
-        with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=THREADS) as b:
+        with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 if b < push_blocks:
                     for p in T.serial(ranks):
@@ -84,12 +84,18 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                     # for even ranks (the wait then watched another segment's flag).
                     tile = T.alloc_local((1,), "int32")
                     tile[0] = b - push_blocks
-                    by = tile[0] // n_tiles
-                    bx = tile[0] % n_tiles
-                    segment = (rank + by // m_tiles) % ranks
+                    if tile_cfg.panel:  # panel order within each segment, segments in turn
+                        per_segment = m_tiles * n_tiles
+                        segment = (rank + tile[0] // per_segment) % ranks
+                        by, bx = tile_coords(tile[0] % per_segment, m_tiles, n_tiles, tile_cfg.panel)
+                    else:
+                        by, bx = tile[0] // n_tiles, tile[0] % n_tiles
+                        segment = (rank + by // m_tiles) % ranks
+                        by = by % m_tiles
                     T.wait(flags[segment], "ge", arrived)
-                    row = segment * padded_rows + (by % m_tiles) * BLOCK_M
-                    gemm_tile(gathered, row, W, bx * BLOCK_N, C, row, bx * BLOCK_N, K, dtype, stages)
+                    row = segment * padded_rows + by * tile_cfg.block_M
+                    col = bx * tile_cfg.block_N
+                    gemm_tile(gathered, row, W, col, C, row, col, K, dtype, tile_cfg.stages, tile_cfg)
 
     return main
 
@@ -97,39 +103,40 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
 # Without warp specialisation: with it, the epilogue (remote store and signal) runs only in
 # the consumer warpgroups, and the signal's leader thread (thread 0, a producer) never sends it.
 @jit(pass_configs={"tl.disable_warp_specialized": True})
-def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, stages: int):
+def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig):
     """Partial ``a @ W.T``; each output tile goes to its row owner(s)' ``recv[rank]``, then a signal.
 
     ``owners == world``: rows are split in ``world`` segments, tile rows of segment s go to
     rank s (reduce-scatter). ``owners == 1``: every tile goes to every rank (all-reduce).
     """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
-    padded = -(-seg_rows // BLOCK_M) * BLOCK_M
-    m_tiles = padded // BLOCK_M
+    padded = -(-seg_rows // bm) * bm
+    m_tiles = padded // bm
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((world * padded, N), dtype), flags: T.Tensor((world,), "int32")):
-        with T.Kernel(T.ceildiv(N, BLOCK_N), owners * m_tiles, threads=THREADS) as (bx, by):
+        with T.Kernel(T.ceildiv(N, bn), owners * m_tiles, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 seg = (rank + 1 + by // m_tiles) % owners
-                a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-                w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
-                acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
-                out = T.alloc_shared((BLOCK_M, BLOCK_N), dtype)
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                out = T.alloc_shared((bm, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=stages):
-                    T.copy(A[seg * seg_rows + (by % m_tiles) * BLOCK_M, k * BLOCK_K], a)
-                    T.copy(W[bx * BLOCK_N, k * BLOCK_K], w)
-                    T.gemm(a, w, acc, transpose_B=True)
+                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[seg * seg_rows + (by % m_tiles) * bm, k * bk], a)
+                    T.copy(W[bx * bn, k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 T.copy(acc, out)
                 if owners > 1:
-                    T.copy(out, recv[rank * padded + (by % m_tiles) * BLOCK_M, bx * BLOCK_N], dst_pe=seg)
+                    T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=seg)
                     T.signal(flags[rank], 1, pe=seg, op="add")
                 else:
                     for p in T.serial(ranks):
                         dst = (rank + 1 + p) % ranks
-                        T.copy(out, recv[rank * padded + (by % m_tiles) * BLOCK_M, bx * BLOCK_N], dst_pe=dst)
+                        T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=dst)
                         T.signal(flags[rank], 1, pe=dst, op="add")
 
     return main
@@ -177,6 +184,7 @@ class _Exchange:
     buffers: torch.Tensor
     flags: torch.Tensor
     calls: int = 0
+    arrivals: int = 0  # running total of each flag over the calls (their tile counts may differ)
 
     def next_buffer(self) -> torch.Tensor:
         self.calls += 1
@@ -219,7 +227,8 @@ def _choose(plan: str | None, rows: int) -> str:
     return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
 
 
-def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None) -> torch.Tensor:
+def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
+                    tile: TileConfig | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -227,7 +236,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         y = ts.ops.all_gather_gemm(x_rows, w_cols)     # (world * rows, N_local)
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
-    this rank's (N_local, K).
+    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (``_gemm.DEFAULT``).
     """
     _check_pair(a_shard, weight)
     world = runtime.world_size()
@@ -237,33 +246,37 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
         dist.all_gather_into_tensor(gathered, a_shard)
         return gathered @ weight.T
-    padded = -(-m // BLOCK_M) * BLOCK_M
+    tile = tile or DEFAULT
+    padded = -(-m // tile.block_M) * tile.block_M
     ex = _exchange(("ag", padded, k, a_shard.dtype), (world * padded, k), a_shard.dtype)
     gathered = ex.next_buffer()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, STAGES, PUSH_BLOCKS)
+    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, PUSH_BLOCKS, tile)
     kernel(a_shard, gathered, weight, out, ex.flags, ex.calls * PUSH_BLOCKS)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
-def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int) -> torch.Tensor:
+def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig | None) -> torch.Tensor:
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
+    tile = tile or DEFAULT
     rows = m // owners
-    padded = -(-rows // BLOCK_M) * BLOCK_M
+    padded = -(-rows // tile.block_M) * tile.block_M
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype), (world * padded, n), a.dtype)
     recv = ex.next_buffer()
     dtype = tl_dtype(a)
-    tiles = (padded // BLOCK_M) * -(-n // BLOCK_N)
-    gemm_push_kernel(world, dtype, m, k, n, owners, STAGES)(a, weight, recv, ex.flags)
+    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
+    gemm_push_kernel(world, dtype, m, k, n, owners, tile)(a, weight, recv, ex.flags)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of the received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, dtype, padded * n, rows * n, sm_count())
-    reduce(recv.view(world, padded * n), out.view(1, rows * n), ex.flags, ex.calls * tiles)
+    ex.arrivals += tiles
+    reduce(recv.view(world, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
     return out
 
 
-def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None) -> torch.Tensor:
+def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
+                        tile: TileConfig | None = None) -> torch.Tensor:
     """Reduce-scatter over rows of ``a @ weight.T`` (row parallel), the sends overlapped with the GEMM.
 
     Example::
@@ -271,7 +284,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         y = ts.ops.gemm_reduce_scatter(h, w_rows)     # (M // world, N)
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
-    (N, K_local).
+    (N, K_local). ``tile``: the fused kernel's GEMM tile (``_gemm.DEFAULT``).
     """
     _check_pair(a, weight)
     world = runtime.world_size()
@@ -283,10 +296,11 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(out, a @ weight.T)
         return out
-    return _gemm_then_reduce(a, weight, world)
+    return _gemm_then_reduce(a, weight, world, tile)
 
 
-def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None) -> torch.Tensor:
+def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
+                    tile: TileConfig | None = None) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` for small M (decode): partial tiles are pushed as they finish.
 
     Example::
@@ -301,4 +315,4 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         out = a @ weight.T
         dist.all_reduce(out)
         return out
-    return _gemm_then_reduce(a, weight, 1)
+    return _gemm_then_reduce(a, weight, 1, tile)
