@@ -356,3 +356,35 @@ def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
     else:  # MPICH (the tilescale[mpi] extra): NVSHMEM's plugin needs libmpi.so.40
         with pytest.raises(RuntimeError, match=r"built against Open MPI .*leave TILESCALE_NVSHMEM_BOOTSTRAP unset"):
             check_mpi_bootstrap()
+
+
+def _op_kernels():
+    from tilescale.ops import collectives, moe, p2p, tp_gemm
+    from tilescale.ops._gemm import DEFAULT, WIDE
+
+    no_ws = {"tl.disable_warp_specialized": True}
+    return {
+        "all_gather": (collectives.all_gather_kernel, (2, "bfloat16", 8, 132), None),
+        "reduce_scatter": (collectives.reduce_kernel, (2, "bfloat16", 8, 132, "scatter"), None),
+        "all_reduce_two_shot": (collectives.reduce_kernel, (2, "bfloat16", 8, 132, "push"), None),
+        "put": (p2p.transfer_kernel, ("bfloat16", 8, p2p.DEFAULT_PLAN, 132, False), None),
+        "get": (p2p.transfer_kernel, ("bfloat16", 8, p2p.DEFAULT_PLAN, 132, True), None),
+        "moe_dispatch": (moe.dispatch_kernel, (2, 64, 256, 4, 8, "bfloat16", 132, False), None),
+        "moe_dispatch_low_latency": (moe.dispatch_kernel, (2, 64, 256, 4, 8, "bfloat16", 132, True), None),
+        "moe_combine": (moe.combine_kernel, (2, 64, 256, 4, 1024, "bfloat16", 132, False), None),
+        "ag_gemm": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
+        "ag_gemm_wide": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
+        "gemm_rs": (tp_gemm.gemm_push_kernel, (2, "bfloat16", 512, 512, 512, 2, DEFAULT), no_ws),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_op_kernels()))
+def test_every_op_kernel_lowers_to_nvshmem_calls(name):
+    """What TILESCALE_NVSHMEM_CALLS=1 (or a peer on another node) builds: each op's remote
+    operations as NVSHMEM helpers, no peer tables but the barrier's."""
+    factory, args, configs = _op_kernels()[name]
+    with build_options(world_size=2, remote="nvshmem"):
+        body = kernel_body(lower_cuda(factory.__wrapped__(*args), configs))
+    assert re.search(r"tilescale::nvshmem_(put|get)_block\(", body), body[:3000]
+    assert "__peers" not in body.replace("ts_sync_peers", "")
