@@ -30,14 +30,19 @@ def test_example_on_the_cpu_path(example, n):
     assert "correct" in proc.stdout
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_all_gather_example_is_quick():
-    """1 MiB per rank, 2 ranks: the whole run (start-up included) within 10 s on 2 cores."""
+    """1 MiB per rank, 2 ranks: the example's work (its run less a job that only starts and
+    stops, measured beside it: imports take 5-9 s on 2 cores, depending on the machine)
+    within 5 s."""
+    start = time.monotonic()
+    assert run(str(RANKS / "startup_only.py"), 2).returncode == 0
+    baseline = time.monotonic() - start
     start = time.monotonic()
     proc = run("examples/all_gather.py", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all_gather of 1 MiB per rank correct" in proc.stdout
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start - baseline < 5
 
 
 @pytest.mark.timeout(120)

@@ -100,9 +100,9 @@ def test_tile_coords_visit_every_tile_once_panel_by_panel(m_tiles, n_tiles, pane
 
 
 def test_tile_config_checks_its_fields():
-    from tilescale.ops._gemm import DEFAULT, THREADS, TileConfig
+    from tilescale.ops._gemm import BLOCK_M, BLOCK_N, DEFAULT, THREADS, TileConfig
 
-    assert (DEFAULT.block_M, DEFAULT.block_N, DEFAULT.threads) == (tp_gemm.BLOCK_M, tp_gemm.BLOCK_N, THREADS)
+    assert (DEFAULT.block_M, DEFAULT.block_N, DEFAULT.threads) == (BLOCK_M, BLOCK_N, THREADS)
     assert TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8).shared_bytes() == 208 * 1024
     with pytest.raises(ValueError, match="policy"):
         TileConfig(policy="Diagonal")

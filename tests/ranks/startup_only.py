@@ -1,0 +1,7 @@
+"""Rank program: start-up and shutdown only (the baseline of the CPU path's speed test)."""
+
+import tilescale as ts
+import tilescale.language  # noqa: F401  (the DSL, as the examples import it)
+
+ts.init()
+ts.finalize()
