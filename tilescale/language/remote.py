@@ -140,12 +140,6 @@ def _unravel(offset: tirx.PrimExpr, extents: list[int]) -> list[tirx.PrimExpr]:
     return [(offset // math.prod(extents[i + 1:])) % e for i, e in enumerate(extents)]
 
 
-def _staged(buf: tirx.Buffer, extents: list[int]) -> tirx.Buffer:
-    """A shared-memory tile for a register-resident local side (the library reads and writes
-    its local side by address)."""
-    return tl.alloc_shared(list(extents), str(buf.dtype))
-
-
 def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.PrimExpr | None:
     """A remote copy as block-level puts (``put``) or gets of the backend's device lowering: one
     per contiguous run of both sides, local registers staged through shared memory."""
@@ -160,17 +154,18 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
     count = math.prod(sext)
     if count != math.prod(dext):
         raise ValueError(f"T.copy through NVSHMEM calls: {sbuf.name}{sext} and {dbuf.name}{dext} differ in size")
-    staged = None
+    # The library reads and writes its local side by address: registers go through a shared tile.
+    stage = None
     local = sbuf if put else dbuf
     if local.scope() not in ("global", "shared", "shared.dyn"):
-        region, ext = (src, sext) if put else (dst, dext)
-        staged = (region, _staged(local, ext))
+        extents = sext if put else dext
+        stage = tl.alloc_shared(list(extents), str(local.dtype))
+        whole = ([0] * len(extents), list(extents))
         if put:
-            tl.evaluate(tl.copy(region, staged[1]))
-            src = staged[1]
-            sbuf, smin, sext = staged[1], [0] * len(staged[1].shape), [int(d) for d in staged[1].shape]
+            tl.evaluate(tl.copy(src, stage))
+            sbuf, (smin, sext) = stage, whole
         else:
-            dbuf, dmin, dext = staged[1], [0] * len(staged[1].shape), [int(d) for d in staged[1].shape]
+            dbuf, (dmin, dext) = stage, whole
     run = math.gcd(_run(sbuf, sext), _run(dbuf, dext))
     elem_bytes = tvm.DataType(str(sbuf.dtype)).bits // 8
     call = lowering.put if put else lowering.get
@@ -184,15 +179,16 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
         return tl.call_extern("handle", call, _pointer(dbuf, d_at, run, "w"), _pointer(sbuf, s_at, run, "r"),
                               nbytes, pe)
 
+    fetched = stage is not None and not put  # the get lands in the stage, then goes to the registers
     if count == run:
         transfer = one(tirx.IntImm("int32", 0))
-        if staged is None or put:
+        if not fetched:
             return transfer
         tl.evaluate(transfer)
     else:
         with tl.serial(count // run) as k:
             tl.evaluate(one(k * run))
-    return tl.copy(staged[1], staged[0]) if staged is not None and not put else None
+    return tl.copy(stage, dst) if fetched else None
 
 
 def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
