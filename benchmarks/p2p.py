@@ -61,19 +61,35 @@ def seeded(seed: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, device=ts.device(), dtype=torch.bfloat16, generator=g)
 
 
+def put_get(src: torch.Tensor, dst: torch.Tensor, got: torch.Tensor, right: int, left: int, iters: int,
+            label: str = "") -> dict:
+    """Check, then time, ``ts.ops.put`` of ``src`` into the right neighbour's ``dst`` and
+    ``ts.ops.get`` of it back into ``got`` (as the enclosing build options lower them)."""
+    dst.zero_()
+    ts.barrier()
+    ts.ops.put(src, dst, right)
+    ts.barrier()
+    check_close(f"put{label}", dst, seeded(left, src.numel()), atol=0, rtol=0)
+    got.zero_()
+    ts.ops.get(dst, got, right)  # right's dst holds what I put there
+    ts.synchronize()
+    check_close(f"get{label}", got, src, atol=0, rtol=0)
+    return {"put": time_fn(lambda: ts.ops.put(src, dst, right), iters=iters, barrier=dist.barrier),
+            "get": time_fn(lambda: ts.ops.get(dst, got, right), iters=iters, barrier=dist.barrier)}
+
+
 def measure(nbytes: int, rank: int, right: int, left: int, iters: int) -> dict:
-    """Check, then time, ``nbytes`` moved from every rank to its right neighbour four ways."""
+    """Check, then time, ``nbytes`` moved from every rank to its right neighbour four ways
+    (six on the NVSHMEM backend: put and get also through NVSHMEM device calls)."""
     n = nbytes // 2
     src = seeded(rank, n)
     dst = ts.zeros((n,), dtype=torch.bfloat16)
     got = torch.empty_like(src)
-    ts.barrier()
-    ts.ops.put(src, dst, right)
-    ts.barrier()
-    check_close("put", dst, seeded(left, n), atol=0, rtol=0)
-    ts.ops.get(dst, got, right)  # right's dst holds what I put there
-    ts.synchronize()
-    check_close("get", got, src, atol=0, rtol=0)
+    timings = put_get(src, dst, got, right, left, iters)
+    if ts.backend_name() == "nvshmem":
+        with nvshmem_calls():
+            timings |= {f"{op}_calls": t for op, t in
+                        put_get(src, dst, got, right, left, iters, " (NVSHMEM calls)").items()}
 
     peer_dst = ts.peer_view(dst, right)
     recv = torch.empty_like(src)
@@ -83,23 +99,6 @@ def measure(nbytes: int, rank: int, right: int, left: int, iters: int) -> dict:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 
-    timings = {
-        "put": time_fn(lambda: ts.ops.put(src, dst, right), iters=iters, barrier=dist.barrier),
-        "get": time_fn(lambda: ts.ops.get(dst, got, right), iters=iters, barrier=dist.barrier),
-    }
-    if ts.backend_name() == "nvshmem":  # the same ops through NVSHMEM device calls
-        dst.zero_()
-        ts.barrier()
-        with nvshmem_calls():
-            ts.ops.put(src, dst, right)
-            ts.barrier()
-            check_close("put (NVSHMEM calls)", dst, seeded(left, n), atol=0, rtol=0)
-            got.zero_()
-            ts.ops.get(dst, got, right)
-            ts.synchronize()
-            check_close("get (NVSHMEM calls)", got, src, atol=0, rtol=0)
-            timings["put_calls"] = time_fn(lambda: ts.ops.put(src, dst, right), iters=iters, barrier=dist.barrier)
-            timings["get_calls"] = time_fn(lambda: ts.ops.get(dst, got, right), iters=iters, barrier=dist.barrier)
     timings |= {
         "copy_engine": time_fn(lambda: peer_dst.copy_(src), iters=iters, barrier=dist.barrier),
         "nccl": time_fn(nccl, iters=iters, barrier=dist.barrier),
