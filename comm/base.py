@@ -69,8 +69,11 @@ class DeviceLowering:
     below, each a block-level operation that every thread of the block calls:
 
     * ``put(dst, src, nbytes, pe)``: ``dst`` is this rank's address of a symmetric buffer,
-      ``src`` local (global or shared memory); non-blocking, ordered before the next signal.
-    * ``get(dst, src, nbytes, pe)``: ``src`` symmetric; the data is in ``dst`` on return.
+      ``src`` local (global or shared memory); ``src`` may be rewritten on return (as after
+      a remote ``T.copy``), the data is delivered by the next signal or fence; ``nbytes <=
+      0`` does nothing (a run past a tensor's end).
+    * ``get(dst, src, nbytes, pe)``: ``src`` symmetric; the data is in ``dst`` on return;
+      ``nbytes <= 0`` does nothing.
     * ``signal(flag, value, op, pe)``: int32 ``flag`` (symmetric) set (op 0) or added to
       (op 1) on ``pe`` after this block's earlier puts are delivered there.
     * ``wait(flag, cmp, value, status, rank, timeout_ns)``: bounded wait on this rank's flag,

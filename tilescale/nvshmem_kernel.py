@@ -104,7 +104,6 @@ def _launcher_source(target: Target, func: tirx.PrimFunc, artifact: Any, pass_co
 class LinkedModule:
     """A lowered kernel, device-linked with NVSHMEM: what :class:`NvshmemKernel` loads."""
 
-    func: tirx.PrimFunc
     params: list[Any]  # TileLang's KernelParam of every parameter, hidden ones included
     source: str  # the generated CUDA source
     launcher: str  # TileLang's generated Python launcher
@@ -140,7 +139,7 @@ def link_module(func: tirx.PrimFunc, arch: str, pass_configs: dict[str, Any] | N
             scratch.rename(workdir)
         except OSError:  # another rank published it first
             shutil.rmtree(scratch, ignore_errors=True)
-    return LinkedModule(func, artifact.params, source, launcher, workdir / "kernel.cubin")
+    return LinkedModule(artifact.params, source, launcher, workdir / "kernel.cubin")
 
 
 class NvshmemKernel:
