@@ -16,11 +16,13 @@ import torch.distributed as dist
 from harness import Report, check_close, progress, time_fn
 
 import tilescale as ts
-from tilescale.ops._gemm import WIDE
+from tilescale.ops._gemm import DEFAULT, WIDE
+from tilescale.ops.tp_gemm import choose_tile
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
 AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
+TILES = {DEFAULT: "128x128", WIDE: "128x256"}
 SMALL = {"ag": [(64, 96, 80)], "rs": [(128, 64, 96)], "ar": [(16, 64, 96)]}
 
 
@@ -74,7 +76,11 @@ def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
 
 
 def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
-    """Check, then time, every plan of ``op`` ("ag", "rs", "ar") at ``shape`` (also used by scaling.py)."""
+    """Check, then time, every plan of ``op`` ("ag", "rs", "ar") at ``shape`` (also used by scaling.py).
+
+    The fused op runs with each GEMM tile (``fused_128x128``, ``fused_128x256``);
+    ``tilescale_fused`` is the one the op picks by itself (``choose_tile``).
+    """
     m, k, n = shape
     g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
     # M counts the rows of the whole product: all-gather GEMM inputs are its row shards.
@@ -86,11 +92,12 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     # RS and AR sum the ranks' bf16 partial products in another order than NCCL, and each of
     # the world - 1 additions rounds: the tolerance grows with the world size.
     tol = 2e-2 if op == "ag" else 1e-2 * max(2, ts.world_size())
-    row = {"op": op, "M": m, "K": k, "N": n,
-           "checks": [check_close(f"{op} {shape}", fused(), expected, rtol=tol, atol=tol),
-                      check_close(f"{op} {shape} wide tile", fused(WIDE), expected, rtol=tol, atol=tol)]}
-    timings = {"gemm_alone": alone, "nccl_cublas": unfused, "tilescale_fused": fused,
-               "tilescale_fused_wide": lambda: fused(WIDE)}
+    chosen = choose_tile(m, n)
+    row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[chosen], "checks": []}
+    timings = {"gemm_alone": alone, "nccl_cublas": unfused}
+    for tile, label in TILES.items():
+        row["checks"].append(check_close(f"{op} {shape} fused {label}", fused(tile), expected, rtol=tol, atol=tol))
+        timings[f"fused_{label}"] = lambda tile=tile: fused(tile)
     async_tp, why = _torch_async_tp(op, a, weight)
     if async_tp is not None:
         row["checks"].append(check_close(f"{op} {shape} torch async-TP", async_tp(), expected, rtol=tol, atol=tol))
@@ -99,10 +106,40 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
         row["torch_async_tp"] = f"n/a ({why})"
     for name, fn in timings.items():
         row[f"{name}_ms"] = time_fn(fn, iters=iters, barrier=dist.barrier).median_ms
+    row["tilescale_fused_ms"] = row[f"fused_{TILES[chosen]}_ms"]
     row["fused_vs_gemm_alone"] = row["tilescale_fused_ms"] / row["gemm_alone_ms"]
     row["speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_ms"]
-    row["wide_speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_wide_ms"]
+    if async_tp is not None:
+        row["speedup_vs_async_tp"] = row["torch_async_tp_ms"] / row["tilescale_fused_ms"]
     return row
+
+
+def plot(report: Report) -> None:
+    """Each shape's plans as bars, in units of its GEMM-alone time (rank 0 only)."""
+    if not report.path:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    plans = ["nccl_cublas", "torch_async_tp", "tilescale_fused"]
+    fig = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(plans)
+    for i, plan in enumerate(plans):
+        xs = [j + i * width for j, r in enumerate(report.rows) if r.get(f"{plan}_ms")]
+        ys = [r[f"{plan}_ms"] / r["gemm_alone_ms"] for r in report.rows if r.get(f"{plan}_ms")]
+        ax.bar(xs, ys, width, label=plan)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.08, color="gray", linestyle="--", linewidth=0.8, label="goal (1.08x GEMM alone)")
+    ax.set_xticks([j + width for j in range(len(report.rows))])
+    ax.set_xticklabels([f"{r['op']} {r['M']}x{r['K']}x{r['N']}" for r in report.rows], rotation=30, ha="right",
+                       fontsize=8)
+    ax.set_ylabel("time / GEMM alone (cuBLAS)")
+    ax.set_title(f"{report.name}, {ts.world_size()} ranks, bf16 (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(report.path.with_suffix(".png"), dpi=120)
 
 
 def main() -> None:
@@ -116,12 +153,13 @@ def main() -> None:
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
-                                        "tilescale_fused_ms", "tilescale_fused_wide_ms", "fused_vs_gemm_alone",
-                                        "speedup_vs_nccl_cublas", "wide_speedup_vs_nccl_cublas"])
+                                        "fused_128x128_ms", "fused_128x256_ms", "tile", "tilescale_fused_ms",
+                                        "fused_vs_gemm_alone", "speedup_vs_nccl_cublas", "speedup_vs_async_tp"])
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
         report.add(measure(op, shape, args.iters))
     report.print_table()
     report.save()
+    plot(report)
     ts.finalize()
 
 

@@ -76,6 +76,9 @@ class DeviceLowering:
       ``nbytes <= 0`` does nothing.
     * ``signal(flag, value, op, pe)``: int32 ``flag`` (symmetric) set (op 0) or added to
       (op 1) on ``pe`` after this block's earlier puts are delivered there.
+    * ``warp_signal(flag, value, op, pe)``: the same per warp, called by the warps that run
+      ``T.signal(..., scope="warp")`` only (not every thread of the block): lane 0 of each
+      signals after that warp's earlier puts are delivered.
     * ``wait(flag, cmp, value, status, rank, timeout_ns)``: bounded wait on this rank's flag,
       reporting a timeout like ``tilescale::block_wait``.
     * ``fence()``: this block's earlier puts are complete.
@@ -90,6 +93,7 @@ class DeviceLowering:
     put: str
     get: str
     signal: str
+    warp_signal: str
     wait: str
     fence: str
     barrier: str

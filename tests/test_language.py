@@ -584,6 +584,16 @@ def unknown_signal_op():
     return main
 
 
+def unknown_signal_scope():
+    @T.prim_func
+    def main(flags: T.Tensor((128,), "int32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device"):
+                T.signal(flags[0], 1, op="add", scope="thread")
+
+    return main
+
+
 def remote_into_tensor_from_address():
     @T.prim_func
     def main(A: T.Tensor((128,), "float32"), addr: T.int64):
@@ -608,6 +618,7 @@ def remote_into_tensor_from_address():
         (float_flag, TypeError, r"flag tensor 'flags' must be int32, not float32"),
         (unknown_comparison, ValueError, r"comparison must be one of .* got 'approx'"),
         (unknown_signal_op, ValueError, r"op must be one of .* got 'mul'"),
+        (unknown_signal_scope, ValueError, r"scope must be one of \('block', 'warp'\), got 'thread'"),
         (remote_into_tensor_from_address, TypeError, r"remote access to 'C': only tensor arguments"),
     ],
     ids=lambda v: v.__name__ if callable(v) and not isinstance(v, type) else None,

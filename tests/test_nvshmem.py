@@ -374,7 +374,9 @@ def _op_kernels():
         "moe_combine": (moe.combine_kernel, (2, 64, 256, 4, 1024, "bfloat16", 132, False), None),
         "ag_gemm": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
         "ag_gemm_wide": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
-        "gemm_rs": (tp_gemm.gemm_push_kernel, (2, "bfloat16", 512, 512, 512, 2, DEFAULT), no_ws),
+        # What the op builds under this lowering: block-wide puts need every thread, so no
+        # warp specialisation (whose epilogue only the consumer warps run).
+        "gemm_rs": (tp_gemm.gemm_push_kernel_unspecialized, (2, "bfloat16", 512, 512, 512, 2, DEFAULT), no_ws),
     }
 
 

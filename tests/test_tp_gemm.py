@@ -45,7 +45,7 @@ KERNELS = {
 
 def lower(name: str) -> str:
     # As the ops compile them: the reduce-scatter/all-reduce GEMMs without warp specialisation.
-    configs = {"tl.disable_warp_specialized": True} if name.startswith("gemm_") else None
+    configs = None
     with build_options(world_size=2):
         return lower_cuda(KERNELS[name](), configs)
 
@@ -53,17 +53,19 @@ def lower(name: str) -> str:
 @pytest.mark.timeout(120)
 def test_gemm_kernels_lower_to_wgmma_with_signals():
     ag = lower("all_gather_gemm")
-    assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its segment, then tensor cores
+    assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its row tile, then tensor cores
     assert "gathered__peers[" in ag and "tilescale::block_signal(" in ag  # the pushers
     assert "tilescale::grid_barrier(" not in ag  # double-buffered: no barrier between calls
+    # A flag per row tile: the pushers signal each of this rank's row tiles (32 here), and
+    # each GEMM tile waits for its own. TVM's simplifier once folded the segment arithmetic
+    # into a closed form that was wrong for even ranks: the segment comes from the register.
+    assert "block_signal((&(((int*)v_1)[((ts_rank * 32) + r)]))" in ag
+    assert "block_wait((&(flags[(((((by >> 5) + ts_rank) & 1) * 32) + (by & 31))]))" in ag
     rs = lower("gemm_reduce_scatter")
-    assert "wgmma" in rs and "tilescale::block_signal(" in rs and "recv__peers[" in rs
-    assert "tilescale::grid_barrier(" not in rs
-    # The signalling thread (thread 0) runs the epilogue: no producer/consumer split.
-    assert "warpgroup_reg_dealloc" not in rs
-    # Each tile waits for its own segment's flag; TVM's simplifier once folded the segment
-    # arithmetic into a closed form that was wrong for even ranks.
-    assert "block_wait((&(flags[(((by >> " in ag
+    assert "wgmma" in rs and "recv__peers[" in rs and "tilescale::grid_barrier(" not in rs
+    # Warp-specialised: the consumer warps run the epilogue and signal per warp.
+    assert "warpgroup_reg_dealloc" in rs and "tilescale::warp_signal((&(((int*)v_1)[ts_rank])), 1, 1)" in rs
+    assert "tilescale::block_signal((" not in rs.split("__global__")[-1]
 
 
 @pytest.mark.slow
@@ -150,5 +152,6 @@ def test_the_wide_tile_reaches_both_fused_kernels():
     ag, rs = lower("all_gather_gemm_wide"), lower("gemm_reduce_scatter_wide")
     for src in (ag, rs):
         assert "kFloat32, 64, 256, 16" in src and "kFloat32, 64, 64, 16" not in src
-    assert "tilescale::block_wait(" in ag and "tilescale::block_signal(" in rs
+    assert "tilescale::block_wait(" in ag and "tilescale::warp_signal(" in rs
     assert "tma_store" in ag  # the shared-memory epilogue
+    assert "tl::rasterization2DRow<8>()" in rs  # the reduce-scatter GEMM's panel order

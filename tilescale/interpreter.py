@@ -378,6 +378,10 @@ class _Block:
     def extern(self, name: str, args: list[Any]) -> None:
         if name == "tilescale::block_signal":
             self.signal(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
+        elif name == "tilescale::warp_signal":  # each warp of the block signals once
+            op = int(self.eval(args[2]))
+            value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
+            self.signal(self.pointer(args[0]), value, op)
         elif name == "tilescale::block_wait":
             self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == "tilescale::block_fence":
@@ -687,6 +691,18 @@ class CpuKernel:
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
         self.threaded = "tilescale::grid_barrier" in script or "tilescale::block_wait" in script
         self._refuse_thread_level_code()
+        self.warps = self._threads() // 32
+
+    def _threads(self) -> int:
+        """Threads per block, as the kernel declares them (``T.Kernel(..., threads=)``)."""
+        threads = [1]
+
+        def visit(node: Any) -> None:
+            if isinstance(node, tirx.SBlock) and "tl.launch_threads" in node.annotations:
+                threads[0] = math.prod(int(t) for t in node.annotations["tl.launch_threads"])
+
+        tirx.stmt_functor.post_order_visit(self.body, visit)
+        return threads[0]
 
     def _refuse_thread_level_code(self) -> None:
         # Every kernel binds threadIdx (tx, ty, tz); code that *uses* it is per-thread code,

@@ -206,6 +206,19 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | 
     return func
 
 
+def kernel_lowering() -> str | None:
+    """How remote operations of kernels built now lower: as an enclosing ``build_options(remote=)``
+    asks, else as the job's backend picks (NVSHMEM calls where peers need them); None outside
+    a job.
+
+    Example::
+
+        kernel_lowering()     # "address" on one node, "nvshmem" with TILESCALE_NVSHMEM_CALLS=1
+    """
+    rt = runtime.current() if runtime.is_initialized() else None
+    return requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
+
+
 def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list[int] | int | None = None,
         **compile_kwargs: Any) -> Any:
     """Compile a kernel factory (or a ``T.prim_func``) into distributed kernels, cached per arguments.
@@ -233,9 +246,7 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
         def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:
             rt = runtime.current() if runtime.is_initialized() else None
             world = rt.group.world_size if rt is not None else None
-            # How remote operations lower: as build_options asks, else as the job's backend picks
-            # (NVSHMEM calls where peers need them).
-            remote = requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
+            remote = kernel_lowering()
             key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
             kernel = compiled.get(key)
             if kernel is None:

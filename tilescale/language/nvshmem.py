@@ -11,6 +11,7 @@ tilescale operation         NVSHMEM device calls
 ``T.copy(.., dst_pe=pe)``   ``nvshmemx_putmem_block`` (one per contiguous run)
 ``T.copy(.., src_pe=pe)``   ``nvshmemx_getmem_block`` (one per contiguous run)
 ``T.signal(f, v, pe=pe)``   ``nvshmem_quiet`` then ``nvshmem_int_atomic_set`` / ``_add`` (leader)
+``T.signal(scope="warp")``  the same, from lane 0 of each warp that runs it
 ``T.wait(f, cmp, v)``       ``nvshmem_int_test`` polled under tilescale's timeout
 ``T.fence()``               ``nvshmem_quiet``
 ``T.barrier()`` (device)    grid arrival, then ``nvshmem_int_atomic_add`` to every rank's counter
@@ -77,6 +78,17 @@ __device__ __forceinline__ void nvshmem_block_signal(int* addr, int value, int o
   complete_writes();
   __syncthreads();
   if (is_leader()) {
+    nvshmem_quiet();
+    if (op == 0) nvshmem_int_atomic_set(addr, value, pe); else nvshmem_int_atomic_add(addr, value, pe);
+  }
+}
+
+// T.signal(..., scope="warp") on rank pe: lane 0 of each warp that runs it, after the
+// warp's writes; its quiet covers the puts of the calling thread's PE.
+__device__ __forceinline__ void nvshmem_warp_signal(int* addr, int value, int op, int pe) {
+  complete_writes();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
     nvshmem_quiet();
     if (op == 0) nvshmem_int_atomic_set(addr, value, pe); else nvshmem_int_atomic_add(addr, value, pe);
   }
@@ -203,6 +215,7 @@ NVSHMEM_LOWERING = DeviceLowering(
     put="tilescale::nvshmem_put_block",
     get="tilescale::nvshmem_get_block",
     signal="tilescale::nvshmem_block_signal",
+    warp_signal="tilescale::nvshmem_warp_signal",
     wait="tilescale::nvshmem_block_wait",
     fence="tilescale::nvshmem_block_fence",
     barrier="tilescale::nvshmem_grid_barrier",

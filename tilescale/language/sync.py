@@ -39,6 +39,7 @@ from tilescale.language.scale import STATUS_PARAM, TIMEOUT_PARAM, current_contex
 
 COMPARISONS = {"eq": 0, "ne": 1, "ge": 2, "gt": 3, "le": 4, "lt": 5}
 SIGNAL_OPS = {"set": 0, "add": 1}
+SIGNAL_SCOPES = ("block", "warp")
 
 PRELUDE = r"""
 namespace tilescale {
@@ -146,6 +147,18 @@ __device__ __forceinline__ void block_signal(int* addr, int value, int op) {
   }
 }
 
+// T.signal(..., scope="warp"): lane 0 of each warp that runs it signals after the warp's
+// writes (__syncwarp orders them before lane 0's system-scope release, as __syncthreads
+// does for the block). Safe where only some warps of the block run the statement.
+__device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
+  complete_writes();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    if (op == 0) store_release(addr, value); else add_release(addr, value);
+  }
+}
+
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
                                            int rank, long long timeout_ns) {
   if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
@@ -229,7 +242,7 @@ def _int32_flag(flag: tirx.BufferLoad, what: str) -> tirx.BufferLoad:
 
 
 def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | tirx.PrimExpr | None = None,
-           op: str = "set") -> tirx.PrimExpr:
+           op: str = "set", scope: str = "block") -> tirx.PrimExpr:
     """Set (``op="set"``) or add to (``op="add"``) ``flag`` on rank ``pe`` with release semantics.
 
     Example::
@@ -238,19 +251,29 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
 
     Everything this block wrote before (local or remote, TMA included) is visible to whoever
     observes the new value. ``pe=None`` signals this rank's own copy.
+
+    ``scope="warp"``: every warp that runs the statement signals once, after its own writes,
+    without synchronising the block: ``op="add"`` then adds ``value`` per warp (a block of
+    ``threads`` adds ``value * threads // 32``). For code that only some warps run, such as
+    the epilogue of a warp-specialised GEMM (its consumer warps)::
+
+        T.signal(flags[rank], 1, pe=owner, op="add", scope="warp")
     """
     if op not in SIGNAL_OPS:
         raise ValueError(f"T.signal op must be one of {sorted(SIGNAL_OPS)}, got {op!r}")
+    if scope not in SIGNAL_SCOPES:
+        raise ValueError(f"T.signal scope must be one of {SIGNAL_SCOPES}, got {scope!r}")
     flag = _int32_flag(flag, "T.signal")
     lowering = current_context().lowering
     if lowering is not None:  # NVSHMEM calls: this rank's address of the flag, and the peer
         if pe is not None:
             check_remote(flag.buffer, pe, "T.signal's flag")
         target = pe if pe is not None else current_context().rank
-        return tl.call_extern("handle", lowering.signal, tl.address_of(flag), value, SIGNAL_OPS[op], target)
+        name = lowering.signal if scope == "block" else lowering.warp_signal
+        return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op], target)
     if pe is not None:
         flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
-    return tl.call_extern("handle", "tilescale::block_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
+    return tl.call_extern("handle", f"tilescale::{scope}_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
 
 
 def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.PrimExpr:

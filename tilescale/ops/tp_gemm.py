@@ -1,12 +1,13 @@
 """Tensor-parallel GEMMs with communication overlapped tile by tile.
 
 ``all_gather_gemm(a_shard, weight)``: ``all_gather(a_shard) @ weight.T`` (column parallel).
-The first blocks of one kernel push this rank's rows into every peer's gather buffer and,
-block by block, add to the peer's arrival flag for this rank's segment; the other blocks
-compute output tiles, this rank's own segment first and then each peer's segment in
-``rank + 1, rank + 2, ...`` order, waiting for that segment's flag before its first K step.
-Segments are padded to whole row tiles, so a tile never reads rows of a segment that has
-not arrived.
+The first blocks of one kernel push this rank's rows, row tile by row tile, into every
+rank's gather buffer (its own first, then ``rank - 1, rank - 2, ...``, the order in which
+the others reach this rank's segment) and add to that rank's arrival flag for the row tile;
+the other blocks compute output tiles, this rank's own segment first and then each peer's
+segment in ``rank + 1, rank + 2, ...`` order, each waiting for its row tile's flag before
+its first K step. Segments are padded to whole row tiles, so a tile never reads rows that
+have not arrived.
 
 ``gemm_reduce_scatter(a, weight)`` and ``gemm_all_reduce(a, weight)``: each rank's GEMM
 kernel writes every finished output tile straight into the receive buffer of the rank(s)
@@ -32,9 +33,9 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
-from tilescale.jit import jit
+from tilescale.jit import jit, kernel_lowering
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
-from tilescale.ops._gemm import DEFAULT, THREADS, TileConfig, gemm_tile, tile_coords
+from tilescale.ops._gemm import DEFAULT, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
 
 # Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles).
@@ -47,37 +48,49 @@ FUSED_MIN_ROWS = 1024
 def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
                    tile_cfg: TileConfig):
     """Blocks ``0..push_blocks-1`` push this rank's rows into every rank's gather buffer; the
-    others compute ``C = gathered @ W.T`` tile by tile, own segment first, waiting per segment.
+    others compute ``C = gathered @ W.T`` tile by tile, own segment first, each tile waiting
+    for its own row tile.
 
     Pushers and GEMM tiles are one kernel so that the pushers are resident: blocks are
     dispatched in index order, so the first blocks run before any GEMM block can fill the
     SMs with waits (a push kernel on a side stream could be starved by them, and was).
+    Flags count per row tile (``flags[segment * m_tiles + row_tile]``): every pusher adds 1
+    to a row tile's flag once it has pushed its share of that tile, so a GEMM tile starts as
+    soon as its rows are in, and the first tiles of this rank's own segment wait only for
+    the first rows of the local copy, not all of it.
     """
-    m_tiles = padded_rows // tile_cfg.block_M
+    bm = tile_cfg.block_M
+    m_tiles = padded_rows // bm
     n_tiles = -(-N // tile_cfg.block_N)
-    # Pushers move chunks of whole rows, about 16K elements each, that divide the shard.
+    # Pushers move chunks of whole rows, about 16K elements each, that divide the shard and
+    # the row tile (so a chunk belongs to one row tile).
     chunk_rows = 1
-    while chunk_rows * 2 * K <= 16384 and rows % (chunk_rows * 2) == 0:
+    while chunk_rows * 2 * K <= 16384 and rows % (chunk_rows * 2) == 0 and bm % (chunk_rows * 2) == 0:
         chunk_rows *= 2
     chunks = rows // chunk_rows
+    tile_chunks = bm // chunk_rows
     # 16-byte stores, also when a chunk is not a whole number of vectors per thread.
     vector = 8 if K % 8 == 0 else 1
 
     @T.prim_func
     def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((world * padded_rows, K), dtype),
              W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-             flags: T.Tensor((world,), "int32"), arrived: T.int32):
+             flags: T.Tensor((world * m_tiles,), "int32"), arrived: T.int32):
         with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 if b < push_blocks:
                     for p in T.serial(ranks):
-                        peer = (rank + p) % ranks  # own copy first: the GEMM starts on it
-                        for t in T.serial(T.ceildiv(chunks - b, push_blocks)):
-                            row = (b + t * push_blocks) * chunk_rows
-                            T.copy(x[row:row + chunk_rows, 0:K],
-                                   gathered[rank * padded_rows + row:rank * padded_rows + row + chunk_rows, 0:K],
-                                   dst_pe=peer, coalesced_width=vector)
-                        T.signal(flags[rank], 1, pe=peer, op="add")
+                        # Own copy first: the GEMM starts on it. Rank r - p consumes this rank's
+                        # segment p-th (its order is r - p, r - p + 1, ...): it gets it p-th.
+                        peer = (rank + ranks - p) % ranks
+                        for r in T.serial(m_tiles):
+                            mine = T.max(T.min(tile_chunks, chunks - r * tile_chunks) - b, 0)
+                            for t in T.serial(T.ceildiv(mine, push_blocks)):
+                                row = (r * tile_chunks + b + t * push_blocks) * chunk_rows
+                                dst = rank * padded_rows + row
+                                T.copy(x[row:row + chunk_rows, 0:K], gathered[dst:dst + chunk_rows, 0:K],
+                                       dst_pe=peer, coalesced_width=vector)
+                            T.signal(flags[rank * m_tiles + r], 1, pe=peer, op="add")
                 else:
                     # The tile index lives in a register: TVM 0.1.15's simplifier rewrote
                     # ``(rank + (b - push_blocks) // tiles) % world`` into a wrong closed form
@@ -92,22 +105,21 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                         by, bx = tile[0] // n_tiles, tile[0] % n_tiles
                         segment = (rank + by // m_tiles) % ranks
                         by = by % m_tiles
-                    T.wait(flags[segment], "ge", arrived)
-                    row = segment * padded_rows + by * tile_cfg.block_M
+                    T.wait(flags[segment * m_tiles + by], "ge", arrived)
+                    row = segment * padded_rows + by * bm
                     col = bx * tile_cfg.block_N
                     gemm_tile(gathered, row, W, col, C, row, col, K, dtype, tile_cfg.stages, tile_cfg)
 
     return main
 
 
-# Without warp specialisation: with it, the epilogue (remote store and signal) runs only in
-# the consumer warpgroups, and the signal's leader thread (thread 0, a producer) never sends it.
-@jit(pass_configs={"tl.disable_warp_specialized": True})
-def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig):
+def _gemm_push(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig):
     """Partial ``a @ W.T``; each output tile goes to its row owner(s)' ``recv[rank]``, then a signal.
 
     ``owners == world``: rows are split in ``world`` segments, tile rows of segment s go to
     rank s (reduce-scatter). ``owners == 1``: every tile goes to every rank (all-reduce).
+    The epilogue signals per warp (``scope="warp"``): under warp specialisation only the
+    consumer warps run it, so each tile adds ``tile_cfg.threads // 32`` to the flag.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
@@ -119,6 +131,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
              recv: T.Tensor((world * padded, N), dtype), flags: T.Tensor((world,), "int32")):
         with T.Kernel(T.ceildiv(N, bn), owners * m_tiles, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
+                T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
                 seg = (rank + 1 + by // m_tiles) % owners
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
@@ -132,14 +145,20 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
                 T.copy(acc, out)
                 if owners > 1:
                     T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=seg)
-                    T.signal(flags[rank], 1, pe=seg, op="add")
+                    T.signal(flags[rank], 1, pe=seg, op="add", scope="warp")
                 else:
                     for p in T.serial(ranks):
                         dst = (rank + 1 + p) % ranks
                         T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=dst)
-                        T.signal(flags[rank], 1, pe=dst, op="add")
+                        T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
 
     return main
+
+
+gemm_push_kernel = jit(_gemm_push)
+# NVSHMEM's block-wide puts need every thread of the block, which warp specialisation's
+# consumer-only epilogue does not give: the NVSHMEM-call lowering builds it without.
+gemm_push_kernel_unspecialized = jit(pass_configs={"tl.disable_warp_specialized": True})(_gemm_push)
 
 
 @jit
@@ -194,10 +213,9 @@ class _Exchange:
 _exchanges: dict[tuple, _Exchange] = {}
 
 
-def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> _Exchange:
+def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
     if key not in _exchanges:
-        world = runtime.world_size()
-        _exchanges[key] = _Exchange(zeros((2, *shape), dtype=dtype), zeros((world,), dtype=torch.int32))
+        _exchanges[key] = _Exchange(zeros((2, *shape), dtype=dtype), zeros((flags,), dtype=torch.int32))
     return _exchanges[key]
 
 
@@ -209,6 +227,19 @@ def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
     if a.dtype != weight.dtype:
         raise TypeError(f"a is {a.dtype} but weight is {weight.dtype}")
     tl_dtype(a)
+
+
+def choose_tile(rows: int, n: int) -> TileConfig:
+    """The fused kernels' GEMM tile for a ``rows`` x ``n`` output (what one rank's kernel computes):
+    ``WIDE`` (128x256, near cuBLAS) where its tiles fill every SM at least once, else the
+    128x128 ``DEFAULT``, whose twice as many tiles keep more SMs busy at decode sizes.
+
+    Example::
+
+        choose_tile(8192, 14336)    # WIDE; choose_tile(128, 8192): DEFAULT (32 wide tiles)
+    """
+    wide_tiles = -(-rows // WIDE.block_M) * -(-n // WIDE.block_N)
+    return WIDE if wide_tiles >= sm_count() else DEFAULT
 
 
 def _choose(plan: str | None, rows: int) -> str:
@@ -236,7 +267,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         y = ts.ops.all_gather_gemm(x_rows, w_cols)     # (world * rows, N_local)
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
-    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (``_gemm.DEFAULT``).
+    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
     """
     _check_pair(a_shard, weight)
     world = runtime.world_size()
@@ -246,9 +277,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
         dist.all_gather_into_tensor(gathered, a_shard)
         return gathered @ weight.T
-    tile = tile or DEFAULT
+    tile = tile or choose_tile(world * m, n)
     padded = -(-m // tile.block_M) * tile.block_M
-    ex = _exchange(("ag", padded, k, a_shard.dtype), (world * padded, k), a_shard.dtype)
+    ex = _exchange(("ag", padded, k, a_shard.dtype, tile.block_M), (world * padded, k), a_shard.dtype,
+                   world * padded // tile.block_M)
     gathered = ex.next_buffer()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, PUSH_BLOCKS, tile)
@@ -259,18 +291,20 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
 def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig | None) -> torch.Tensor:
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
-    tile = tile or DEFAULT
     rows = m // owners
+    tile = tile or choose_tile(m, n)
     padded = -(-rows // tile.block_M) * tile.block_M
-    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype), (world * padded, n), a.dtype)
+    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype), (world * padded, n), a.dtype, world)
     recv = ex.next_buffer()
     dtype = tl_dtype(a)
-    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile)(a, weight, recv, ex.flags)
+    # Each tile's consumer warps signal once each (see _gemm_push).
+    arrivals = (padded // tile.block_M) * -(-n // tile.block_N) * (tile.threads // 32)
+    push = gemm_push_kernel_unspecialized if kernel_lowering() == "nvshmem" else gemm_push_kernel
+    push(world, dtype, m, k, n, owners, tile)(a, weight, recv, ex.flags)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of the received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, dtype, padded * n, rows * n, sm_count())
-    ex.arrivals += tiles
+    ex.arrivals += arrivals
     reduce(recv.view(world, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
     return out
 
@@ -284,7 +318,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         y = ts.ops.gemm_reduce_scatter(h, w_rows)     # (M // world, N)
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
-    (N, K_local). ``tile``: the fused kernel's GEMM tile (``_gemm.DEFAULT``).
+    (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
     """
     _check_pair(a, weight)
     world = runtime.world_size()
