@@ -11,6 +11,7 @@ tilescale result is checked against the NCCL + cuBLAS one before timing.
 
 import argparse
 
+import tilelang
 import torch
 import torch.distributed as dist
 from harness import Report, check_close, progress, time_fn
@@ -45,41 +46,44 @@ def _torch_async_tp(op: str, a: torch.Tensor, weight: torch.Tensor):
 
 
 def _plans(op: str, a: torch.Tensor, weight: torch.Tensor):
+    """(the GEMM's A operand, the NCCL + cuBLAS plan, the fused op taking ``tile=`` and keywords)."""
     world = ts.world_size()
     if op == "ag":
-        gathered = torch.empty(world * a.shape[0], a.shape[1], dtype=a.dtype, device=a.device)
+        operand = torch.empty(world * a.shape[0], a.shape[1], dtype=a.dtype, device=a.device)
 
         def unfused():
-            dist.all_gather_into_tensor(gathered, a)
-            return gathered @ weight.T
+            dist.all_gather_into_tensor(operand, a)
+            return operand @ weight.T
 
-        alone = lambda: gathered @ weight.T  # noqa: E731
-        fused = lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused", tile=tile)  # noqa: E731
+        fused = lambda tile=None, **kw: ts.ops.all_gather_gemm(a, weight, plan="fused", tile=tile, **kw)  # noqa: E731
     elif op == "rs":
-        out = torch.empty(a.shape[0] // world, weight.shape[0], dtype=a.dtype, device=a.device)
+        operand, out = a, torch.empty(a.shape[0] // world, weight.shape[0], dtype=a.dtype, device=a.device)
 
         def unfused():
             dist.reduce_scatter_tensor(out, a @ weight.T)
             return out
 
-        alone = lambda: a @ weight.T  # noqa: E731
         fused = lambda tile=None: ts.ops.gemm_reduce_scatter(a, weight, plan="fused", tile=tile)  # noqa: E731
     else:
+        operand = a
+
         def unfused():
             c = a @ weight.T
             dist.all_reduce(c)
             return c
 
-        alone = lambda: a @ weight.T  # noqa: E731
         fused = lambda tile=None: ts.ops.gemm_all_reduce(a, weight, plan="fused", tile=tile)  # noqa: E731
-    return alone, unfused, fused
+    return operand, unfused, fused
 
 
-def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
+def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple[int, ...] = ()) -> dict:
     """Check, then time, every plan of ``op`` ("ag", "rs", "ar") at ``shape`` (also used by scaling.py).
 
     The fused op runs with each GEMM tile (``fused_128x128``, ``fused_128x256``);
-    ``tilescale_fused`` is the one the op picks by itself (``choose_tile``).
+    ``tilescale_fused`` is the one the op picks by itself (``choose_tile``). On GPUs,
+    ``tilescale_gemm_alone`` is the fused kernels' GEMM without communication (TileLang, the
+    chosen tile): the gap between it and ``gemm_alone`` is TileLang's vs cuBLAS, the rest the
+    cost of the overlap. ``push_blocks``: all-gather GEMMs also timed with these pusher counts.
     """
     m, k, n = shape
     g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
@@ -87,14 +91,14 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     rows = m // ts.world_size() if op == "ag" else m
     a = torch.randn(rows, k, device=ts.device(), generator=g).to(torch.bfloat16)
     weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
-    alone, unfused, fused = _plans(op, a, weight)
+    operand, unfused, fused = _plans(op, a, weight)
     expected = unfused().clone()
     # RS and AR sum the ranks' bf16 partial products in another order than NCCL, and each of
     # the world - 1 additions rounds: the tolerance grows with the world size.
     tol = 2e-2 if op == "ag" else 1e-2 * max(2, ts.world_size())
     chosen = choose_tile(m, n)
     row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[chosen], "checks": []}
-    timings = {"gemm_alone": alone, "nccl_cublas": unfused}
+    timings = {"gemm_alone": lambda: operand @ weight.T, "nccl_cublas": unfused}
     for tile, label in TILES.items():
         row["checks"].append(check_close(f"{op} {shape} fused {label}", fused(tile), expected, rtol=tol, atol=tol))
         timings[f"fused_{label}"] = lambda tile=tile: fused(tile)
@@ -104,6 +108,16 @@ def measure(op: str, shape: tuple[int, int, int], iters: int) -> dict:
         timings["torch_async_tp"] = async_tp
     else:
         row["torch_async_tp"] = f"n/a ({why})"
+    if ts.device().type == "cuda":  # the fused kernels' GEMM part alone, same tile and tile order
+        from gemm_tiles import Variant, build  # here: gemm_tiles takes its shapes from this module
+
+        gemm = tilelang.compile(build(Variant("tilescale", chosen, "1d" if op == "ag" else "2d"), m, n, k))
+        c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        gemm(operand, weight, c)
+        row["checks"].append(check_close(f"{op} {shape} TileLang GEMM alone", c, operand @ weight.T))
+        timings["tilescale_gemm_alone"] = lambda: gemm(operand, weight, c)
+    for blocks in push_blocks if op == "ag" else ():
+        timings[f"fused_push{blocks}"] = lambda blocks=blocks: fused(chosen, push_blocks=blocks)
     for name, fn in timings.items():
         row[f"{name}_ms"] = time_fn(fn, iters=iters, barrier=dist.barrier).median_ms
     row["tilescale_fused_ms"] = row[f"fused_{TILES[chosen]}_ms"]
@@ -148,15 +162,18 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--ops", default="ag,rs,ar", help="which of ag, rs, ar to run")
     parser.add_argument("--quick", action="store_true", help="only the first (largest) shape of each op")
+    parser.add_argument("--push-blocks", default="", help="all-gather GEMMs also timed with these pushers, e.g. 8,32")
     args = parser.parse_args()
     ts.init()
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
+    pushers = [f"fused_push{b}_ms" for b in args.push_blocks.split(",") if b]
     report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
-                                        "fused_128x128_ms", "fused_128x256_ms", "tile", "tilescale_fused_ms",
+                                        "tilescale_gemm_alone_ms", "fused_128x128_ms", "fused_128x256_ms", "tile",
+                                        *pushers, "tilescale_fused_ms",
                                         "fused_vs_gemm_alone", "speedup_vs_nccl_cublas", "speedup_vs_async_tp"])
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
-        report.add(measure(op, shape, args.iters))
+        report.add(measure(op, shape, args.iters, tuple(int(b) for b in args.push_blocks.split(",") if b)))
     report.print_table()
     report.save()
     plot(report)

@@ -259,7 +259,7 @@ def _choose(plan: str | None, rows: int) -> str:
 
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None) -> torch.Tensor:
+                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -267,9 +267,12 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         y = ts.ops.all_gather_gemm(x_rows, w_cols)     # (world * rows, N_local)
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
-    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
+    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`);
+    ``push_blocks``: its blocks that push rows to the peers (the rest compute).
     """
     _check_pair(a_shard, weight)
+    if push_blocks < 1:
+        raise ValueError(f"push_blocks must be positive, got {push_blocks}")
     world = runtime.world_size()
     (m, k), n = a_shard.shape, weight.shape[0]
     check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
@@ -283,8 +286,9 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
                    world * padded // tile.block_M)
     gathered = ex.next_buffer()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, PUSH_BLOCKS, tile)
-    kernel(a_shard, gathered, weight, out, ex.flags, ex.calls * PUSH_BLOCKS)
+    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile)
+    ex.arrivals += push_blocks  # every pusher signals every row tile once per call
+    kernel(a_shard, gathered, weight, out, ex.flags, ex.arrivals)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
