@@ -96,7 +96,7 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     # RS and AR sum the ranks' bf16 partial products in another order than NCCL, and each of
     # the world - 1 additions rounds: the tolerance grows with the world size.
     tol = 2e-2 if op == "ag" else 1e-2 * max(2, ts.world_size())
-    chosen = choose_tile(m, n)
+    chosen = choose_tile(m, n, split_k=op != "ag")
     row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[chosen], "checks": []}
     timings = {"gemm_alone": lambda: operand @ weight.T, "nccl_cublas": unfused}
     for tile, label in TILES.items():

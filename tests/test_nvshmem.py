@@ -376,7 +376,8 @@ def _op_kernels():
         "ag_gemm_wide": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
         # What the op builds under this lowering: block-wide puts need every thread, so no
         # warp specialisation (whose epilogue only the consumer warps run).
-        "gemm_rs": (tp_gemm.gemm_push_kernel_unspecialized, (2, "bfloat16", 512, 512, 512, 2, DEFAULT), no_ws),
+        "gemm_rs": (tp_gemm.gemm_push_kernel_unspecialized, (2, "bfloat16", 512, 512, 512, 2, DEFAULT, 1),
+                    no_ws),
     }
 
 

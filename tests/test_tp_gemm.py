@@ -19,6 +19,7 @@ def test_fused_tp_gemms_match_torch(n):
     proc = run_cpu(str(RANKS / "tp_gemm_check.py"), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("(130, 64, 200) ok") == 2 * n  # fp16 and bf16, every rank
+    assert proc.stdout.count("(16, 256, 96) ok") == 2 * n  # split K
     assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
     assert proc.stdout.count("shapes differ across ranks (rank 0: [73, 32, 48") == n
 
@@ -35,11 +36,13 @@ KERNELS = {
     "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16, DEFAULT),
     "all_gather_gemm_wide": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
                                                                        WIDE),
-    "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, DEFAULT),
+    "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, DEFAULT, 1),
     "gemm_reduce_scatter_wide": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2,
-                                                                             WIDE),
-    "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, DEFAULT),
-    "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
+                                                                             WIDE, 1),
+    # Decode-sized all-reduce GEMM: 8 wide tiles, K split in 4 parts.
+    "gemm_all_reduce_split": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 128, 1024, 2048, 1, WIDE, 4),
+    "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, DEFAULT, 2),
+    "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, 2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
 }
 
 
@@ -155,3 +158,22 @@ def test_the_wide_tile_reaches_both_fused_kernels():
     assert "tilescale::block_wait(" in ag and "tilescale::warp_signal(" in rs
     assert "tma_store" in ag  # the shared-memory epilogue
     assert "tl::rasterization2DRow<8>()" in rs  # the reduce-scatter GEMM's panel order
+
+
+@pytest.mark.timeout(120)
+def test_split_k_all_reduce_gemm_sends_each_part_to_its_slot():
+    """K = 1024 in 4 parts of 256 (4 K steps each): with one row tile, part ``by`` starts
+    at K offset ``by * 256`` and lands in slot ``rank * 4 + by`` (128 x 2048 elements each)
+    of every rank."""
+    src = lower("gemm_all_reduce_split")
+    assert "for (int k = 0; k < 4; ++k)" in src
+    assert "((((int)blockIdx.y) * 256) + (k * 64))" in src
+    assert "((ts_rank * 1048576) + (((int)blockIdx.y) * 262144))" in src
+    assert "tilescale::warp_signal(" in src
+
+
+@pytest.mark.parametrize(("tiles", "K", "expected"), [(32, 14336, 4), (64, 14336, 2), (256, 14336, 1),
+                                                      (32, 64 * 3, 1), (1, 1 << 20, 8)])
+def test_k_splits_fill_the_sms_with_whole_k_steps(tiles, K, expected, monkeypatch):
+    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
+    assert tp_gemm.k_splits(tiles, K, 64) == expected

@@ -38,10 +38,16 @@ from tilescale.ops._common import check_input, check_same_across_ranks, sm_count
 from tilescale.ops._gemm import DEFAULT, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
 
-# Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles).
-PUSH_BLOCKS = 16
-# Below this many output rows, overlapping cannot hide anything worth its synchronisation.
+# Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
+# on 2x H200, 32 beat 8 and 16 at three of the four benchmark shapes
+# (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
+PUSH_BLOCKS = 32
+# Below this many output rows, overlapping cannot hide anything worth its synchronisation
+# (the CPU path's threshold; GPUs use FUSED_MIN_ROWS_GPU, measured).
 FUSED_MIN_ROWS = 1024
+# On H200 the fused AG-GEMM and GEMM-RS beat NCCL + cuBLAS from 4096 output rows on and
+# lose below (TileLang's GEMM is ~0.9x cuBLAS's there, the overlap cannot make it up).
+FUSED_MIN_ROWS_GPU = 4096
 
 
 @jit
@@ -113,43 +119,49 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     return main
 
 
-def _gemm_push(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig):
-    """Partial ``a @ W.T``; each output tile goes to its row owner(s)' ``recv[rank]``, then a signal.
+def _gemm_push(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig, splits: int):
+    """Partial ``a @ W.T``; each output tile goes to its row owner(s)' receive slot, then a signal.
 
     ``owners == world``: rows are split in ``world`` segments, tile rows of segment s go to
     rank s (reduce-scatter). ``owners == 1``: every tile goes to every rank (all-reduce).
+    ``splits``: K is split in this many equal parts (``K % (splits * block_K) == 0``), each
+    its own block, so that decode-sized outputs still give every SM a block; part ``s`` of
+    rank ``r`` lands in slot ``r * splits + s`` and the reduction sums the slots.
     The epilogue signals per warp (``scope="warp"``): under warp specialisation only the
-    consumer warps run it, so each tile adds ``tile_cfg.threads // 32`` to the flag.
+    consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
     padded = -(-seg_rows // bm) * bm
     m_tiles = padded // bm
+    k_part = K // splits
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
-             recv: T.Tensor((world * padded, N), dtype), flags: T.Tensor((world,), "int32")):
-        with T.Kernel(T.ceildiv(N, bn), owners * m_tiles, threads=tile_cfg.threads) as (bx, by):
+             recv: T.Tensor((world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32")):
+        with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
-                seg = (rank + 1 + by // m_tiles) % owners
+                tile_row, part = by // splits, by % splits
+                seg = (rank + 1 + tile_row // m_tiles) % owners
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
                 out = T.alloc_shared((bm, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
-                    T.copy(A[seg * seg_rows + (by % m_tiles) * bm, k * bk], a)
-                    T.copy(W[bx * bn, k * bk], w)
+                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[seg * seg_rows + (tile_row % m_tiles) * bm, part * k_part + k * bk], a)
+                    T.copy(W[bx * bn, part * k_part + k * bk], w)
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 T.copy(acc, out)
+                slot_row = (rank * splits + part) * padded + (tile_row % m_tiles) * bm
                 if owners > 1:
-                    T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=seg)
+                    T.copy(out, recv[slot_row, bx * bn], dst_pe=seg)
                     T.signal(flags[rank], 1, pe=seg, op="add", scope="warp")
                 else:
                     for p in T.serial(ranks):
                         dst = (rank + 1 + p) % ranks
-                        T.copy(out, recv[rank * padded + (by % m_tiles) * bm, bx * bn], dst_pe=dst)
+                        T.copy(out, recv[slot_row, bx * bn], dst_pe=dst)
                         T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
 
     return main
@@ -162,13 +174,14 @@ gemm_push_kernel_unspecialized = jit(pass_configs={"tl.disable_warp_specialized"
 
 
 @jit
-def sum_received_kernel(world: int, dtype: str, padded_elems: int, elems: int, sms: int):
-    """``out = sum_p recv[p][:elems]`` once every rank's tiles have arrived (fp32 accumulation)."""
+def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, elems: int, sms: int):
+    """``out = sum_s recv[s][:elems]`` over the ``slots`` received partials once every rank's
+    have arrived (fp32 accumulation)."""
     tile = 4096
     grid = min(-(-elems // tile), sms)
 
     @T.prim_func
-    def main(recv: T.Tensor((world, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
+    def main(recv: T.Tensor((slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
              flags: T.Tensor((world,), "int32"), arrived: T.int32):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
@@ -179,8 +192,8 @@ def sum_received_kernel(world: int, dtype: str, padded_elems: int, elems: int, s
                 for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
                     base = (bx + t * grid) * tile
                     T.clear(acc)
-                    for p in T.serial(ranks):
-                        T.copy(recv[p, base], part)
+                    for s in T.serial(slots):
+                        T.copy(recv[s, base], part)
                         for i, j in T.Parallel(1, tile):
                             acc[i, j] += T.cast(part[i, j], "float32")
                     T.copy(acc, part)
@@ -229,33 +242,33 @@ def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
     tl_dtype(a)
 
 
-def choose_tile(rows: int, n: int) -> TileConfig:
+def choose_tile(rows: int, n: int, split_k: bool = False) -> TileConfig:
     """The fused kernels' GEMM tile for a ``rows`` x ``n`` output (what one rank's kernel computes):
-    ``WIDE`` (128x256, near cuBLAS) where its tiles fill every SM at least once, else the
-    128x128 ``DEFAULT``, whose twice as many tiles keep more SMs busy at decode sizes.
+    ``WIDE`` (128x256, TileLang's fastest) where its tiles fill every SM at least once or the
+    kernel can split K instead (``split_k``: the reduce-scatter and all-reduce GEMMs), else
+    the 128x128 ``DEFAULT``, whose twice as many tiles keep more SMs busy at decode sizes.
 
     Example::
 
         choose_tile(8192, 14336)    # WIDE; choose_tile(128, 8192): DEFAULT (32 wide tiles)
     """
     wide_tiles = -(-rows // WIDE.block_M) * -(-n // WIDE.block_N)
-    return WIDE if wide_tiles >= sm_count() else DEFAULT
+    return WIDE if split_k or wide_tiles >= sm_count() else DEFAULT
 
 
 def _choose(plan: str | None, rows: int) -> str:
-    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else the measured better one.
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else the measured better one for ``rows``
+    output rows.
 
-    On GPUs that is ``unfused``: on H200 the fused kernels are correct but 0.63-0.77x the
-    speed of NCCL + cuBLAS at every benchmark shape (``benchmarks/results/tp-gemm-*-x4-*``),
-    because TileLang's GEMM runs at about 75% of cuBLAS and the pushers take SMs from it.
-    Elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` rows on.
+    On GPUs fused from ``FUSED_MIN_ROWS_GPU`` rows on (2x H200, ``benchmarks/tp_gemm.py``:
+    1.0-1.1x NCCL + cuBLAS there, 0.9-0.95x below); elsewhere (the CPU path) from
+    ``FUSED_MIN_ROWS``.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
-    if plan is None and runtime.device().type == "cuda":
-        return "unfused"
-    return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
+    threshold = FUSED_MIN_ROWS_GPU if runtime.device().type == "cuda" else FUSED_MIN_ROWS
+    return plan or ("fused" if rows >= threshold else "unfused")
 
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -292,24 +305,39 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
+def k_splits(tiles: int, K: int, block_K: int) -> int:
+    """Parts to split K into so that ``tiles`` output tiles give every SM a block (1, 2, 4 or
+    8; only splits into whole K steps).
+
+    Example::
+
+        k_splits(32, 14336, 64)    # 4 on a 132-SM H200: 128 blocks
+    """
+    splits = 1
+    while tiles * splits * 2 <= sm_count() and K % (splits * 2 * block_K) == 0 and splits < 8:
+        splits *= 2
+    return splits
+
+
 def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig | None) -> torch.Tensor:
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
-    tile = tile or choose_tile(m, n)
+    tile = tile or choose_tile(m, n, split_k=True)
     padded = -(-rows // tile.block_M) * tile.block_M
-    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype), (world * padded, n), a.dtype, world)
+    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
+    splits = k_splits(owners * tiles, k, tile.block_K)
+    slots = world * splits
+    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
     recv = ex.next_buffer()
     dtype = tl_dtype(a)
-    # Each tile's consumer warps signal once each (see _gemm_push).
-    arrivals = (padded // tile.block_M) * -(-n // tile.block_N) * (tile.threads // 32)
     push = gemm_push_kernel_unspecialized if kernel_lowering() == "nvshmem" else gemm_push_kernel
-    push(world, dtype, m, k, n, owners, tile)(a, weight, recv, ex.flags)
+    push(world, dtype, m, k, n, owners, tile, splits)(a, weight, recv, ex.flags)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    # Row r of the received block is contiguous in both views: padded rows come after it.
-    reduce = sum_received_kernel(world, dtype, padded * n, rows * n, sm_count())
-    ex.arrivals += arrivals
-    reduce(recv.view(world, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
+    # Row r of a received block is contiguous in both views: padded rows come after it.
+    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
+    ex.arrivals += tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see _gemm_push)
+    reduce(recv.view(slots, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
     return out
 
 
@@ -322,7 +350,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         y = ts.ops.gemm_reduce_scatter(h, w_rows)     # (M // world, N)
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
-    (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
+    (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`; K is split
+    where its tiles are too few for the SMs, see :func:`k_splits`).
     """
     _check_pair(a, weight)
     world = runtime.world_size()
