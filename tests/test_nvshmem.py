@@ -391,3 +391,32 @@ def test_every_op_kernel_lowers_to_nvshmem_calls(name):
         body = kernel_body(lower_cuda(factory.__wrapped__(*args), configs))
     assert re.search(r"tilescale::nvshmem_(put|get)_block\(", body), body[:3000]
     assert "__peers" not in body.replace("ts_sync_peers", "")
+
+
+@needs_nvcc
+@needs_nvshmem_lib
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_dynamic_shared_buffer_is_realigned_after_the_device_link(tmp_path, monkeypatch):
+    """The device link drops the 1024-byte alignment of TileLang's dynamic shared buffer and
+    puts NVSHMEM's static shared memory before it (a TMA GEMM then faults with a misaligned
+    address): the kernel aligns the buffer itself, in an allocation one alignment larger."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    factory, args, configs = _op_kernels()["ag_gemm"]
+    with build_options(world_size=2, remote="nvshmem"):
+        func = factory.__wrapped__(*args)
+    plain = kernel_body(lower_cuda(func, configs))
+    assert "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];" in plain
+    module = link_module(func, "sm_90a")
+    assert "uchar buf_dyn_shmem[]" not in module.source
+    assert re.search(r"uchar\* buf_dyn_shmem = ts_dyn_shmem_base \+ \(\(1024u - .*% 1024u\)\) % 1024u\);",
+                     module.source)
+    requested = {int(n) for n in re.findall(r"config\.sharedMemBytes = (\d+)", module.launcher)}
+    allowed = {int(n) for n in re.findall(r"MAX_DYNAMIC_SHARED_SIZE_BYTES,\s*(\d+)", module.launcher)}
+    (dynamic,) = requested
+    assert allowed == requested and dynamic % 1024 == 0 and dynamic > 1024  # the tiles' bytes + 1024
+    if shutil.which("readelf") is not None:  # why: NVSHMEM's static shared memory, 16-byte aligned
+        sections = subprocess.run(["readelf", "-SW", str(module.cubin)], capture_output=True, text=True,
+                                  check=True).stdout
+        static = re.search(r"\.nv\.shared\.main_kernel\s+\S+\s+\S+\s+\S+\s+([0-9a-f]+)", sections)
+        assert static is not None and int(static.group(1), 16) % 1024 != 0, sections

@@ -10,7 +10,11 @@ device source is compiled relocatably and device-linked against NVSHMEM
 NVSHMEM's device state is written into it (``nvshmem.bindings.culibrary_init``) before the
 first launch. Launch configuration, TMA descriptors and dynamic shared memory are
 TileLang's own (its launcher, told here about dynamic dimensions such as
-``T.dynamic("n") * 8`` that it would otherwise miss).
+``T.dynamic("n") * 8`` that it would otherwise miss), but for one thing: the device link
+appends NVSHMEM's static shared memory to the kernel's and drops the alignment TileLang
+declares for its dynamic buffer (1024 bytes, which TMA's 128-byte swizzle needs; misaligned,
+the first TMA load faults), so the buffer is aligned at run time inside an allocation that
+much larger (:func:`align_dynamic_shared`).
 
 Example::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +89,36 @@ def _shape_symbols(func: tirx.PrimFunc) -> dict[str, tuple[str, int, int, int]]:
     return symbols
 
 
-def _launcher_source(target: Target, func: tirx.PrimFunc, artifact: Any, pass_configs: dict[str, Any]) -> str:
-    """TileLang's Python launcher (``call(kernels, *params, *dynamic symbols, stream)``) for ``func``."""
+_DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) uchar buf_dyn_shmem\[\];")
+
+
+def align_dynamic_shared(source: str) -> tuple[str, int]:
+    """``source`` with TileLang's dynamic shared buffer aligned at run time, and the bytes of
+    slack that needs (0 when the kernel has no such buffer).
+
+    Relocatable device code keeps only the section's 16-byte alignment, and the static shared
+    memory that the device link adds (NVSHMEM's) shifts the dynamic buffer off the declared
+    boundary; the buffer is moved up to it within ``slack`` extra bytes.
+
+    Example::
+
+        source, slack = align_dynamic_shared(artifact.kernel_source)   # slack 1024 for a TMA GEMM
+    """
+    aligns = [int(a) for a in _DYNAMIC_SHARED.findall(source)]
+
+    def aligned(found: re.Match) -> str:
+        align = found.group(1)
+        return (f"extern __shared__ __align__({align}) uchar ts_dyn_shmem_base[];\n"
+                f"  uchar* buf_dyn_shmem = ts_dyn_shmem_base + (({align}u - "
+                f"(static_cast<unsigned>(__cvta_generic_to_shared(ts_dyn_shmem_base)) % {align}u)) % {align}u);")
+
+    return _DYNAMIC_SHARED.sub(aligned, source), max(aligns, default=0)
+
+
+def _launcher_source(target: Target, func: tirx.PrimFunc, artifact: Any, pass_configs: dict[str, Any],
+                     slack: int) -> str:
+    """TileLang's Python launcher (``call(kernels, *params, *dynamic symbols, stream)``) for
+    ``func``, asking for ``slack`` more bytes of dynamic shared memory."""
     from tilelang.jit.adapter.nvrtc.wrapper import TLNVRTCSourceWrapper
 
     symbols = _shape_symbols(func)
@@ -93,6 +126,11 @@ def _launcher_source(target: Target, func: tirx.PrimFunc, artifact: Any, pass_co
     class Wrapper(TLNVRTCSourceWrapper):
         def get_dynamic_symbolic_set(self, prim_func: tirx.PrimFunc) -> list[tuple[str, str]]:
             return [(name, dtype) for name, (dtype, *_) in symbols.items()]
+
+        def parse_source_information(self) -> None:
+            super().parse_source_information()
+            self.dynamic_smem_buf = {name: size if size is None else size + slack
+                                     for name, size in self.dynamic_smem_buf.items()}
 
     wrapper = Wrapper(scheduled_ir_module=tvm.IRModule({func.attrs["global_symbol"]: func}),
                       source=artifact.kernel_source, target=target, device_mod=artifact.device_mod,
@@ -124,8 +162,8 @@ def link_module(func: tirx.PrimFunc, arch: str, pass_configs: dict[str, Any] | N
     configs = pass_configs or {}
     with target, tvm.transform.PassContext(opt_level=3, config=configs):
         artifact = tilelang.lower(func, target=target)
-    launcher = _launcher_source(target, func, artifact, configs)
-    source = artifact.kernel_source
+    source, slack = align_dynamic_shared(artifact.kernel_source)
+    launcher = _launcher_source(target, func, artifact, configs, slack)
     key = hashlib.sha256(f"{arch}\0{nvshmem_home()}\0{compile_flags}\0{source}\0{launcher}".encode()).hexdigest()
     workdir = _cache_dir() / key[:24]
     if not (workdir / "kernel.cubin").exists():
