@@ -71,7 +71,7 @@ class Variant:
     ``grid="1d"``: as ``ag_gemm_kernel`` (linear block index in a register, tile from
     ``tile_coords(..., cfg.panel)``); ``"2d"``: as ``gemm_push_kernel`` (``(N tiles, M tiles)``
     grid, ``T.use_swizzle(cfg.panel)`` when the panel is non-zero). ``ws=False``: compiled
-    with warp specialisation off, as ``gemm_push_kernel_unspecialized`` is.
+    with warp specialisation off, as kernels linked with NVSHMEM are.
     """
 
     label: str

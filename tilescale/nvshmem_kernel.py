@@ -89,6 +89,12 @@ def _shape_symbols(func: tirx.PrimFunc) -> dict[str, tuple[str, int, int, int]]:
     return symbols
 
 
+# Warp-specialised kernels are built without it: device-linked, their launch faulted with a
+# misaligned address on an H100 (TileLang 0.1.15, NVSHMEM 3.4.5), relocatable code drops
+# the register reallocation (setmaxnreg) they rely on, and NVSHMEM's block-wide calls need
+# every thread of the block, where only the consumer warps run the epilogue.
+WARP_SPECIALIZATION_OFF = "tl.disable_warp_specialized"
+
 _DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) uchar buf_dyn_shmem\[\];")
 
 
@@ -159,7 +165,7 @@ def link_module(func: tirx.PrimFunc, arch: str, pass_configs: dict[str, Any] | N
             module = link_module(ring_shift(4096, 1024, 64), "sm_90a")
     """
     target = Target({"kind": "cuda", "arch": arch})
-    configs = pass_configs or {}
+    configs = {**(pass_configs or {}), WARP_SPECIALIZATION_OFF: True}
     with target, tvm.transform.PassContext(opt_level=3, config=configs):
         artifact = tilelang.lower(func, target=target)
     source, slack = align_dynamic_shared(artifact.kernel_source)

@@ -468,7 +468,7 @@ _id_checks: list[_IdCheck] = []
 def _watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
     """Queue the device's id check of this call, without waiting for it."""
     if bad.is_cuda:
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host = torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)  # whatever the default device
         host.copy_(bad, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
-from tilescale.jit import jit, kernel_lowering
+from tilescale.jit import jit
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
@@ -119,7 +119,8 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     return main
 
 
-def _gemm_push(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig, splits: int):
+@jit
+def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig, splits: int):
     """Partial ``a @ W.T``; each output tile goes to its row owner(s)' receive slot, then a signal.
 
     ``owners == world``: rows are split in ``world`` segments, tile rows of segment s go to
@@ -165,12 +166,6 @@ def _gemm_push(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile
                         T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
 
     return main
-
-
-gemm_push_kernel = jit(_gemm_push)
-# NVSHMEM's block-wide puts need every thread of the block, which warp specialisation's
-# consumer-only epilogue does not give: the NVSHMEM-call lowering builds it without.
-gemm_push_kernel_unspecialized = jit(pass_configs={"tl.disable_warp_specialized": True})(_gemm_push)
 
 
 @jit
@@ -331,12 +326,11 @@ def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: 
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
     recv = ex.next_buffer()
     dtype = tl_dtype(a)
-    push = gemm_push_kernel_unspecialized if kernel_lowering() == "nvshmem" else gemm_push_kernel
-    push(world, dtype, m, k, n, owners, tile, splits)(a, weight, recv, ex.flags)
+    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, recv, ex.flags)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    ex.arrivals += tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see _gemm_push)
+    ex.arrivals += tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see gemm_push_kernel)
     reduce(recv.view(slots, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
     return out
 
