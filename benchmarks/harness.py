@@ -201,6 +201,37 @@ def time_fn(
         return Timing([start.elapsed_time(end) for start, end in events])
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 5,
+    warmup: int = 5,
+    iters: int = 50,
+    device: torch.device | str | int | None = None,
+    barrier: Callable[[], object] | None = None,
+) -> dict[str, Timing]:
+    """Time every function of ``fns`` as :func:`time_fn` does, in ``rounds`` rounds of
+    ``iters // rounds`` calls each, the functions taking turns, so that a drift of the GPU's
+    clocks over the run (a heating H200 loses ~9% over a minute of GEMMs) moves every
+    function's median alike instead of favouring the ones timed first.
+
+    >>> order = []
+    >>> t = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+    ...                      rounds=2, warmup=0, iters=4, device="cpu")
+    >>> "".join(order), len(t["a"].samples_ms)
+    ('aabbaabb', 4)
+    """
+    if rounds < 1 or iters < rounds:
+        raise ValueError(f"need 1 <= rounds <= iters, got rounds={rounds}, iters={iters}")
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name, fn in fns.items():
+            timing = time_fn(fn, warmup=warmup if r == 0 else 0, iters=iters // rounds, device=device,
+                             barrier=barrier)
+            samples[name] += timing.samples_ms
+    return {name: Timing(s) for name, s in samples.items()}
+
+
 def _default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype in _TOLERANCES:
         return _TOLERANCES[dtype]

@@ -58,6 +58,16 @@ def test_time_fn_rejects_zero_iters():
         harness.time_fn(lambda: None, iters=0, device="cpu")
 
 
+def test_time_interleaved_takes_turns_and_warms_up_once():
+    log = []
+    timings = harness.time_interleaved({"a": lambda: log.append("a"), "b": lambda: log.append("b")},
+                                       rounds=3, warmup=1, iters=6, device="cpu")
+    assert "".join(log) == "aaabbbaabbaabb"  # one warm-up call each, then 2 timed calls a turn
+    assert {name: len(t.samples_ms) for name, t in timings.items()} == {"a": 6, "b": 6}
+    with pytest.raises(ValueError, match="rounds"):
+        harness.time_interleaved({"a": lambda: None}, rounds=4, iters=3, device="cpu")
+
+
 def test_timing_statistics_and_dict():
     t = harness.Timing([4.0, 1.0, 3.0, 2.0, 5.0])
     assert t.median_ms == 3.0
