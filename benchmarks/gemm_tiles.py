@@ -7,9 +7,9 @@ tile found from a linear block index as in the all-gather GEMM (``grid="1d"``, t
 from ``_gemm.tile_coords``) or from a 2-D grid as in the reduce-scatter GEMM (``grid="2d"``,
 ``T.use_swizzle`` for the panel order). The winner therefore drops into ``_gemm.DEFAULT``.
 
-Shapes are one rank's GEMMs of ``benchmarks/tp_gemm.py`` (8192^3 besides). For each: cuBLAS
-(``torch.matmul``) before and after the variants, then every variant checked against it
-and timed (CUDA events, warm-up, median of ``--iters`` runs). Printed: a table per shape
+Shapes are one rank's GEMMs of ``benchmarks/tp_gemm.py`` (8192^3 besides). For each: every
+variant checked against cuBLAS (``torch.matmul``), then all of them and cuBLAS timed taking
+turns (CUDA events, warm-up, median of ``--iters`` runs over 5 rounds). Printed: a table per shape
 (ms, TFLOP/s, share of the 790 TFLOP/s dense bf16 floor, speed relative to cuBLAS), then
 each variant's geometric mean over the shapes and the ``TileConfig`` of the best; the rows
 go to ``benchmarks/results/gemm-tiles-<device>-<time>.json``::
@@ -36,7 +36,7 @@ from pathlib import Path
 import tilelang
 import tilelang.env
 import torch
-from harness import Report, check_close, time_fn
+from harness import Report, check_close, time_interleaved
 from tp_gemm import AG_SHAPES, RS_SHAPES
 
 import tilescale.language as T
@@ -270,21 +270,16 @@ def run_shape(name: str, shape: tuple[int, int, int], variants: list[Variant], k
     C = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     base = {"shape": name, "M": M, "N": N, "K": K, "floor_ms": floor_ms}
 
-    def timing(fn) -> dict:
-        t = time_fn(fn, warmup=args.warmup, iters=args.iters)
-        return {"ms": t.median_ms, "tflops": flops / t.median_ms / 1e9, "of_floor": floor_ms / t.median_ms,
-                "timing": t.to_dict()}
-
-    cublas = [timing(lambda: torch.matmul(A, W.T))]
+    fns = {"cublas": lambda: torch.matmul(A, W.T)}
     rows = []
     broken = None
     for v in variants:
         row = {**base, "variant": v.label, "config": v.describe(), "cfg": asdict(v.cfg), "grid": v.grid, "ws": v.ws,
                "smem_kb": v.cfg.shared_bytes() / 1024}
+        rows.append(row)
         kernel = kernels.get((v.label, name))
         if broken or not hasattr(kernel, "get_kernel_source"):
             row.update(correct=False, error=broken or kernel or "not compiled")
-            rows.append(row)
             continue
         row["wgmma"] = wgmma_shape(kernel.get_kernel_source())
         try:
@@ -294,29 +289,27 @@ def run_shape(name: str, shape: tuple[int, int, int], variants: list[Variant], k
             # bf16 outputs of two fp32-accumulated K=8192..14336 dot products: about 1 ulp apart.
             row["check"] = check_close(f"{name} {v.label}", C, ref, rtol=2e-2, atol=2e-2)
             row["correct"] = True
+            fns[v.label] = lambda kernel=kernel: kernel(A, W, C)
         except AssertionError as e:
             row.update(correct=False, error=_error(e))
         except Exception as e:  # noqa: BLE001 - a launch failure; CUDA errors poison the context
             row.update(correct=False, error=_error(e))
             if "CUDA" in str(e) or "cuda" in str(e):
                 broken = f"not run: an earlier variant's CUDA error ({_error(e)})"
-            rows.append(row)
-            continue
-        row.update(timing(lambda: kernel(A, W, C)))  # noqa: B023 - timed right here
-        rows.append(row)
-        print(f"  {name} {v.label:24s} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s "
-              f"{'ok' if row['correct'] else 'WRONG'}", file=sys.stderr, flush=True)
-    if broken is None:
-        cublas.append(timing(lambda: torch.matmul(A, W.T)))  # again: did the clocks move?
-    cublas_ms = sum(c["ms"] for c in cublas) / len(cublas)
-    out = []
-    for i, c in enumerate(cublas):
-        out.append({**base, **c, "variant": "cublas" if i == 0 else "cublas (again)", "config": "torch.matmul",
-                    "vs_cublas": cublas_ms / c["ms"], "correct": True})
-    for row in rows:
-        if "ms" in row:
-            row["vs_cublas"] = cublas_ms / row["ms"]
-        out.append(row)
+    if broken:  # the context is gone: nothing more can be timed
+        return rows
+    # cuBLAS and the variants take turns (time_interleaved): a drift of the clocks over the
+    # shape's run moves them all alike.
+    timings = time_interleaved(fns, rounds=min(5, args.iters), warmup=args.warmup, iters=args.iters)
+    cublas_ms = timings["cublas"].median_ms
+    out = [{**base, "variant": "cublas", "config": "torch.matmul", "correct": True}] + rows
+    for row in out:
+        timing = timings.get(row["variant"])
+        if timing is not None:
+            row.update(ms=timing.median_ms, tflops=flops / timing.median_ms / 1e9, of_floor=floor_ms / timing.median_ms,
+                       vs_cublas=cublas_ms / timing.median_ms, timing=timing.to_dict())
+            print(f"  {name} {row['variant']:24s} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s", file=sys.stderr,
+                  flush=True)
     return out
 
 

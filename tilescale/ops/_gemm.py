@@ -67,10 +67,10 @@ class TileConfig:
 # policy gives each warpgroup 2x m64n64 wgmmas: 0.62-0.75x cuBLAS on H200
 # (benchmarks/gemm_tiles.py, log benchmarks/results/logs/gpu-gemm-tiles-x8-20261122.log).
 DEFAULT = TileConfig()
-# TileLang's sm_90 recipe with panel order (one m64n256 wgmma per warpgroup): in that sweep
-# 1.10-1.12x cuBLAS (8192^3: 1.389 vs 1.478 ms; 4096x14336x8192: 1.213 vs 1.313 ms). The
-# fused TP kernels take it with ``tile=WIDE``; it becomes the default once they have run
-# with it on GPUs.
+# TileLang's sm_90 recipe with panel order (one m64n256 wgmma per warpgroup): 0.97-1.01x
+# cuBLAS at the TP GEMM shapes, timed taking turns with it on one H200
+# (gemm-tiles-nvidia-h200-20261123-161931.json); the fused kernels' default tile where
+# choose_tile (tp_gemm.py) finds enough output tiles.
 WIDE = TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8)
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
