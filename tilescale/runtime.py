@@ -178,7 +178,8 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         store = dist.PrefixStore(f"tilescale/{_session}", dist.distributed_c10d._get_default_store())
         group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
                            _job_id(store, env.rank, timeout_s))
-        status = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # Host memory the kernels write a timed-out wait into (pinned on GPUs), whatever the default device.
+        status = torch.zeros(8, dtype=torch.int64, device="cpu", pin_memory=dev.type == "cuda")
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9))
         # Allocated now, while every rank is known to be here, rather than collectively inside
