@@ -463,8 +463,8 @@ class _IdCheck:
 
 
 _id_checks: list[_IdCheck] = []
-# Pinned buffers and events of finished checks, for the next calls: allocating them took
-# ~10% of a low-latency dispatch's host time (cProfile, one H200).
+# Pinned buffers and events of finished checks, for the next calls: allocating them anew
+# cost a low-latency dispatch + combine 4% of its host time (252 -> 242 us, one H200).
 _spare: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
 
