@@ -256,7 +256,7 @@ def _choose(plan: str | None, rows: int) -> str:
     output rows.
 
     On GPUs fused from ``FUSED_MIN_ROWS_GPU`` rows on (2x H200, ``benchmarks/tp_gemm.py``:
-    1.0-1.1x NCCL + cuBLAS there, 0.9-0.95x below); elsewhere (the CPU path) from
+    0.95-1.11x NCCL + cuBLAS there over two runs, 0.91-0.95x below); elsewhere (the CPU path) from
     ``FUSED_MIN_ROWS``.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
