@@ -392,6 +392,19 @@ def test_every_op_kernel_lowers_to_nvshmem_calls(name):
     assert "__peers" not in body.replace("ts_sync_peers", "")
 
 
+def test_kernels_without_a_dynamic_shared_buffer_are_left_alone():
+    from tilescale.nvshmem_kernel import align_dynamic_shared
+
+    _, src = built("nvshmem")
+    assert "buf_dyn_shmem" not in src
+    assert align_dynamic_shared(src) == (src, 0)
+    two = ("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];\n"
+           "extern __shared__ __align__(128) uchar buf_dyn_shmem[];")
+    aligned, slack = align_dynamic_shared(two)
+    assert slack == 1024 and aligned.count("uchar* buf_dyn_shmem = ts_dyn_shmem_base") == 2
+    assert "% 128u)) % 128u);" in aligned  # each kernel keeps its own alignment
+
+
 @needs_nvcc
 @needs_nvshmem_lib
 @pytest.mark.slow
