@@ -392,6 +392,9 @@ def test_mpirun_multinode_script_runs_a_job_from_a_hostfile(tmp_path):
                                      "sum": int(total), "args": sys.argv[1:], "addr": env.master_addr,
                                      "nic": os.environ.get("NVSHMEM_HCA_LIST"),
                                      "nvls": os.environ.get("NVSHMEM_DISABLE_NVLS")}) + "\n")
+        sys.stdout.flush()
+        # Leaving gloo's threads to interpreter exit once ended a rank in std::terminate (CI, exit 15).
+        dist.destroy_process_group()
         """,
     )
     env = clean_env(MPIRUN=find_mpiexec(), PYTHON=sys.executable, MASTER_PORT=str(free_port("127.0.0.1")),
