@@ -314,14 +314,26 @@ def k_splits(tiles: int, K: int, block_K: int) -> int:
     return splits
 
 
+def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[int, int, int]:
+    """(rows per owner padded to whole tiles, output tiles per owner, K splits) of the GEMM
+    that ``gemm_reduce_scatter`` (``owners`` = world size) or ``gemm_all_reduce`` (1) runs for
+    an (m, k) x (n, k) product with ``tile``.
+
+    Example::
+
+        reduce_plan(128, 14336, 8192, 1, WIDE)    # (128, 32, 4) on a 132-SM H200
+    """
+    padded = -(-(m // owners) // tile.block_M) * tile.block_M
+    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
+    return padded, tiles, k_splits(owners * tiles, k, tile.block_K)
+
+
 def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig | None) -> torch.Tensor:
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
     tile = tile or choose_tile(m, n, split_k=True)
-    padded = -(-rows // tile.block_M) * tile.block_M
-    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
-    splits = k_splits(owners * tiles, k, tile.block_K)
+    padded, tiles, splits = reduce_plan(m, k, n, owners, tile)
     slots = world * splits
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
     recv = ex.next_buffer()
