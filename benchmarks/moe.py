@@ -5,7 +5,9 @@ destination rank, as tilescale sends), exchange the counts (``all_to_all_single`
 counts, then a host read of the split sizes), exchange rows and routing metadata with
 ``all_to_all_single``, and on the way back sum each token's rows. The baseline does not
 group rows by local expert, which tilescale's dispatch does: it is favoured.
-Bandwidth counts as DeepEP counts it: bytes of token rows received / time.
+Bandwidth counts as DeepEP counts it: bytes of token rows received / time. On GPUs the
+``graph_*`` columns time tilescale's calls captured once in a CUDA graph and replayed (the
+baseline cannot be captured: it reads the split sizes on the host).
 
     tilescale run -n 2 benchmarks/moe.py                  # DeepEP's size and a decode batch
     tilescale run -n 2 --cpu benchmarks/moe.py --small
@@ -101,7 +103,11 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
     b_disp = time_fn(lambda: baseline.dispatch(x), iters=iters, barrier=dist.barrier)
     b_comb = time_fn(lambda: baseline.combine(weighted), iters=iters, barrier=dist.barrier)
     nbytes = received.shape[0] * hidden * 2
-    return {
+    graphed = {}
+    if x.is_cuda:  # the baseline reads split sizes on the host, so it cannot be captured
+        graphed, graph_check = graph_timings(dispatch, round_trip, combined, iters)
+        checks.append(graph_check)
+    return {**graphed,
         "case": case, "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
         "dispatch_us": t_disp.median_ms * 1e3, "a2a_dispatch_us": b_disp.median_ms * 1e3,
         "combine_us": (t_comb_pair.median_ms - t_disp.median_ms) * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
@@ -109,6 +115,19 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
         "combine_GBps": nbytes / max(t_comb_pair.median_ms - t_disp.median_ms, 1e-6) / 1e6,
         "recv_bytes": nbytes, "checks": checks,
     }
+
+
+def graph_timings(dispatch, round_trip, expected: torch.Tensor, iters: int) -> tuple[dict, dict]:
+    """Dispatch, and dispatch + combine, each captured once in a CUDA graph and replayed."""
+    graphs = {}
+    for name, fn in (("dispatch", dispatch), ("round_trip", round_trip)):
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            out = fn()
+    graphs["round_trip"].replay()
+    check = check_close("combine, CUDA graph replay", out, expected, rtol=2e-2, atol=2e-2)
+    disp, pair = (time_fn(g.replay, iters=iters, barrier=dist.barrier).median_ms * 1e3 for g in graphs.values())
+    return {"graph_dispatch_us": disp, "graph_combine_us": pair - disp}, check
 
 
 LAYER = (4096, 4096, 1408, 64, 6)  # tokens per rank, hidden, expert FFN, experts, top-k (DeepSeek-V2-Lite-like)
@@ -172,7 +191,8 @@ def main() -> None:
     args = parser.parse_args()
     ts.init()
     report = Report("moe", columns=["case", "tokens", "hidden", "topk", "experts", "dispatch_us", "a2a_dispatch_us",
-                                    "combine_us", "a2a_combine_us", "dispatch_GBps", "combine_GBps"])
+                                    "combine_us", "a2a_combine_us", "graph_dispatch_us", "graph_combine_us",
+                                    "dispatch_GBps", "combine_GBps"])
     for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
         report.add(measure(case, tokens, hidden, topk, experts, args.iters))
     report.print_table()

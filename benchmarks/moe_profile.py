@@ -38,26 +38,34 @@ def main() -> None:
     # One whole call builds every kernel and leaves the outputs the steps below overwrite.
     _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     rows = h.row_expert.shape[0]
-    buf = moe._exchange(tokens, hidden, topk, x.dtype).sets[h.set_index]
-    base = torch.empty(world, per_rank, dtype=torch.int32, device=x.device)
-    bad = torch.empty(1, dtype=torch.int32, device=x.device)
-    route = moe.route_kernel(world, tokens, topk, num_experts)
-    layout = moe.layout_kernel(world, per_rank, rows, sm_count())
-    place = moe.place_kernel(world, tokens, topk, per_rank, rows)
+    ex = moe._exchange(tokens, hidden, topk, x.dtype)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    base, bad, received_counts = torch.empty(world, per_rank, **i32), torch.empty(1, **i32), torch.empty(world, **i32)
     recv_w = torch.empty(rows, dtype=torch.float32, device=x.device)
-    received = world * tokens
+    route = moe.route_kernel(world, tokens, topk, num_experts)
     steps = {
         "route": lambda: route(h.topk_idx, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad),
         "send": lambda: moe._send(x, h.topk_idx, h.topk_w, h.expert_slot, h.slot, h.send_counts,
-                                  h.expert_send_counts, low_latency),
-        "layout (counts)": lambda: layout(buf.expert_counts_for(per_rank), h.counts, h.offsets, base, recv_w,
-                                          h.source_row, h.row_expert),
-        "place": lambda: place(buf.idx.view(received, topk), buf.expert_slot.view(received, topk),
-                               buf.w.view(received, topk), buf.counts, base, h.position, recv_w, h.source_row,
-                               h.row_expert),
-        "group rows": lambda: moe._grouped(buf, h.position, rows),
-        "moe_dispatch": lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency),
+                                  h.expert_send_counts),
     }
+    if low_latency:
+        receive = moe.receive_kernel(world, tokens, hidden, topk, per_rank, rows, "bfloat16")
+        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+        steps["receive (layout, place, group)"] = lambda: receive(
+            ex.received("x"), ex.received("idx"), ex.received("expert_slot"), ex.received("w"), ex.counts,
+            ex.expert_counts_for(per_rank), ex.sends, h.counts, h.offsets, received_counts, h.position, recv_w,
+            h.source_row, h.row_expert, recv_x)
+    else:
+        layout = moe.layout_kernel(world, per_rank, rows, sm_count())
+        place = moe.place_kernel(world, tokens, topk, per_rank, rows)
+        steps["layout (counts)"] = lambda: layout(ex.expert_counts_for(per_rank), ex.counts, ex.sends, h.counts,
+                                                  h.offsets, base, received_counts, recv_w, h.source_row,
+                                                  h.row_expert)
+        steps["place"] = lambda: place(ex.received("idx"), ex.received("expert_slot"), ex.received("w"),
+                                       received_counts, ex.sends, base, h.position, recv_w, h.source_row,
+                                       h.row_expert)
+        steps["group rows"] = lambda: moe._grouped(ex, h.position, rows)
+    steps["moe_dispatch"] = lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     medians = torch.tensor([time_fn(fn, iters=args.iters, barrier=dist.barrier).median_ms * 1e3
                             for fn in steps.values()], device=x.device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)

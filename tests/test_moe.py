@@ -83,30 +83,35 @@ LAYOUT_CHECK = textwrap.dedent("""
     print(f"rank {rank}: ROUTE-OK", flush=True)
 
     tokens = 150
-    idx, w, x = draw(tokens, 100 + rank)
-    idx[::5, 1] = idx[::5, 0]  # a token naming an expert twice has two entries, two grouped rows
-    recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (idx.cpu(), w.cpu(), x.cpu()))
-    end = 0
-    for e in range(per_rank):
-        # Entries of local expert e in (source, token, k) order, each one grouped row.
-        entries = [(src, t, k) for src, (i, _, _) in enumerate(everyone) for t in range(tokens) for k in range(topk)
-                   if int(i[t, k]) == rank * per_rank + e]
-        start = int(h.offsets[e])
-        assert start == end and int(counts[e]) == len(entries), (e, start, end, int(counts[e]), len(entries))
-        for n, (src, t, k) in enumerate(entries):
-            p, s = start + n, int(slots(everyone[src][0], rank)[t])
-            assert int(h.source_row[p]) == src * tokens + s and int(h.position[src * tokens + s, k]) == p, (e, n)
-            assert int(h.row_expert[p]) == e and float(recv_w[p]) == float(everyone[src][1][t, k]), (e, n)
-            assert torch.equal(recv_x[p].cpu(), everyone[src][2][t]), (e, n)
-        end = start + -(-len(entries) // 128) * 128
-        assert bool((h.row_expert[start + len(entries):end] == -1).all())
-        assert bool((h.source_row[start + len(entries):end] == -1).all())
-    assert bool((h.row_expert[end:] == -1).all()) and int((h.position >= 0).sum()) == int(counts.sum())
-    y = ts.ops.moe_combine(recv_x, recv_w, h)  # identity experts: each token times its weights' sum
-    torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
-    print(f"rank {rank}: LAYOUT-OK", flush=True)
+    for low_latency in (False, True):  # the same layout from three kernels or from one
+        idx, w, x = draw(tokens, 100 + rank)
+        idx[::5, 1] = idx[::5, 0]  # a token naming an expert twice has two entries, two grouped rows
+        recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=low_latency)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (idx.cpu(), w.cpu(), x.cpu()))
+        end = 0
+        for e in range(per_rank):
+            # Entries of local expert e in (source, token, k) order, each one grouped row.
+            entries = [(src, t, k) for src, (i, _, _) in enumerate(everyone) for t in range(tokens) for k in range(topk)
+                       if int(i[t, k]) == rank * per_rank + e]
+            start = int(h.offsets[e])
+            assert start == end and int(counts[e]) == len(entries), (e, start, end, int(counts[e]), len(entries))
+            for n, (src, t, k) in enumerate(entries):
+                p, s = start + n, int(slots(everyone[src][0], rank)[t])
+                assert int(h.source_row[p]) == src * tokens + s and int(h.position[src * tokens + s, k]) == p, (e, n)
+                assert int(h.row_expert[p]) == e and float(recv_w[p]) == float(everyone[src][1][t, k]), (e, n)
+                assert torch.equal(recv_x[p].cpu(), everyone[src][2][t]), (e, n)
+            end = start + -(-len(entries) // 128) * 128
+            assert bool((h.row_expert[start + len(entries):end] == -1).all())
+            assert bool((h.source_row[start + len(entries):end] == -1).all())
+            assert bool((recv_w[start + len(entries):end] == 0).all())
+        assert bool((h.row_expert[end:] == -1).all()) and bool((h.source_row[end:] == -1).all())
+        assert bool((recv_w[end:] == 0).all()) and int((h.position >= 0).sum()) == int(counts.sum())
+        # Identity experts: each token times its weights' sum, whichever buffer set each call used.
+        for _ in range(3):
+            y = ts.ops.moe_combine(recv_x, recv_w, h)
+            torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+        print(f"rank {rank}: LAYOUT-OK", flush=True)
 
     idx, w, x = draw(tokens, 200 + rank)
     if rank == 0:
@@ -132,8 +137,8 @@ def test_grouped_layout_entry_by_entry(n, tmp_path):
     program.write_text(LAYOUT_CHECK)
     proc = run_cpu(str(program), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for marker in ("ROUTE-OK", "LAYOUT-OK", "RECOVERED-OK"):
-        assert proc.stdout.count(marker) == n, marker
+    for marker, times in (("ROUTE-OK", 1), ("LAYOUT-OK", 2), ("RECOVERED-OK", 1)):
+        assert proc.stdout.count(marker) == times * n, marker
     # The rank with the bad id raises in that call (the CPU path finishes the device check at
     # once); the others are unaffected, and every rank goes on.
     assert "rank 0: ValueError: moe_dispatch: rank 0: expert ids must be in [0, " in proc.stdout
@@ -144,29 +149,29 @@ def test_grouped_layout_entry_by_entry(n, tmp_path):
 # DeepEP's normal size on 8 ranks: 4096 tokens, hidden 7168, top-8 of 256 experts (32 per rank).
 W, TOKENS, HIDDEN, TOPK, PER_RANK = 8, 4096, 7168, 8, 32
 ROWS = 266240  # grouped_rows(4096, 8, 32) with 8 ranks: 8 * 4096 * 8 hits + 32 * 127 padding, in tiles
+LL_ROWS = 12288  # grouped_rows(128, 8, 32) with 8 ranks
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize("low_latency", [False, True])
 @pytest.mark.parametrize("name", ["dispatch", "combine"])
-def test_kernels_lower_and_compile(name, low_latency, tmp_path):
-    tokens = 128 if low_latency else TOKENS
+def test_kernels_lower_and_compile(name, tmp_path):
     with build_options(world_size=W):
-        func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, "bfloat16", 132, low_latency)
+        func = (moe.dispatch_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, PER_RANK, "bfloat16", 132)
                 if name == "dispatch"
-                else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, ROWS, "bfloat16", 132, low_latency))
+                else moe.combine_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, ROWS, "bfloat16", 132))
     src = lower_cuda(func)
-    if low_latency:  # no device-wide barrier: per-source arrival counts instead
-        assert "tilescale::grid_barrier(" not in src
-        assert "tilescale::block_signal(" in src and "tilescale::block_wait(" in src
-    else:
-        assert src.count("tilescale::grid_barrier(") == 2  # the barriers around the exchange
+    # One closing barrier, no opening one: the buffer set alternates by a device-side count,
+    # read before the barrier and advanced after it (no host value, so a CUDA graph can replay it).
+    assert src.count("tilescale::grid_barrier(") == 1
+    counter = "sends[0]" if name == "dispatch" else "combines[0]"
+    barrier, advance = src.index("tilescale::grid_barrier("), src.index(f"{counter} = ")
+    assert src.index(counter) < barrier < advance
     assert "uint4" in src  # rows move as 16-byte vectors
     if name == "dispatch":
         assert src.count("*(uint4*)(x + ") == 1  # a token's row is read once, whatever its destinations
-    proc = nvcc(src, tmp_path / f"{name}_{low_latency}.cubin")
+    proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -197,11 +202,13 @@ def test_grouping_kernel_lowers_to_vector_copies_and_compiles(tmp_path):
 @pytest.mark.timeout(300)
 @needs_nvcc
 @pytest.mark.parametrize(("name", "tokens"), [("route", TOKENS), ("route", 128), ("layout", TOKENS),
-                                              ("place", TOKENS)])
+                                              ("place", TOKENS), ("receive", 128)])
 def test_layout_kernels_lower_and_compile(name, tokens, tmp_path):
     kernels = {"route": lambda: moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK),
                "layout": lambda: moe.layout_kernel.__wrapped__(W, PER_RANK, ROWS, 132),
-               "place": lambda: moe.place_kernel.__wrapped__(W, tokens, TOPK, PER_RANK, ROWS)}
+               "place": lambda: moe.place_kernel.__wrapped__(W, tokens, TOPK, PER_RANK, ROWS),
+               "receive": lambda: moe.receive_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, LL_ROWS,
+                                                                 "bfloat16")}
     with build_options(world_size=W):
         func = kernels[name]()
     src = lower_cuda(func)
@@ -209,6 +216,9 @@ def test_layout_kernels_lower_and_compile(name, tokens, tmp_path):
         assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
     elif name == "layout":  # over sources, then over the padded segments
         assert "CumSum2D<256, 0, false>" in src and "CumSum1D<256, false>" in src
+    elif name == "receive":  # each block: the same two scans, then its row read once, written per expert
+        assert "CumSum2D<128, 0, false>" in src and "CumSum1D<128, false>" in src
+        assert src.count("*(uint4*)(recv_x + ") == 1
     else:  # no scan on the receiver: a grouped row is base[source, expert] + the entry's expert slot
         assert "CumSum" not in src and "base[" in src
     proc = nvcc(src, tmp_path / f"{name}.cubin")

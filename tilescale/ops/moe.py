@@ -4,7 +4,7 @@ Experts are split evenly over ranks (expert ``e`` lives on rank ``e // experts_p
 A token routed to several experts of one rank crosses the link once (DeepEP's
 deduplication): every (token, destination rank) pair is one row.
 
-Dispatch, five kernels and no host synchronisation:
+Dispatch, three to five kernels and no host synchronisation:
 
 1. ``route_kernel``, on the sender: each pair's destination and its slot in the
    destination's receive buffer (one slot range per source rank, token order, so senders
@@ -14,8 +14,7 @@ Dispatch, five kernels and no host synchronisation:
 2. ``dispatch_kernel``: each token's row is read once and put, with its expert ids, weights
    and expert slots, into the receive buffers of every rank it goes to (destinations
    interleaved, so no rank receives from all the others at once); block d then sends rank d
-   the row count and the per-expert entry counts. A device-scope barrier (or, in
-   low-latency mode, per-source arrival counts) publishes everything.
+   the row count and the per-expert entry counts. A device-scope barrier publishes everything.
 3. ``layout_kernel``, on the receiver: from the (source, local expert) entry counts, each
    expert's count, its segment's first row (segments padded to 128-row GEMM tiles) and the
    first row of each source's entries in it: ``base[src, e]``.
@@ -26,9 +25,21 @@ Dispatch, five kernels and no host synchronisation:
    rows: one flat ``(rows, hidden)`` tensor in which expert ``l`` owns rows
    ``offsets[l]:offsets[l] + counts[l]``. Its size is a bound known without a host round trip.
 
+In low-latency mode (decode batches) ``receive_kernel`` does 3-5 in one launch: one block
+per received row, each recomputing the small (source, expert) prefix itself.
+
 Combine reverses it in one kernel: each received row's expert outputs are summed with
 their routing weights on the expert side and put back into the source rank's slot; after
 the exchange each token sums its rows from its destination ranks.
+
+No host state changes from call to call, so a step can be captured in a CUDA graph and
+replayed. The receive buffers come in two sets, and each rank keeps a device-side count of
+its sends and of its combines; a call uses the set its count's parity names, and the
+kernel advances the count after its closing barrier. Consecutive exchanges through one
+buffer thus alternate sets, and a rank can write a set again only after passing the
+closing barrier of the call in between, which every rank reaches only after it has
+finished reading that set (its readers run before that call on its stream): no opening
+barrier is needed.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -41,7 +52,6 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.language.scale import current_context
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.symmetric import zeros
 
@@ -74,25 +84,6 @@ def send_blocks(world: int, tokens: int, sms: int) -> int:
     """Blocks of the dispatch kernel (one token each at a time): one per SM at most, but no
     fewer than the ranks (block d sends the counts to rank d)."""
     return max(min(tokens, sms), world)
-
-
-@T.macro
-def _open(low_latency):
-    if not low_latency:
-        T.barrier()  # every rank is done with its receive buffers from the last call
-
-
-@T.macro
-def _close(low_latency, arrivals, arrived):
-    # The rank comes from the build context, not as an argument: a macro would bind it anew.
-    if low_latency:
-        # Each block tells every rank it is done; a rank waits only for what it receives.
-        for d in T.serial(current_context().world):
-            T.signal(arrivals[current_context().rank], 1, pe=d, op="add")
-        for src in T.serial(current_context().world):
-            T.wait(arrivals[src], "ge", arrived)
-    else:
-        T.barrier()  # everything sent has landed everywhere
 
 
 def _entries(idx, t, topk, lo, hi):
@@ -181,14 +172,13 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
 
 
 @jit
-def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, dtype: str, sms: int,
-                    low_latency: bool):
+def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, dtype: str, sms: int):
     """Put token t's row of ``x``, expert ids, weights and expert slots into slot
     ``slot[d * tokens + t]`` of every rank d where that is >= 0; block d also
     sends rank d the row count and this rank's entry count of each of d's experts.
 
-    ``low_latency``: no barriers; the receive buffers alternate between two sets from call to
-    call (so the opening barrier is not needed) and per-source arrival counts end the kernel.
+    The receive buffers have two sets: this call uses set ``sends[0] % 2`` and advances
+    ``sends[0]`` once every rank's puts have landed (see the module notes).
     """
     blocks = send_blocks(world, tokens, sms)
 
@@ -197,16 +187,17 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              topk_w: T.Tensor((tokens, topk), "float32"), expert_slot: T.Tensor((tokens, topk), "int32"),
              slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
-             recv_x: T.Tensor((world, tokens, hidden), dtype), recv_idx: T.Tensor((world, tokens, topk), "int32"),
-             recv_w: T.Tensor((world, tokens, topk), "float32"),
-             recv_slot: T.Tensor((world, tokens, topk), "int32"), recv_counts: T.Tensor((world,), "int32"),
-             recv_expert_counts: T.Tensor((world, per_rank), "int32"),
-             arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
+             recv_x: T.Tensor((2, world, tokens, hidden), dtype), recv_idx: T.Tensor((2, world, tokens, topk), "int32"),
+             recv_w: T.Tensor((2, world, tokens, topk), "float32"),
+             recv_slot: T.Tensor((2, world, tokens, topk), "int32"), recv_counts: T.Tensor((2, world), "int32"),
+             recv_expert_counts: T.Tensor((2, world, per_rank), "int32"), sends: T.Tensor((1,), "int32")):
         with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 row = T.alloc_shared((hidden,), dtype)
                 at = T.alloc_local((world,), "int32")  # the token's slot at each destination, -1 for none
-                _open(low_latency)
+                call = T.alloc_local((1,), "int32")
+                call[0] = sends[0]  # read by every block before the barrier, advanced after it
+                s = call[0] % 2
                 for q in T.serial(T.ceildiv(tokens - bx, blocks)):
                     t = bx + q * blocks
                     # Destinations rotate with the token: the tokens in flight go to every rank at once.
@@ -215,33 +206,43 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                     T.copy(x[t, 0:hidden], row)  # read once, put to every destination
                     for i in T.unroll(ranks):
                         if at[i] >= 0:
-                            T.copy(row, recv_x[rank, at[i], 0:hidden], dst_pe=(rank + t + i) % ranks)
-                            T.copy(topk_idx[t, 0:topk], recv_idx[rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
-                            T.copy(topk_w[t, 0:topk], recv_w[rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
-                            T.copy(expert_slot[t, 0:topk], recv_slot[rank, at[i], 0:topk],
+                            T.copy(row, recv_x[s, rank, at[i], 0:hidden], dst_pe=(rank + t + i) % ranks)
+                            T.copy(topk_idx[t, 0:topk], recv_idx[s, rank, at[i], 0:topk],
+                                   dst_pe=(rank + t + i) % ranks)
+                            T.copy(topk_w[t, 0:topk], recv_w[s, rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
+                            T.copy(expert_slot[t, 0:topk], recv_slot[s, rank, at[i], 0:topk],
                                    dst_pe=(rank + t + i) % ranks)
                 if bx < ranks:  # there are at least as many blocks as ranks
-                    T.copy(send_counts[bx:bx + 1], recv_counts[rank:rank + 1], dst_pe=bx)
-                    T.copy(expert_counts[bx * per_rank:bx * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
-                           dst_pe=bx)
-                _close(low_latency, arrivals, arrived)
+                    T.copy(send_counts[bx:bx + 1], recv_counts[s, rank:rank + 1], dst_pe=bx)
+                    T.copy(expert_counts[bx * per_rank:bx * per_rank + per_rank],
+                           recv_expert_counts[s, rank, 0:per_rank], dst_pe=bx)
+                T.barrier()  # everything sent has landed everywhere
+                if bx == 0:
+                    sends[0] = call[0] + 1  # every thread stores the same value
 
     return main
+
+
+def _last_set(sends):
+    """The receive-buffer set of this rank's latest send (its count is advanced past it)."""
+    return (sends[0] + 1) % 2
 
 
 @jit
 def layout_kernel(world: int, per_rank: int, rows: int, sms: int):
     """Block 0: ``counts[e]`` (entries of local expert e from every source), ``offsets[e]``
-    (its segment's first grouped row, segments padded to row tiles) and ``base[src, e]``
-    (the first grouped row of source src's entries of e). Every block: the per-row outputs
-    reset (weight 0, source row and expert -1) before the placement writes the rows in use."""
+    (its segment's first grouped row, segments padded to row tiles), ``base[src, e]``
+    (the first grouped row of source src's entries of e) and the rows received from each
+    source. Every block: the per-row outputs reset (weight 0, source row and expert -1)
+    before the placement writes the rows in use."""
     blocks = max(min(sms, -(-rows // FILL)), 1)
 
     @T.prim_func
-    def main(recv_expert_counts: T.Tensor((world, per_rank), "int32"), counts: T.Tensor((per_rank,), "int32"),
+    def main(recv_expert_counts: T.Tensor((2, world, per_rank), "int32"), recv_counts: T.Tensor((2, world), "int32"),
+             sends: T.Tensor((1,), "int32"), counts: T.Tensor((per_rank,), "int32"),
              offsets: T.Tensor((per_rank,), "int32"), base: T.Tensor((world, per_rank), "int32"),
-             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
-             row_expert: T.Tensor((rows,), "int32")):
+             received_counts: T.Tensor((world,), "int32"), weight: T.Tensor((rows,), "float32"),
+             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32")):
         with T.Kernel(blocks, threads=256) as bx:
             upto = T.alloc_shared((world, per_rank), "int32")  # inclusive prefix over sources
             end = T.alloc_shared((per_rank,), "int32")  # inclusive prefix of the padded segments
@@ -254,20 +255,38 @@ def layout_kernel(world: int, per_rank: int, rows: int, sms: int):
                     if (q * blocks + bx) * FILL + i < rows:
                         row_expert[(q * blocks + bx) * FILL + i] = -1
             if bx == 0:
-                T.copy(recv_expert_counts, upto)
-                T.cumsum(src=upto, dim=0)
-                for e in T.Parallel(per_rank):
-                    end[e] = T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
-                T.cumsum(src=end, dim=0)
+                _segments(recv_expert_counts, _last_set(sends), upto, end, world, per_rank)
                 for e in T.Parallel(per_rank):
                     counts[e] = upto[world - 1, e]
                 for e in T.Parallel(per_rank):
-                    offsets[e] = end[e] - T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
-                for s, e in T.Parallel(world, per_rank):
-                    base[s, e] = (end[e] - T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE + upto[s, e]
-                                  - recv_expert_counts[s, e])
+                    offsets[e] = end[e] - _padded(upto, e, world)
+                for src, e in T.Parallel(world, per_rank):
+                    base[src, e] = _base(recv_expert_counts, _last_set(sends), upto, end, src, e, world)
+                for src in T.Parallel(world):
+                    received_counts[src] = recv_counts[_last_set(sends), src]
 
     return main
+
+
+@T.macro
+def _segments(recv_expert_counts, s, upto, end, world, per_rank):
+    """``upto``: the (source, expert) entry counts of set ``s``, summed over sources;
+    ``end``: the inclusive prefix of the experts' padded segments."""
+    T.copy(recv_expert_counts[s, 0:world, 0:per_rank], upto)
+    T.cumsum(src=upto, dim=0)
+    for e in T.Parallel(per_rank):
+        end[e] = _padded(upto, e, world)
+    T.cumsum(src=end, dim=0)
+
+
+def _padded(upto, e, world):
+    """Rows of expert e's segment: its entries rounded up to whole row tiles."""
+    return T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
+
+
+def _base(recv_expert_counts, s, upto, end, src, e, world):
+    """First grouped row of source src's entries of expert e."""
+    return end[e] - _padded(upto, e, world) + upto[src, e] - recv_expert_counts[s, src, e]
 
 
 @jit
@@ -279,35 +298,50 @@ def place_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: int):
     received = world * tokens
 
     @T.prim_func
-    def main(recv_idx: T.Tensor((received, topk), "int32"), recv_slot: T.Tensor((received, topk), "int32"),
-             recv_w: T.Tensor((received, topk), "float32"), recv_counts: T.Tensor((world,), "int32"),
-             base: T.Tensor((world, per_rank), "int32"), position: T.Tensor((received, topk), "int32"),
-             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
-             row_expert: T.Tensor((rows,), "int32")):
+    def main(recv_idx: T.Tensor((2, received, topk), "int32"), recv_slot: T.Tensor((2, received, topk), "int32"),
+             recv_w: T.Tensor((2, received, topk), "float32"), received_counts: T.Tensor((world,), "int32"),
+             sends: T.Tensor((1,), "int32"), base: T.Tensor((world, per_rank), "int32"),
+             position: T.Tensor((received, topk), "int32"), weight: T.Tensor((rows,), "float32"),
+             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32")):
         with T.Kernel(T.ceildiv(received, PLACE_ROWS), threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 pos = T.alloc_shared((PLACE_ROWS, topk), "int32")
                 for i, k in T.Parallel(PLACE_ROWS, topk):
                     r = T.min(bx * PLACE_ROWS + i, received - 1)
-                    e = recv_idx[r, k] - rank * per_rank
+                    e = recv_idx[_last_set(sends), r, k] - rank * per_rank
                     pos[i, k] = T.if_then_else(
-                        bx * PLACE_ROWS + i < received and r % tokens < recv_counts[r // tokens]
+                        bx * PLACE_ROWS + i < received and r % tokens < received_counts[r // tokens]
                         and e >= 0 and e < per_rank,
-                        base[r // tokens, T.max(T.min(e, per_rank - 1), 0)] + recv_slot[r, k], -1)
+                        base[r // tokens, T.max(T.min(e, per_rank - 1), 0)] + recv_slot[_last_set(sends), r, k], -1)
                 for i, k in T.Parallel(PLACE_ROWS, topk):
                     if bx * PLACE_ROWS + i < received:
                         position[bx * PLACE_ROWS + i, k] = pos[i, k]
                 for i, k in T.Parallel(PLACE_ROWS, topk):
                     if pos[i, k] >= 0:
-                        weight[pos[i, k]] = recv_w[T.min(bx * PLACE_ROWS + i, received - 1), k]
+                        weight[pos[i, k]] = recv_w[_last_set(sends), T.min(bx * PLACE_ROWS + i, received - 1), k]
                 for i, k in T.Parallel(PLACE_ROWS, topk):
                     if pos[i, k] >= 0:
                         source_row[pos[i, k]] = bx * PLACE_ROWS + i
                 for i, k in T.Parallel(PLACE_ROWS, topk):
                     if pos[i, k] >= 0:
-                        row_expert[pos[i, k]] = recv_idx[T.min(bx * PLACE_ROWS + i, received - 1), k] - rank * per_rank
+                        row_expert[pos[i, k]] = (recv_idx[_last_set(sends), T.min(bx * PLACE_ROWS + i, received - 1), k]
+                                                 - rank * per_rank)
 
     return main
+
+
+@T.macro
+def _copy_row(recv_x, s, r, targets, i, out, topk, hidden, row, last):
+    """Received row r of set s, read once, to grouped row ``targets[i, k]`` for every k where
+    that is >= 0 (a row with no local expert, or not received, is not read)."""
+    last[0] = -1
+    for k in T.serial(topk):
+        last[0] = T.max(last[0], targets[i, k])
+    if last[0] >= 0:
+        T.copy(recv_x[s, r:r + 1, 0:hidden], row)
+        for k in T.serial(topk):
+            if targets[i, k] >= 0:
+                T.copy(row, out[targets[i, k]:targets[i, k] + 1, 0:hidden])
 
 
 @jit
@@ -317,28 +351,98 @@ def group_rows_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int
     received = world * tokens
 
     @T.prim_func
-    def main(recv_x: T.Tensor((received, hidden), dtype), position: T.Tensor((received, topk), "int32"),
-             out: T.Tensor((rows, hidden), dtype)):
+    def main(recv_x: T.Tensor((2, received, hidden), dtype), sends: T.Tensor((1,), "int32"),
+             position: T.Tensor((received, topk), "int32"), out: T.Tensor((rows, hidden), dtype)):
         with T.Kernel(received, threads=128) as r:
             row = T.alloc_fragment((1, hidden), dtype)
             last = T.alloc_local((1,), "int32")
-            last[0] = -1
-            for k in T.serial(topk):
-                last[0] = T.max(last[0], position[r, k])
-            if last[0] >= 0:  # a row with no local expert (or not received) is not read
-                T.copy(recv_x[r:r + 1, 0:hidden], row)
-                for k in T.serial(topk):
-                    if position[r, k] >= 0:
-                        T.copy(row, out[position[r, k]:position[r, k] + 1, 0:hidden])
+            _copy_row(recv_x, _last_set(sends), r, position, r, out, topk, hidden, row, last)
+
+    return main
+
+
+def _padding_row(upto, end, e, i, world):
+    """Row i of expert e's segment past its entries, or -1 past the segment's end."""
+    return T.if_then_else(upto[world - 1, e] + i < _padded(upto, e, world),
+                          end[e] - _padded(upto, e, world) + upto[world - 1, e] + i, -1)
+
+
+@jit
+def receive_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str):
+    """Low-latency mode's receiver, layout + placement + grouping in one launch: block r
+    recomputes the (source, expert) prefix (a few hundred entries), places received row r's
+    entries and copies the row to them; it also resets the rows of the experts ``r, r +
+    received, ...`` that hold no entry, and its share of the rows past the last segment."""
+    received = world * tokens
+
+    @T.prim_func
+    def main(recv_x: T.Tensor((2, received, hidden), dtype), recv_idx: T.Tensor((2, received, topk), "int32"),
+             recv_slot: T.Tensor((2, received, topk), "int32"), recv_w: T.Tensor((2, received, topk), "float32"),
+             recv_counts: T.Tensor((2, world), "int32"), recv_expert_counts: T.Tensor((2, world, per_rank), "int32"),
+             sends: T.Tensor((1,), "int32"), counts: T.Tensor((per_rank,), "int32"),
+             offsets: T.Tensor((per_rank,), "int32"), received_counts: T.Tensor((world,), "int32"),
+             position: T.Tensor((received, topk), "int32"), weight: T.Tensor((rows,), "float32"),
+             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32"),
+             out: T.Tensor((rows, hidden), dtype)):
+        with T.Kernel(received, threads=128) as r:
+            with T.Scale("device") as (rank, ranks):
+                upto = T.alloc_shared((world, per_rank), "int32")
+                end = T.alloc_shared((per_rank,), "int32")
+                pos = T.alloc_shared((1, topk), "int32")
+                row = T.alloc_fragment((1, hidden), dtype)
+                last = T.alloc_local((1,), "int32")
+                s = _last_set(sends)
+                _segments(recv_expert_counts, s, upto, end, world, per_rank)
+                for i, k in T.Parallel(1, topk):
+                    e = recv_idx[s, r, k] - rank * per_rank
+                    pos[i, k] = T.if_then_else(
+                        r % tokens < recv_counts[s, r // tokens] and e >= 0 and e < per_rank,
+                        _base(recv_expert_counts, s, upto, end, r // tokens, T.max(T.min(e, per_rank - 1), 0), world)
+                        + recv_slot[s, r, k], -1)
+                for i, k in T.Parallel(1, topk):
+                    position[r, k] = pos[i, k]
+                for i, k in T.Parallel(1, topk):
+                    if pos[i, k] >= 0:
+                        weight[pos[i, k]] = recv_w[s, r, k]
+                for i, k in T.Parallel(1, topk):
+                    if pos[i, k] >= 0:
+                        source_row[pos[i, k]] = r
+                for i, k in T.Parallel(1, topk):
+                    if pos[i, k] >= 0:
+                        row_expert[pos[i, k]] = recv_idx[s, r, k] - rank * per_rank
+                _copy_row(recv_x, s, r, pos, 0, out, topk, hidden, row, last)
+                for q in T.serial(T.ceildiv(per_rank - r, received)):  # expert r + q * received's padding
+                    for i in T.Parallel(ROW_TILE):
+                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
+                            weight[_padding_row(upto, end, r + q * received, i, world)] = 0.0
+                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
+                            source_row[_padding_row(upto, end, r + q * received, i, world)] = -1
+                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
+                            row_expert[_padding_row(upto, end, r + q * received, i, world)] = -1
+                for q in T.serial(T.ceildiv(rows, FILL * received)):  # rows past the last segment
+                    for i in T.Parallel(FILL):
+                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
+                            weight[(q * received + r) * FILL + i] = 0.0
+                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
+                            source_row[(q * received + r) * FILL + i] = -1
+                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
+                            row_expert[(q * received + r) * FILL + i] = -1
+                if r == 0:
+                    for e in T.Parallel(per_rank):
+                        counts[e] = upto[world - 1, e]
+                    for e in T.Parallel(per_rank):
+                        offsets[e] = end[e] - _padded(upto, e, world)
+                    for src in T.Parallel(world):
+                        received_counts[src] = recv_counts[s, src]
 
     return main
 
 
 @jit
-def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int,
-                   low_latency: bool):
+def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int):
     """Sum each received row's weighted expert outputs, put it back into its source's
-    ``back[rank]`` slot, then (once every rank's rows are back) sum each token's rows."""
+    ``back[set, rank]`` slot, then (once every rank's rows are back) sum each token's rows.
+    Set ``combines[0] % 2``, advanced after the barrier, as the dispatch does with its sets."""
     received = world * tokens
     blocks = exchange_blocks(world, tokens, sms)
 
@@ -346,39 +450,43 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
              position: T.Tensor((received, topk), "int32"), counts: T.Tensor((world,), "int32"),
              dest: T.Tensor((received,), "int32"), slot: T.Tensor((received,), "int32"),
-             back: T.Tensor((world, tokens, hidden), dtype), out: T.Tensor((tokens, hidden), dtype),
-             arrivals: T.Tensor((world,), "int32"), arrived: T.int32):
+             back: T.Tensor((2, world, tokens, hidden), dtype), out: T.Tensor((tokens, hidden), dtype),
+             combines: T.Tensor((1,), "int32")):
         with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, hidden), "float32")
                 part = T.alloc_fragment((1, hidden), dtype)
                 row = T.alloc_shared((1, hidden), dtype)
-                _open(low_latency)
+                call = T.alloc_local((1,), "int32")
+                call[0] = combines[0]
+                s = call[0] % 2
                 for q in T.serial(T.ceildiv(received - bx, blocks)):
-                    # Sources interleaved (row s of source src at step s * ranks + src): the rows
+                    # Sources interleaved (row j of source src at step j * ranks + src): the rows
                     # in flight go back to every rank at once, not to one rank from all.
                     src = (bx + q * blocks) % ranks
-                    s = (bx + q * blocks) // ranks
-                    if s < counts[src]:
+                    j = (bx + q * blocks) // ranks
+                    if j < counts[src]:
                         T.clear(acc)
                         for k in T.serial(topk):
-                            if position[src * tokens + s, k] >= 0:
-                                T.copy(expert_out[position[src * tokens + s, k]:position[src * tokens + s, k] + 1,
+                            if position[src * tokens + j, k] >= 0:
+                                T.copy(expert_out[position[src * tokens + j, k]:position[src * tokens + j, k] + 1,
                                                   0:hidden], part)
-                                for i, j in T.Parallel(1, hidden):
-                                    acc[i, j] += T.cast(part[i, j], "float32") * weight[position[src * tokens + s, k]]
+                                for i, c in T.Parallel(1, hidden):
+                                    acc[i, c] += T.cast(part[i, c], "float32") * weight[position[src * tokens + j, k]]
                         T.copy(acc, row)
-                        T.copy(row, back[rank, s:s + 1, 0:hidden], dst_pe=src)
-                _close(low_latency, arrivals, arrived)
-                # Token t's row from destination rank d is back[d, slot[d * tokens + t]].
+                        T.copy(row, back[s, rank, j:j + 1, 0:hidden], dst_pe=src)
+                T.barrier()  # every rank's rows are back
+                if bx == 0:
+                    combines[0] = call[0] + 1  # every thread stores the same value
+                # Token t's row from destination rank d is back[s, d, slot[d * tokens + t]].
                 for q in T.serial(T.ceildiv(tokens - bx, blocks)):
                     t = bx + q * blocks
                     T.clear(acc)
                     for d in T.serial(ranks):
                         if dest[d * tokens + t] >= 0:
-                            T.copy(back[d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
-                            for i, j in T.Parallel(1, hidden):
-                                acc[i, j] += T.cast(part[i, j], "float32")
+                            T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
+                            for i, c in T.Parallel(1, hidden):
+                                acc[i, c] += T.cast(part[i, c], "float32")
                     T.copy(acc, row)
                     T.copy(row, out[t:t + 1, 0:hidden])
 
@@ -403,37 +511,35 @@ class DispatchHandle:
     offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
     row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
     source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
-    set_index: int  # which of the two receive-buffer sets the dispatch used (combine answers through it)
-    low_latency: bool
 
 
 @dataclass
-class _Buffers:
-    x: torch.Tensor
-    idx: torch.Tensor
-    w: torch.Tensor
-    expert_slot: torch.Tensor
-    counts: torch.Tensor
-    back: torch.Tensor
-    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # (world, per_rank), by per_rank
+class _Exchange:
+    """Receive buffers of one (tokens, hidden, topk, dtype), two sets of each (the leading
+    dimension), and this rank's device-side counts of the sends and combines through them,
+    which pick the set (see the module notes)."""
+
+    x: torch.Tensor  # (2, world, tokens, hidden)
+    idx: torch.Tensor  # (2, world, tokens, topk) int32
+    w: torch.Tensor  # (2, world, tokens, topk) float32
+    expert_slot: torch.Tensor  # (2, world, tokens, topk) int32
+    counts: torch.Tensor  # (2, world) int32 rows from each source
+    back: torch.Tensor  # (2, world, tokens, hidden) combine's rows coming back
+    sends: torch.Tensor  # (1,) int32, this rank only
+    combines: torch.Tensor  # (1,) int32, this rank only
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # (2, world, per_rank), by per_rank
 
     def expert_counts_for(self, per_rank: int) -> torch.Tensor:
         """The (source, local expert) entry counts' buffer (allocated at first use: every
         rank dispatches with the same number of experts)."""
         if per_rank not in self.expert_counts:
-            self.expert_counts[per_rank] = zeros((runtime.world_size(), per_rank), dtype=torch.int32)
+            self.expert_counts[per_rank] = zeros((2, runtime.world_size(), per_rank), dtype=torch.int32)
         return self.expert_counts[per_rank]
 
-
-@dataclass
-class _Exchange:
-    """Receive buffers of one shape (two sets, alternated in low-latency mode) and arrival counts."""
-
-    sets: list[_Buffers]
-    dispatch_arrivals: torch.Tensor
-    combine_arrivals: torch.Tensor
-    low_latency_calls: int = 0
-    low_latency_combines: int = 0
+    def received(self, name: str) -> torch.Tensor:
+        """Buffer ``name`` with each set's (source, slot) rows as one dimension."""
+        t = getattr(self, name)
+        return t.view(2, t.shape[1] * t.shape[2], *t.shape[3:])
 
 
 _exchanges: dict[tuple, _Exchange] = {}
@@ -443,13 +549,18 @@ def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Excha
     key = (tokens, hidden, topk, dtype)
     if key not in _exchanges:
         world = runtime.world_size()
-        sets = [_Buffers(
-            zeros((world, tokens, hidden), dtype=dtype), zeros((world, tokens, topk), dtype=torch.int32),
-            zeros((world, tokens, topk), dtype=torch.float32), zeros((world, tokens, topk), dtype=torch.int32),
-            zeros((world,), dtype=torch.int32), zeros((world, tokens, hidden), dtype=dtype),
-        ) for _ in range(2)]
-        _exchanges[key] = _Exchange(sets, zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32))
+        rows, meta = (2, world, tokens, hidden), (2, world, tokens, topk)
+        _exchanges[key] = _Exchange(
+            zeros(rows, dtype=dtype), zeros(meta, dtype=torch.int32), zeros(meta, dtype=torch.float32),
+            zeros(meta, dtype=torch.int32), zeros((2, world), dtype=torch.int32), zeros(rows, dtype=dtype),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()))
     return _exchanges[key]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether work on ``t``'s device is being captured into a CUDA graph (nothing runs now)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -512,29 +623,38 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts])
 
 
-def _group_by_expert(buf: _Buffers, tokens: int, per_rank: int) -> tuple[torch.Tensor, ...]:
-    """Where each received row goes among the grouped rows: two kernels, no host round trip.
+def _receive(ex: _Exchange, tokens: int, topk: int, per_rank: int, low_latency: bool) -> tuple[torch.Tensor, ...]:
+    """The rows of the latest send grouped by local expert, with their layout; no host round trip.
 
-    Returns ``position`` (received rows, topk), per-expert ``counts`` and ``offsets``, and
-    per grouped row its ``row_expert``, ``source_row`` and routing weight.
+    Returns ``recv_x`` (rows, hidden), per grouped row its routing weight, ``row_expert`` and
+    ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
+    ``position`` (received rows, topk); and the rows received from each source.
     """
-    world, topk = buf.idx.shape[0], buf.idx.shape[2]
-    dev = buf.idx.device
+    world, hidden = runtime.world_size(), ex.x.shape[3]
+    dev = ex.x.device
     rows = grouped_rows(tokens, topk, per_rank)
     received = world * tokens
-    counts = torch.empty(per_rank, dtype=torch.int32, device=dev)
-    offsets = torch.empty(per_rank, dtype=torch.int32, device=dev)
-    base = torch.empty(world, per_rank, dtype=torch.int32, device=dev)
-    position = torch.empty(received, topk, dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts, offsets = torch.empty(per_rank, **i32), torch.empty(per_rank, **i32)
+    received_counts, position = torch.empty(world, **i32), torch.empty(received, topk, **i32)
     weight = torch.empty(rows, dtype=torch.float32, device=dev)
-    source_row = torch.empty(rows, dtype=torch.int32, device=dev)
-    row_expert = torch.empty(rows, dtype=torch.int32, device=dev)
-    layout_kernel(world, per_rank, rows, sm_count())(buf.expert_counts_for(per_rank), counts, offsets, base, weight,
-                                                     source_row, row_expert)
-    place_kernel(world, tokens, topk, per_rank, rows)(
-        buf.idx.view(received, topk), buf.expert_slot.view(received, topk), buf.w.view(received, topk), buf.counts,
-        base, position, weight, source_row, row_expert)
-    return position, counts, offsets, row_expert, source_row, weight
+    source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
+    if low_latency:
+        recv_x = torch.empty(rows, hidden, dtype=ex.x.dtype, device=dev)
+        receive_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(recv_x))(
+            ex.received("x"), ex.received("idx"), ex.received("expert_slot"), ex.received("w"), ex.counts,
+            ex.expert_counts_for(per_rank), ex.sends, counts, offsets, received_counts, position, weight, source_row,
+            row_expert, recv_x)
+    else:
+        base = torch.empty(world, per_rank, **i32)
+        layout_kernel(world, per_rank, rows, sm_count())(ex.expert_counts_for(per_rank), ex.counts, ex.sends, counts,
+                                                         offsets, base, received_counts, weight, source_row,
+                                                         row_expert)
+        place_kernel(world, tokens, topk, per_rank, rows)(ex.received("idx"), ex.received("expert_slot"),
+                                                          ex.received("w"), received_counts, ex.sends, base, position,
+                                                          weight, source_row, row_expert)
+        recv_x = _grouped(ex, position, rows)
+    return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -556,10 +676,9 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     consumes this layout. Every rank passes the same number of tokens (pad with tokens
     weighted 0).
 
-    ``low_latency=True`` (decode batches) drops the kernel's two device-wide barriers: the
-    receive buffers alternate between two sets, and each rank waits only until every other
-    rank's blocks have reported their rows sent. Every rank must pick the same mode, and a
-    low-latency handle must be combined before two more low-latency dispatches reuse its set.
+    ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) groups the
+    received rows in one launch instead of three (see the module notes); both modes give
+    the same result. Every rank must pick the same mode.
 
     No host synchronisation: the ranks agree on shapes through the job's store at a shape's
     first call, and expert ids are checked on the device. An id outside [0, num_experts)
@@ -568,6 +687,10 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     every rank: on the CPU path in the call that passed the id; on GPUs, where the host does
     not wait for the device, in the first dispatch or combine on this rank that finds the
     check done (usually the combine of the same step).
+
+    CUDA graphs: a dispatch (and a combine) can be captured once its shapes have run
+    eagerly, and replayed; each call's state lives on the device. Calls captured into a
+    graph do not check expert ids (out-of-range ids are still routed nowhere).
     """
     _check_routing(x, topk_idx, topk_weights, num_experts)
     world = runtime.world_size()
@@ -581,24 +704,24 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
     idx = topk_idx.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    dest = torch.empty(world * tokens, dtype=torch.int32, device=dev)
-    slot = torch.empty(world * tokens, dtype=torch.int32, device=dev)
-    send_counts = torch.empty(world, dtype=torch.int32, device=dev)
-    expert_slot = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    expert_send_counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    bad = torch.empty(1, dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
+    send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
+    expert_send_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
     route_kernel(world, tokens, topk, num_experts)(idx, dest, slot, send_counts, expert_slot, expert_send_counts, bad)
-    buf, set_index = _send(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
-    _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
+    ex = _send(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts)
+    capturing = _capturing(x)
+    if not capturing:
+        _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
 
-    position, counts, offsets, row_expert, source_row, recv_w = _group_by_expert(buf, tokens, per_rank)
-    recv_x = _grouped(buf, position, row_expert.shape[0])
+    recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _receive(
+        ex, tokens, topk, per_rank, low_latency)
     handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
-                            send_counts=send_counts, expert_send_counts=expert_send_counts,
-                            recv_counts=buf.counts.clone(), position=position, counts=counts, offsets=offsets,
-                            row_expert=row_expert, source_row=source_row, set_index=set_index,
-                            low_latency=low_latency)
-    _raise_bad_ids()
+                            send_counts=send_counts, expert_send_counts=expert_send_counts, recv_counts=recv_counts,
+                            position=position, counts=counts, offsets=offsets, row_expert=row_expert,
+                            source_row=source_row)
+    if not capturing:
+        _raise_bad_ids()
     return recv_x, recv_w, counts, handle
 
 
@@ -611,43 +734,36 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         grad_rows = ts.ops.moe_redispatch(grad_y, handle)   # the backward of moe_combine
 
     ``x`` is (tokens, any hidden), one row per token of this rank; the result is (rows,
-    hidden) in the dispatch's grouped layout (rows holding no token are undefined). Uses the
-    normal (barrier) exchange whatever mode the dispatch used.
+    hidden) in the dispatch's grouped layout (rows holding no token are undefined).
     """
     check_input(x, "x")
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
     check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
-    buf, _ = _send(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
-                   handle.expert_send_counts, False)
-    return _grouped(buf, handle.position, handle.row_expert.shape[0])
+    ex = _send(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+               handle.expert_send_counts)
+    return _grouped(ex, handle.position, handle.row_expert.shape[0])
 
 
 def _send(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor, slot: torch.Tensor,
-          send_counts: torch.Tensor, expert_send_counts: torch.Tensor, low_latency: bool) -> tuple[_Buffers, int]:
+          send_counts: torch.Tensor, expert_send_counts: torch.Tensor) -> _Exchange:
     """Rows, expert ids, weights and expert slots of every pair into the destinations' receive buffers."""
     world = runtime.world_size()
     (tokens, hidden), topk = x.shape, idx.shape[1]
     per_rank = expert_send_counts.numel() // world
     ex = _exchange(tokens, hidden, topk, x.dtype)
-    if low_latency:
-        ex.low_latency_calls += 1
-    set_index = ex.low_latency_calls % 2
-    buf = ex.sets[set_index]
-    sms = sm_count()
-    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, tl_dtype(x), sms, low_latency)
-    arrived = ex.low_latency_calls * send_blocks(world, tokens, sms)  # every block of every rank, every call
-    kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, buf.x, buf.idx, buf.w,
-           buf.expert_slot, buf.counts, buf.expert_counts_for(per_rank), ex.dispatch_arrivals, arrived)
-    return buf, set_index
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, tl_dtype(x), sm_count())
+    kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
+           ex.counts, ex.expert_counts_for(per_rank), ex.sends)
+    return ex
 
 
-def _grouped(buf: _Buffers, position: torch.Tensor, rows: int) -> torch.Tensor:
-    """The received rows copied to their experts' grouped rows."""
-    world, tokens, hidden = buf.x.shape
-    out = torch.empty(rows, hidden, dtype=buf.x.dtype, device=buf.x.device)
-    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(buf.x))
-    kernel(buf.x.view(world * tokens, hidden), position, out)
+def _grouped(ex: _Exchange, position: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows of the latest send copied to their experts' grouped rows."""
+    world, tokens, hidden = ex.x.shape[1:]
+    out = torch.empty(rows, hidden, dtype=ex.x.dtype, device=ex.x.device)
+    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(ex.x))
+    kernel(ex.received("x"), ex.sends, position, out)
     return out
 
 
@@ -659,9 +775,11 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
         y = ts.ops.moe_combine(expert_out, recv_w, handle)     # (tokens, hidden)
 
     ``expert_out`` is (rows, hidden) in ``moe_dispatch``'s grouped layout; ``recv_weights``
-    the (rows,) routing weights it returned (pass ones to sum unweighted).
+    the (rows,) routing weights it returned (pass ones to sum unweighted). A handle can be
+    combined any number of times, and captured in a CUDA graph as ``moe_dispatch`` can.
     """
-    _raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
+    if not _capturing(expert_out):
+        _raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
     check_input(expert_out, "expert_out")
     check_input(recv_weights, "recv_weights")
     world = runtime.world_size()
@@ -673,12 +791,8 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
                          f"{tuple(recv_weights.shape)}")
     topk = handle.position.shape[1]
     ex = _exchange(tokens, hidden, topk, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
-    if handle.low_latency:
-        ex.low_latency_combines += 1
-    sms = sm_count()
-    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sms, handle.low_latency)
-    arrived = ex.low_latency_combines * exchange_blocks(world, tokens, sms)
+    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count())
     out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
-           handle.dest, handle.slot, ex.sets[handle.set_index].back, out, ex.combine_arrivals, arrived)
+           handle.dest, handle.slot, ex.back, out, ex.combines)
     return out
