@@ -232,6 +232,21 @@ def time_interleaved(
     return {name: Timing(s) for name, s in samples.items()}
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured once in a CUDA graph; the result replays it (outputs land in the
+    tensors the capture allocated). ``fn`` runs once eagerly first, so that its kernels are
+    built and its lazily created state exists before the capture.
+
+    Use it to time GPU work without the host's launch path, as a decode step runs.
+    """
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype in _TOLERANCES:
         return _TOLERANCES[dtype]

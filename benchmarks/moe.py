@@ -17,7 +17,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from harness import Report, check_close, time_fn
+from harness import Report, check_close, graphed, time_fn
 
 import tilescale as ts
 
@@ -119,14 +119,13 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
 
 def graph_timings(dispatch, round_trip, expected: torch.Tensor, iters: int) -> tuple[dict, dict]:
     """Dispatch, and dispatch + combine, each captured once in a CUDA graph and replayed."""
-    graphs = {}
-    for name, fn in (("dispatch", dispatch), ("round_trip", round_trip)):
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            out = fn()
-    graphs["round_trip"].replay()
-    check = check_close("combine, CUDA graph replay", out, expected, rtol=2e-2, atol=2e-2)
-    disp, pair = (time_fn(g.replay, iters=iters, barrier=dist.barrier).median_ms * 1e3 for g in graphs.values())
+    replay_dispatch = graphed(dispatch)
+    outputs = []
+    replay_pair = graphed(lambda: outputs.append(round_trip()))
+    replay_pair()
+    check = check_close("combine, CUDA graph replay", outputs[-1], expected, rtol=2e-2, atol=2e-2)
+    disp, pair = (time_fn(fn, iters=iters, barrier=dist.barrier).median_ms * 1e3
+                  for fn in (replay_dispatch, replay_pair))
     return {"graph_dispatch_us": disp, "graph_combine_us": pair - disp}, check
 
 

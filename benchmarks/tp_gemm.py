@@ -14,7 +14,7 @@ import argparse
 import tilelang
 import torch
 import torch.distributed as dist
-from harness import Report, check_close, progress, time_interleaved
+from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, WIDE, TileConfig
@@ -91,7 +91,8 @@ def tolerance(op: str, shape: tuple[int, int, int], tile: TileConfig | None) -> 
     return 1e-2 * max(2, world * splits)
 
 
-def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple[int, ...] = ()) -> dict:
+def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple[int, ...] = (),
+            graph: bool = False) -> dict:
     """Check, then time, every plan of ``op`` ("ag", "rs", "ar") at ``shape`` (also used by scaling.py).
 
     The fused op runs with each GEMM tile (``fused_128x128``, ``fused_128x256``);
@@ -99,6 +100,8 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     ``tilescale_gemm_alone`` is the fused kernels' GEMM without communication (TileLang, the
     chosen tile): the gap between it and ``gemm_alone`` is TileLang's vs cuBLAS, the rest the
     cost of the overlap. ``push_blocks``: all-gather GEMMs also timed with these pusher counts.
+    ``graph``: every plan is captured in a CUDA graph and timed replaying it (no host launch
+    path, as in a decode step); a plan that cannot be captured is reported, not timed.
     """
     m, k, n = shape
     g = torch.Generator(device=ts.device()).manual_seed(ts.rank())
@@ -132,16 +135,30 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
         timings["tilescale_gemm_alone"] = lambda: gemm(operand, weight, c)
     for blocks in push_blocks if op == "ag" else ():
         timings[f"fused_push{blocks}"] = lambda blocks=blocks: fused(chosen, push_blocks=blocks)
+    if graph:
+        timings = _graphed_plans(timings, row)
     # Interleaved: the plans are compared within a few percent, less than an H200's clock drift
     # over the seconds that timing them one after another takes.
     for name, timing in time_interleaved(timings, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
         row[f"{name}_ms"] = timing.median_ms
     row["tilescale_fused_ms"] = row[f"fused_{TILES[chosen]}_ms"]
-    row["fused_vs_gemm_alone"] = row["tilescale_fused_ms"] / row["gemm_alone_ms"]
-    row["speedup_vs_nccl_cublas"] = row["nccl_cublas_ms"] / row["tilescale_fused_ms"]
-    if async_tp is not None:
-        row["speedup_vs_async_tp"] = row["torch_async_tp_ms"] / row["tilescale_fused_ms"]
+    for ratio, over, under in (("fused_vs_gemm_alone", "tilescale_fused", "gemm_alone"),
+                               ("speedup_vs_nccl_cublas", "nccl_cublas", "tilescale_fused"),
+                               ("speedup_vs_async_tp", "torch_async_tp", "tilescale_fused")):
+        if all(isinstance(row.get(f"{plan}_ms"), float) for plan in (over, under)):  # both timed
+            row[ratio] = row[f"{over}_ms"] / row[f"{under}_ms"]
     return row
+
+
+def _graphed_plans(timings: dict, row: dict) -> dict:
+    """Each plan as a CUDA-graph replay; those torch cannot capture are noted in ``row``."""
+    replays = {}
+    for name, fn in timings.items():
+        try:
+            replays[name] = graphed(fn)
+        except RuntimeError as err:  # e.g. a collective without graph support
+            row[f"{name}_ms"] = f"n/a (capture failed: {str(err).splitlines()[0][:120]})"
+    return replays
 
 
 def plot(report: Report) -> None:
@@ -179,17 +196,18 @@ def main() -> None:
     parser.add_argument("--ops", default="ag,rs,ar", help="which of ag, rs, ar to run")
     parser.add_argument("--quick", action="store_true", help="only the first (largest) shape of each op")
     parser.add_argument("--push-blocks", default="", help="all-gather GEMMs also timed with these pushers, e.g. 8,32")
+    parser.add_argument("--graph", action="store_true", help="time every plan as a CUDA-graph replay (GPUs)")
     args = parser.parse_args()
     ts.init()
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     pushers = [f"fused_push{b}_ms" for b in args.push_blocks.split(",") if b]
-    report = Report("tp-gemm", columns=["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms",
-                                        "tilescale_gemm_alone_ms", "fused_128x128_ms", "fused_128x256_ms", "tile",
-                                        *pushers, "tilescale_fused_ms",
-                                        "fused_vs_gemm_alone", "speedup_vs_nccl_cublas", "speedup_vs_async_tp"])
+    columns = ["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms", "tilescale_gemm_alone_ms",
+               "fused_128x128_ms", "fused_128x256_ms", "tile", *pushers, "tilescale_fused_ms", "fused_vs_gemm_alone",
+               "speedup_vs_nccl_cublas", "speedup_vs_async_tp"]
+    report = Report("tp-gemm-graph" if args.graph else "tp-gemm", columns=columns)
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
-        report.add(measure(op, shape, args.iters, tuple(int(b) for b in args.push_blocks.split(",") if b)))
+        report.add(measure(op, shape, args.iters, tuple(int(b) for b in args.push_blocks.split(",") if b), args.graph))
     report.print_table()
     report.save()
     plot(report)

@@ -163,12 +163,12 @@ def test_the_wide_tile_reaches_both_fused_kernels():
 @pytest.mark.timeout(120)
 def test_split_k_all_reduce_gemm_sends_each_part_to_its_slot():
     """K = 1024 in 4 parts of 256 (4 K steps each): with one row tile, part ``by`` starts
-    at K offset ``by * 256`` and lands in slot ``rank * 4 + by`` (128 x 2048 elements each)
-    of every rank."""
+    at K offset ``by * 256`` and lands in slot ``rank * 4 + by`` (128 rows each) of every
+    rank, in the buffer set the device-side call count names (8 slots per set)."""
     src = lower("gemm_all_reduce_split")
     assert "for (int k = 0; k < 4; ++k)" in src
     assert "((((int)blockIdx.y) * 256) + (k * 64))" in src
-    assert "((ts_rank * 1048576) + (((int)blockIdx.y) * 262144))" in src
+    assert "((((state[0] & 1) * 1024) + (ts_rank * 512)) + (((int)blockIdx.y) * 128))" in src
     assert "tilescale::warp_signal(" in src
 
 

@@ -17,6 +17,8 @@ so that ranks send to different peers first.
 
 Flags only grow: each call adds one "epoch" of arrivals, and waits compare against the
 running total, so no flag is ever reset between calls (which would race with a fast peer).
+The call count and that total live on the device, advanced in stream order before each
+call's kernels, so a call captured in a CUDA graph advances them on every replay.
 Each op picks ``plan="fused"`` or the non-overlapped ``plan="unfused"`` (torch.distributed
 collective + torch matmul): on GPUs the measured faster one, unfused (see ``_choose``),
 elsewhere from the shape; pass ``plan`` to force one.
@@ -26,7 +28,7 @@ elsewhere from the shape; pass ``plan`` to force one.
 # refer to the kernel factory's local variables.
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -79,9 +81,9 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     vector = 8 if K % 8 == 0 else 1
 
     @T.prim_func
-    def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((world * padded_rows, K), dtype),
+    def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
              W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-             flags: T.Tensor((world * m_tiles,), "int32"), arrived: T.int32):
+             flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32")):
         with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 if b < push_blocks:
@@ -93,7 +95,7 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                             mine = T.max(T.min(tile_chunks, chunks - r * tile_chunks) - b, 0)
                             for t in T.serial(T.ceildiv(mine, push_blocks)):
                                 row = (r * tile_chunks + b + t * push_blocks) * chunk_rows
-                                dst = rank * padded_rows + row
+                                dst = (_buffer_of(state) * world + rank) * padded_rows + row
                                 T.copy(x[row:row + chunk_rows, 0:K], gathered[dst:dst + chunk_rows, 0:K],
                                        dst_pe=peer, coalesced_width=vector)
                             T.signal(flags[rank * m_tiles + r], 1, pe=peer, op="add")
@@ -111,10 +113,11 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                         by, bx = tile[0] // n_tiles, tile[0] % n_tiles
                         segment = (rank + by // m_tiles) % ranks
                         by = by % m_tiles
-                    T.wait(flags[segment * m_tiles + by], "ge", arrived)
+                    T.wait(flags[segment * m_tiles + by], "ge", state[1])
                     row = segment * padded_rows + by * bm
                     col = bx * tile_cfg.block_N
-                    gemm_tile(gathered, row, W, col, C, row, col, K, dtype, tile_cfg.stages, tile_cfg)
+                    gemm_tile(gathered, _buffer_of(state) * world * padded_rows + row, W, col, C, row, col, K, dtype,
+                              tile_cfg.stages, tile_cfg)
 
     return main
 
@@ -139,7 +142,8 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
-             recv: T.Tensor((world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32")):
+             recv: T.Tensor((2 * world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32"),
+             state: T.Tensor((2,), "int32")):
         with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
@@ -155,7 +159,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
                     T.copy(W[bx * bn, part * k_part + k * bk], w)
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 T.copy(acc, out)
-                slot_row = (rank * splits + part) * padded + (tile_row % m_tiles) * bm
+                slot_row = ((_buffer_of(state) * world + rank) * splits + part) * padded + (tile_row % m_tiles) * bm
                 if owners > 1:
                     T.copy(out, recv[slot_row, bx * bn], dst_pe=seg)
                     T.signal(flags[rank], 1, pe=seg, op="add", scope="warp")
@@ -176,19 +180,19 @@ def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, e
     grid = min(-(-elems // tile), sms)
 
     @T.prim_func
-    def main(recv: T.Tensor((slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
-             flags: T.Tensor((world,), "int32"), arrived: T.int32):
+    def main(recv: T.Tensor((2 * slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
+             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32")):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, tile), "float32")
                 part = T.alloc_fragment((1, tile), dtype)
                 for p in T.serial(ranks):
-                    T.wait(flags[p], "ge", arrived)
+                    T.wait(flags[p], "ge", state[1])
                 for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
                     base = (bx + t * grid) * tile
                     T.clear(acc)
                     for s in T.serial(slots):
-                        T.copy(recv[s, base], part)
+                        T.copy(recv[_buffer_of(state) * slots + s, base], part)
                         for i, j in T.Parallel(1, tile):
                             acc[i, j] += T.cast(part[i, j], "float32")
                     T.copy(acc, part)
@@ -197,9 +201,15 @@ def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, e
     return main
 
 
+def _buffer_of(state):
+    """Which of an exchange's two buffer sets the current call uses."""
+    return state[0] % 2
+
+
 @dataclass
 class _Exchange:
-    """Two sets of symmetric receive buffers, the flags and the call count of one op at one shape.
+    """Two sets of symmetric receive buffers (stacked along the rows), the flags, and on the
+    device ``state``: the calls so far and the arrivals each flag has counted in them.
 
     Calls alternate between the two buffers, which is what lets a rank write into a peer
     without first meeting it in a barrier: when rank r starts call i + 2 (writing buffer
@@ -210,12 +220,15 @@ class _Exchange:
 
     buffers: torch.Tensor
     flags: torch.Tensor
-    calls: int = 0
-    arrivals: int = 0  # running total of each flag over the calls (their tile counts may differ)
+    state: torch.Tensor  # (2,) int32 on this rank's device: [calls, running total of arrivals per flag]
+    steps: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def next_buffer(self) -> torch.Tensor:
-        self.calls += 1
-        return self.buffers[self.calls % 2]
+    def advance(self, arrivals: int) -> None:
+        """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
+        step = self.steps.get(arrivals)
+        if step is None:
+            step = self.steps[arrivals] = torch.tensor([1, arrivals], dtype=torch.int32, device=self.state.device)
+        self.state += step
 
 
 _exchanges: dict[tuple, _Exchange] = {}
@@ -223,7 +236,8 @@ _exchanges: dict[tuple, _Exchange] = {}
 
 def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
     if key not in _exchanges:
-        _exchanges[key] = _Exchange(zeros((2, *shape), dtype=dtype), zeros((flags,), dtype=torch.int32))
+        _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
+                                    torch.zeros(2, dtype=torch.int32, device=runtime.device()))
     return _exchanges[key]
 
 
@@ -292,11 +306,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     padded = -(-m // tile.block_M) * tile.block_M
     ex = _exchange(("ag", padded, k, a_shard.dtype, tile.block_M), (world * padded, k), a_shard.dtype,
                    world * padded // tile.block_M)
-    gathered = ex.next_buffer()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile)
-    ex.arrivals += push_blocks  # every pusher signals every row tile once per call
-    kernel(a_shard, gathered, weight, out, ex.flags, ex.arrivals)
+    ex.advance(push_blocks)  # every pusher signals every row tile once per call
+    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -336,14 +349,13 @@ def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: 
     padded, tiles, splits = reduce_plan(m, k, n, owners, tile)
     slots = world * splits
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
-    recv = ex.next_buffer()
+    ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, recv, ex.flags)
+    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    ex.arrivals += tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see gemm_push_kernel)
-    reduce(recv.view(slots, padded * n), out.view(1, rows * n), ex.flags, ex.arrivals)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state)
     return out
 
 
