@@ -17,13 +17,13 @@ import torch.distributed as dist
 from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
-from tilescale.ops._gemm import DEFAULT, WIDE, TileConfig
+from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
 from tilescale.ops.tp_gemm import choose_tile, reduce_plan
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
 AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
-TILES = {DEFAULT: "128x128", WIDE: "128x256"}
+TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
 SMALL = {"ag": [(64, 96, 80)], "rs": [(128, 64, 96)], "ar": [(16, 64, 96)]}
 
 
@@ -203,8 +203,8 @@ def main() -> None:
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     pushers = [f"fused_push{b}_ms" for b in args.push_blocks.split(",") if b]
     columns = ["op", "M", "K", "N", "gemm_alone_ms", "nccl_cublas_ms", "torch_async_tp_ms", "tilescale_gemm_alone_ms",
-               "fused_128x128_ms", "fused_128x256_ms", "tile", *pushers, "tilescale_fused_ms", "fused_vs_gemm_alone",
-               "speedup_vs_nccl_cublas", "speedup_vs_async_tp"]
+               *(f"fused_{label}_ms" for label in TILES.values()), "tile", *pushers, "tilescale_fused_ms",
+               "fused_vs_gemm_alone", "speedup_vs_nccl_cublas", "speedup_vs_async_tp"]
     report = Report("tp-gemm-graph" if args.graph else "tp-gemm", columns=columns)
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
         report.add(measure(op, shape, args.iters, tuple(int(b) for b in args.push_blocks.split(",") if b), args.graph))

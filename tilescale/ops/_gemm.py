@@ -72,6 +72,10 @@ DEFAULT = TileConfig()
 # (gemm-tiles-nvidia-h200-20261123-161931.json); the fused kernels' default tile where
 # choose_tile (tp_gemm.py) finds enough output tiles.
 WIDE = TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8)
+# Decode-sized outputs (M <= 128): 64 columns per tile give 128 tiles at N = 8192, about one
+# per SM, without splitting K; each warpgroup one m64n64 wgmma, six stages of loads in
+# flight for a K loop that streams the weight.
+NARROW = TileConfig(128, 64, 64, 6, 256, "FullRow", "direct")
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = DEFAULT.block_M, DEFAULT.block_N, DEFAULT.block_K, DEFAULT.stages, \
