@@ -177,3 +177,17 @@ def test_split_k_all_reduce_gemm_sends_each_part_to_its_slot():
 def test_k_splits_fill_the_sms_with_whole_k_steps(tiles, K, expected, monkeypatch):
     monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
     assert tp_gemm.k_splits(tiles, K, 64) == expected
+
+
+@pytest.mark.parametrize(("rows", "n", "split_k", "expected"), [
+    (8192, 14336, False, "WIDE"), (128, 8192, False, "DEFAULT"),
+    (128, 8192, True, "NARROW"),  # decode all-reduce: 128 tiles, K whole, one partial per tile crosses
+    (1024, 8192, True, "WIDE"),  # 256 wide tiles
+    (128, 2048, True, "WIDE"),  # 32 narrow tiles would leave most SMs idle: K is split instead
+    (256, 4096, True, "WIDE"),  # two row tiles: a narrow tile would stream the weight twice
+])
+def test_choose_tile(rows, n, split_k, expected, monkeypatch):
+    from tilescale.ops import _gemm
+
+    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
+    assert tp_gemm.choose_tile(rows, n, split_k) == getattr(_gemm, expected)

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.ops._gemm import WIDE
+from tilescale.ops._gemm import NARROW, WIDE
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
@@ -32,8 +32,8 @@ for dtype in (torch.float16, torch.bfloat16):
             torch.testing.assert_close(got.float(), rs_ref, rtol=2e-2, atol=3e-1)
         ar_ref = part.clone()
         dist.all_reduce(ar_ref)
-        for _ in range(2):
-            got = ts.ops.gemm_all_reduce(a2, w)
+        for tile in (None, NARROW):
+            got = ts.ops.gemm_all_reduce(a2, w, plan="fused", tile=tile)
             torch.testing.assert_close(got.float(), ar_ref, rtol=2e-2, atol=3e-1)
         print(rank, dtype, (m, k, n), "ok", flush=True)
 

@@ -37,7 +37,7 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
-from tilescale.ops._gemm import DEFAULT, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
+from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
 
 # Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
@@ -252,17 +252,31 @@ def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def choose_tile(rows: int, n: int, split_k: bool = False) -> TileConfig:
-    """The fused kernels' GEMM tile for a ``rows`` x ``n`` output (what one rank's kernel computes):
-    ``WIDE`` (128x256, TileLang's fastest) where its tiles fill every SM at least once or the
-    kernel can split K instead (``split_k``: the reduce-scatter and all-reduce GEMMs), else
-    the 128x128 ``DEFAULT``, whose twice as many tiles keep more SMs busy at decode sizes.
+    """The fused kernels' GEMM tile for a ``rows`` x ``n`` output (what one rank's kernel computes).
+
+    ``WIDE`` (128x256, TileLang's fastest) where its tiles fill every SM at least once. Else,
+    for the reduce-scatter and all-reduce GEMMs (``split_k``), ``NARROW`` (128x64) where the
+    output is one row tile and its tiles give 90% of the SMs a block (decode), and otherwise
+    ``WIDE`` with K split (:func:`k_splits`): each K part is its own partial tile that
+    crosses the link, so splitting K in 4 sends 4x the bytes (on one H200 the two ran the
+    M = 128 all-reduce GEMM in 80.5 and 82.0 us without any link). Else the 128x128
+    ``DEFAULT``, whose twice as many tiles keep more SMs busy at decode sizes.
 
     Example::
 
-        choose_tile(8192, 14336)    # WIDE; choose_tile(128, 8192): DEFAULT (32 wide tiles)
+        choose_tile(8192, 14336)                 # WIDE
+        choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
     """
-    wide_tiles = -(-rows // WIDE.block_M) * -(-n // WIDE.block_N)
-    return WIDE if split_k or wide_tiles >= sm_count() else DEFAULT
+    sms = sm_count()
+
+    def tiles(cfg: TileConfig) -> int:
+        return -(-rows // cfg.block_M) * -(-n // cfg.block_N)
+
+    if tiles(WIDE) >= sms:
+        return WIDE
+    if split_k:
+        return NARROW if rows <= NARROW.block_M and 10 * tiles(NARROW) >= 9 * sms else WIDE
+    return DEFAULT
 
 
 def _choose(plan: str | None, rows: int) -> str:
