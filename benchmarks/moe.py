@@ -178,8 +178,15 @@ def measure_layer(shape: tuple[int, int, int, int, int], iters: int) -> dict:
     checks = [check_close("moe layer", moe(x), torch_pipeline_layer(moe, x), rtol=3e-2, atol=3e-2)]
     ours = time_fn(lambda: moe(x), iters=iters, barrier=dist.barrier)
     theirs = time_fn(lambda: torch_pipeline_layer(moe, x), iters=iters, barrier=dist.barrier)
-    return {"case": "layer", "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": num_experts, "topk": topk,
-            "layer_ms": ours.median_ms, "torch_layer_ms": theirs.median_ms,
+    graphed_layer = {}
+    if x.is_cuda:  # the torch pipeline reads split sizes on the host: it cannot be captured
+        outputs = []
+        replay = graphed(lambda: outputs.append(moe(x)))
+        replay()
+        checks.append(check_close("moe layer, CUDA graph replay", outputs[-1], moe(x)))
+        graphed_layer["graph_layer_ms"] = time_fn(replay, iters=iters, barrier=dist.barrier).median_ms
+    return {**graphed_layer, "case": "layer", "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": num_experts,
+            "topk": topk, "layer_ms": ours.median_ms, "torch_layer_ms": theirs.median_ms,
             "layer_speedup": theirs.median_ms / ours.median_ms, "checks": checks}
 
 
@@ -196,7 +203,7 @@ def main() -> None:
         report.add(measure(case, tokens, hidden, topk, experts, args.iters))
     report.print_table()
     layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
-                                         "layer_speedup"])
+                                         "layer_speedup", "graph_layer_ms"])
     with torch.no_grad():  # inference: both layers without autograd bookkeeping
         layer.add(measure_layer(SMALL_LAYER if args.small else LAYER, args.iters))
     layer.print_table()

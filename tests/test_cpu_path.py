@@ -22,7 +22,7 @@ def run(script: str, n: int, env: dict | None = None, timeout: float = 240) -> s
 @pytest.mark.parametrize(
     "example",
     ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter", "tp_mlp_training", "moe_layer",
-     "moe_training"],
+     "moe_training", "moe_decode_graph"],
 )
 def test_example_on_the_cpu_path(example, n):
     proc = run(f"examples/{example}.py", n)

@@ -29,7 +29,7 @@ def run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter",
-                                     "tp_mlp_training", "moe_layer", "moe_training"])
+                                     "tp_mlp_training", "moe_layer", "moe_training", "moe_decode_graph"])
 def test_example(example):
     proc = run(f"examples/{example}.py", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,17 +36,22 @@ def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tu
 
 
 class ExpertParallelMoE(nn.Module):
-    """Top-k routed MoE with ``num_experts // world`` experts on each rank (GELU FFN experts)."""
+    """Top-k routed MoE with ``num_experts // world`` experts on each rank (GELU FFN experts).
+
+    ``low_latency=True``: dispatch in low-latency mode (decode batches, see
+    ``ts.ops.moe_dispatch``). The forward has no host synchronisation, so a decode step can
+    be captured in a CUDA graph (``examples/moe_decode_graph.py``).
+    """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False):
         super().__init__()
         world, rank = runtime.world_size(), runtime.rank()
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size {world}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
-        self.num_experts, self.topk = num_experts, topk
+        self.num_experts, self.topk, self.low_latency = num_experts, topk, low_latency
         device = device or runtime.device()
         # Every rank draws the same full weights and keeps its experts: no broadcast needed.
         router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
@@ -63,7 +68,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts)
+        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency)
         h = nn.functional.gelu(_GroupedGemm.apply(recv_x, self.w1, handle).float()).to(x.dtype)
         out = _GroupedGemm.apply(h, self.w2, handle)
         return _Combine.apply(out, recv_w, handle)
@@ -79,8 +84,8 @@ class _Dispatch(torch.autograd.Function):
     combine), and each routing weight's gradient sent back from the row that carried it."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, num_experts):  # noqa: ANN001, ANN205 - autograd signature
-        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts)
+    def forward(ctx, x, weights, experts, num_experts, low_latency):  # noqa: ANN001, ANN205 - autograd signature
+        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
         ctx.handle = handle
         return recv_x, recv_w, handle
 
@@ -98,7 +103,7 @@ class _Dispatch(torch.autograd.Function):
         by_k = torch.zeros(rows + 1, topk, dtype=torch.float32, device=d_recv_w.device)
         by_k[target, torch.arange(topk, device=target.device).expand_as(target)] = padded[target]
         d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle)
-        return d_x, d_weights, None, None
+        return d_x, d_weights, None, None, None
 
 
 class _Combine(torch.autograd.Function):
