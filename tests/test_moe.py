@@ -126,6 +126,16 @@ LAYOUT_CHECK = textwrap.dedent("""
     y = ts.ops.moe_combine(recv_x, recv_w, h)
     torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
     print(f"rank {rank}: RECOVERED-OK", flush=True)
+
+    # Handles stay valid whatever came after: three dispatches (through both buffer sets and
+    # back), then their combines out of order, each answering with its own tokens.
+    steps = [draw(tokens, 300 + 10 * i + rank) for i in range(3)]
+    handles = [ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=i == 1) for i, (idx, w, x) in enumerate(steps)]
+    for i in (2, 0, 1):
+        (idx, w, x), (recv_x, recv_w, _, h) = steps[i], handles[i]
+        y = ts.ops.moe_combine(recv_x, recv_w, h)
+        torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    print(f"rank {rank}: OUT-OF-ORDER-OK", flush=True)
     ts.finalize()
 """)
 
@@ -137,7 +147,7 @@ def test_grouped_layout_entry_by_entry(n, tmp_path):
     program.write_text(LAYOUT_CHECK)
     proc = run_cpu(str(program), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for marker, times in (("ROUTE-OK", 1), ("LAYOUT-OK", 2), ("RECOVERED-OK", 1)):
+    for marker, times in (("ROUTE-OK", 1), ("LAYOUT-OK", 2), ("RECOVERED-OK", 1), ("OUT-OF-ORDER-OK", 1)):
         assert proc.stdout.count(marker) == times * n, marker
     # The rank with the bad id raises in that call (the CPU path finishes the device check at
     # once); the others are unaffected, and every rank goes on.
