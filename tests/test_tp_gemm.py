@@ -191,3 +191,24 @@ def test_choose_tile(rows, n, split_k, expected, monkeypatch):
 
     monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
     assert tp_gemm.choose_tile(rows, n, split_k) == getattr(_gemm, expected)
+
+
+@pytest.mark.timeout(300)
+@needs_nvcc
+def test_decode_all_reduce_is_one_kernel(tmp_path):
+    """M = 128, N = 8192 with the 128x64 tile: 128 tiles, one per SM. Each block computes its
+    tile over the whole K, puts the partial to its peer and signals, then waits for the
+    peer's partial of the same tile and sums: one kernel, no warp specialisation (the whole
+    block runs the wait), the slot in the buffer set the device-side call count names."""
+    from tilescale.nvshmem_kernel import WARP_SPECIALIZATION_OFF
+    from tilescale.ops._gemm import NARROW
+
+    with build_options(world_size=2):
+        func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 128, 1024, 8192, NARROW)
+    src = lower_cuda(func, {WARP_SPECIALIZATION_OFF: True})
+    assert "wgmma" in src and "warpgroup_reg_dealloc" not in src
+    assert "recv__peers[" in src and "state[0] & 1" in src
+    assert src.index("tilescale::block_signal(") < src.index("tilescale::block_wait(")
+    assert "tilescale::grid_barrier(" not in src
+    proc = nvcc(src, tmp_path / "all_reduce_gemm.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
+from tilescale.nvshmem_kernel import WARP_SPECIALIZATION_OFF
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
@@ -168,6 +169,56 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
                         dst = (rank + 1 + p) % ranks
                         T.copy(out, recv[slot_row, bx * bn], dst_pe=dst)
                         T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
+
+    return main
+
+
+@jit(pass_configs={WARP_SPECIALIZATION_OFF: True})
+def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig):
+    """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
+    over the whole K, puts the partial (in ``dtype``) into its slot at every peer and
+    signals it there, waits for the peers' partials of the same tile, and sums all ranks'
+    partials in rank order, so every rank gets the same bits.
+
+    A block waits for the same block of the other ranks, so every block must be resident:
+    at most one tile per SM (``gemm_all_reduce`` picks this kernel only then). Built
+    without warp specialisation, so that the whole block runs the epilogue's wait.
+    """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    padded = -(-M // bm) * bm
+    m_tiles, n_tiles = padded // bm, -(-N // bn)
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * world * padded, N), dtype),
+             out: T.Tensor((M, N), dtype), flags: T.Tensor((m_tiles * n_tiles,), "int32"),
+             state: T.Tensor((2,), "int32")):
+        with T.Kernel(n_tiles, m_tiles, threads=tile_cfg.threads) as (bx, by):
+            with T.Scale("device") as (rank, ranks):
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                mine = T.alloc_shared((bm, bn), dtype)
+                part = T.alloc_fragment((bm, bn), dtype)
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[by * bm, k * bk], a)
+                    T.copy(W[bx * bn, k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                T.copy(acc, mine)
+                for p in T.serial(ranks - 1):
+                    dst = (rank + 1 + p) % ranks
+                    T.copy(mine, recv[(_buffer_of(state) * world + rank) * padded + by * bm, bx * bn], dst_pe=dst)
+                    T.signal(flags[by * n_tiles + bx], 1, pe=dst, op="add")
+                T.wait(flags[by * n_tiles + bx], "ge", state[1])
+                T.clear(acc)
+                for p in T.serial(ranks):
+                    if p == rank:
+                        T.copy(mine, part)
+                    else:
+                        T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
+                    for i, j in T.Parallel(bm, bn):
+                        acc[i, j] += T.cast(part[i, j], "float32")
+                T.copy(acc, out[by * bm, bx * bn])
 
     return main
 
@@ -405,6 +456,11 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Example::
 
         y = ts.ops.gemm_all_reduce(h, w_rows)          # (M, N) on every rank
+
+    Fused, where every output tile fits on its own SM with K whole (decode shapes), one
+    kernel does it all (:func:`all_reduce_gemm_kernel`); else a GEMM kernel pushes partial
+    tiles (K split where the tiles are few) and a second kernel sums them. Every rank gets
+    the same bits: partials are summed in rank order.
     """
     _check_pair(a, weight)
     (m, k), n = a.shape, weight.shape[0]
@@ -415,4 +471,13 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         out = a @ weight.T
         dist.all_reduce(out)
         return out
-    return _gemm_then_reduce(a, weight, 1, tile)
+    tile = tile or choose_tile(m, n, split_k=True)
+    padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
+    if splits > 1 or tiles > sm_count():  # one kernel needs whole K per tile and every tile resident
+        return _gemm_then_reduce(a, weight, 1, tile)
+    world = runtime.world_size()
+    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tile.block_N), (world * padded, n), a.dtype, tiles)
+    ex.advance(world - 1)  # each peer signals each tile once per call
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
+    return out
