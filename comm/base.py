@@ -81,6 +81,8 @@ class DeviceLowering:
       signals after that warp's earlier puts are delivered.
     * ``wait(flag, cmp, value, status, rank, timeout_ns)``: bounded wait on this rank's flag,
       reporting a timeout like ``tilescale::block_wait``.
+    * ``warp_wait(...)``: the same per warp, called by the warps that run
+      ``T.wait(..., scope="warp")`` only: lane 0 of each spins, the warp acquires.
     * ``fence()``: this block's earlier puts are complete.
     * ``barrier(workspace, rank, world, status, timeout_ns)``: every block of every rank.
 
@@ -95,6 +97,7 @@ class DeviceLowering:
     signal: str
     warp_signal: str
     wait: str
+    warp_wait: str
     fence: str
     barrier: str
     compile_flags: Callable[[], list[str]]

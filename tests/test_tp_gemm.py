@@ -198,17 +198,16 @@ def test_choose_tile(rows, n, split_k, expected, monkeypatch):
 def test_decode_all_reduce_is_one_kernel(tmp_path):
     """M = 128, N = 8192 with the 128x64 tile: 128 tiles, one per SM. Each block computes its
     tile over the whole K, puts the partial to its peer and signals, then waits for the
-    peer's partial of the same tile and sums: one kernel, no warp specialisation (the whole
-    block runs the wait), the slot in the buffer set the device-side call count names."""
-    from tilescale.nvshmem_kernel import WARP_SPECIALIZATION_OFF
+    peer's partial of the same tile and sums: one kernel, warp-specialised, so the consumer
+    warps signal and wait per warp; the slot in the buffer set the device-side call count names."""
     from tilescale.ops._gemm import NARROW
 
     with build_options(world_size=2):
         func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 128, 1024, 8192, NARROW)
-    src = lower_cuda(func, {WARP_SPECIALIZATION_OFF: True})
-    assert "wgmma" in src and "warpgroup_reg_dealloc" not in src
+    src = lower_cuda(func)
+    assert "wgmma" in src and "warpgroup_reg_dealloc" in src
     assert "recv__peers[" in src and "state[0] & 1" in src
-    assert src.index("tilescale::block_signal(") < src.index("tilescale::block_wait(")
-    assert "tilescale::grid_barrier(" not in src
+    assert src.index("tilescale::warp_signal(") < src.index("tilescale::warp_wait(")
+    assert "tilescale::block_wait(" not in src and "tilescale::grid_barrier(" not in src
     proc = nvcc(src, tmp_path / "all_reduce_gemm.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]

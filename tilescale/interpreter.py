@@ -382,7 +382,7 @@ class _Block:
             op = int(self.eval(args[2]))
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)
-        elif name == "tilescale::block_wait":
+        elif name in ("tilescale::block_wait", "tilescale::warp_wait"):  # one pass per block runs all warps
             self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == "tilescale::block_fence":
             pass  # host memory through one coherent address space: program order is enough
@@ -689,7 +689,7 @@ class CpuKernel:
         self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
-        self.threaded = "tilescale::grid_barrier" in script or "tilescale::block_wait" in script
+        self.threaded = any(f"tilescale::{sync}" in script for sync in ("grid_barrier", "block_wait", "warp_wait"))
         self._refuse_thread_level_code()
         self.warps = self._threads() // 32
 

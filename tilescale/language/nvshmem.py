@@ -131,6 +131,15 @@ __device__ __forceinline__ void nvshmem_block_wait(int* addr, int cmp, int expec
   after_acquire();
 }
 
+// T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders
+// the acquire before the warp's later reads.
+__device__ __forceinline__ void nvshmem_warp_wait(int* addr, int cmp, int expected, long long status_addr,
+                                                  int rank, long long timeout_ns) {
+  if ((threadIdx.x & 31) == 0) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+  __syncwarp();
+  after_acquire();
+}
+
 // This block's earlier puts and gets are complete.
 __device__ __forceinline__ void nvshmem_block_fence() {
   complete_writes();
@@ -217,6 +226,7 @@ NVSHMEM_LOWERING = DeviceLowering(
     signal="tilescale::nvshmem_block_signal",
     warp_signal="tilescale::nvshmem_warp_signal",
     wait="tilescale::nvshmem_block_wait",
+    warp_wait="tilescale::nvshmem_warp_wait",
     fence="tilescale::nvshmem_block_fence",
     barrier="tilescale::nvshmem_grid_barrier",
     compile_flags=nvshmem_compile_flags,

@@ -166,6 +166,15 @@ __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expecte
   after_acquire();
 }
 
+// T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders the
+// acquire before the warp's later reads (it orders memory among the warp's threads).
+__device__ __forceinline__ void warp_wait(const int* addr, int cmp, int expected, long long status_addr,
+                                          int rank, long long timeout_ns) {
+  if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+  __syncwarp();
+  after_acquire();
+}
+
 __device__ __forceinline__ void block_fence() {
   complete_writes();
   asm volatile("fence.acq_rel.sys;" ::: "memory");
@@ -276,7 +285,7 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     return tl.call_extern("handle", f"tilescale::{scope}_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
 
 
-def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.PrimExpr:
+def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block") -> tirx.PrimExpr:
     """Block until this rank's ``flag`` compares ``cmp`` to ``value``, with acquire semantics.
 
     Example::
@@ -284,12 +293,23 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr) -> tirx.Pr
         T.wait(flags[bx], "ge", step + 1)
 
     ``cmp`` is one of ``eq ne ge gt le lt``. The wait is bounded (see module docs).
+
+    ``scope="warp"``: every warp that runs the statement waits on its own, without
+    synchronising the block; for code that only some warps run, such as the epilogue of a
+    warp-specialised GEMM (its consumer warps), which then reads what the flag announced::
+
+        T.wait(flags[tile], "ge", target, scope="warp")
     """
     if cmp not in COMPARISONS:
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
+    if scope not in SIGNAL_SCOPES:
+        raise ValueError(f"T.wait scope must be one of {SIGNAL_SCOPES}, got {scope!r}")
     flag = _int32_flag(flag, "T.wait")
     lowering = current_context().lowering
-    name = lowering.wait if lowering is not None else "tilescale::block_wait"
+    if lowering is not None:
+        name = lowering.wait if scope == "block" else lowering.warp_wait
+    else:
+        name = f"tilescale::{scope}_wait"
     return tl.call_extern("handle", name, tl.address_of(flag), COMPARISONS[cmp], value,
                           *_status_args())
 

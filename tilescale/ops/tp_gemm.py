@@ -36,7 +36,6 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.nvshmem_kernel import WARP_SPECIALIZATION_OFF
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
@@ -173,7 +172,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     return main
 
 
-@jit(pass_configs={WARP_SPECIALIZATION_OFF: True})
+@jit
 def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig):
     """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
     over the whole K, puts the partial (in ``dtype``) into its slot at every peer and
@@ -181,8 +180,10 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     partials in rank order, so every rank gets the same bits.
 
     A block waits for the same block of the other ranks, so every block must be resident:
-    at most one tile per SM (``gemm_all_reduce`` picks this kernel only then). Built
-    without warp specialisation, so that the whole block runs the epilogue's wait.
+    at most one tile per SM (``gemm_all_reduce`` picks this kernel only then). Under
+    TileLang's warp specialisation only the consumer warps run the epilogue, so each of
+    them signals and waits on its own (``scope="warp"``): a flag counts ``threads // 32``
+    signals per peer and call.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     padded = -(-M // bm) * bm
@@ -208,8 +209,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
                 for p in T.serial(ranks - 1):
                     dst = (rank + 1 + p) % ranks
                     T.copy(mine, recv[(_buffer_of(state) * world + rank) * padded + by * bm, bx * bn], dst_pe=dst)
-                    T.signal(flags[by * n_tiles + bx], 1, pe=dst, op="add")
-                T.wait(flags[by * n_tiles + bx], "ge", state[1])
+                    T.signal(flags[by * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
+                T.wait(flags[by * n_tiles + bx], "ge", state[1], scope="warp")
                 T.clear(acc)
                 for p in T.serial(ranks):
                     if p == rank:
@@ -477,7 +478,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         return _gemm_then_reduce(a, weight, 1, tile)
     world = runtime.world_size()
     ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tile.block_N), (world * padded, n), a.dtype, tiles)
-    ex.advance(world - 1)  # each peer signals each tile once per call
+    ex.advance((world - 1) * (tile.threads // 32))  # each peer's consumer warps signal each tile once per call
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
     return out
