@@ -468,6 +468,8 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
     # Unless asked, fused on the CPU path only: on 2x H200 the fused all-reduce lost to cuBLAS +
     # NCCL at M = 128 and 1024 (0.73x, 0.93x), the rows it is for (one row count for both).
+    # That was the two-kernel plan with K split; the one-kernel plan below has run on one GPU
+    # only (1.15x cuBLAS alone as a graph replay, no link traffic).
     if _choose(plan, FUSED_MIN_ROWS) == "unfused":
         out = a @ weight.T
         dist.all_reduce(out)
