@@ -343,6 +343,26 @@ def test_signal_and_wait_arguments():
     assert order == sorted(order)
 
 
+def test_warp_scope_wait_lowers_to_a_per_warp_spin():
+    """Lane 0 of each warp that runs it spins on this rank's flag; no block-wide synchronisation."""
+    with build_options(world_size=2):
+        @T.prim_func
+        def main(flags: T.Tensor((4,), "int32"), out: T.Tensor((128,), "int32")):
+            with T.Kernel(1, threads=128):
+                with T.Scale("device"):
+                    T.wait(flags[2], "eq", 3, scope="warp")
+                    for i in T.Parallel(128):
+                        out[i] = flags[2]
+
+    body = kernel_body(lower_cuda(main))
+    assert "tilescale::warp_wait((&(flags[2])), 0, 3, ts_status, ts_rank, ts_timeout_ns);" in body
+    assert "block_wait" not in body
+    helper = PRELUDE[PRELUDE.index("void warp_wait("):]
+    helper = helper[:helper.index("}\n")]
+    assert "if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected" in helper
+    assert helper.index("spin<true>") < helper.index("__syncwarp();") < helper.index("after_acquire();")
+
+
 @pytest.mark.parametrize("name", ["ring_shift", "all_gather", "reduce_two_shot", "handshake", "put"])
 def test_prelude_has_the_system_scope_ptx(name):
     _, src = built(name, 4)
@@ -594,6 +614,16 @@ def unknown_signal_scope():
     return main
 
 
+def unknown_wait_scope():
+    @T.prim_func
+    def main(flags: T.Tensor((128,), "int32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device"):
+                T.wait(flags[0], "ge", 1, scope="grid")
+
+    return main
+
+
 def remote_into_tensor_from_address():
     @T.prim_func
     def main(A: T.Tensor((128,), "float32"), addr: T.int64):
@@ -619,6 +649,7 @@ def remote_into_tensor_from_address():
         (unknown_comparison, ValueError, r"comparison must be one of .* got 'approx'"),
         (unknown_signal_op, ValueError, r"op must be one of .* got 'mul'"),
         (unknown_signal_scope, ValueError, r"scope must be one of \('block', 'warp'\), got 'thread'"),
+        (unknown_wait_scope, ValueError, r"T\.wait scope must be one of \('block', 'warp'\), got 'grid'"),
         (remote_into_tensor_from_address, TypeError, r"remote access to 'C': only tensor arguments"),
     ],
     ids=lambda v: v.__name__ if callable(v) and not isinstance(v, type) else None,

@@ -360,7 +360,7 @@ def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
 
 def _op_kernels():
     from tilescale.ops import collectives, moe, p2p, tp_gemm
-    from tilescale.ops._gemm import DEFAULT, WIDE
+    from tilescale.ops._gemm import DEFAULT, NARROW, WIDE
 
     no_ws = {"tl.disable_warp_specialized": True}
     return {
@@ -376,6 +376,8 @@ def _op_kernels():
         # As link_module builds it: no warp specialisation under this lowering.
         "gemm_rs": (tp_gemm.gemm_push_kernel, (2, "bfloat16", 512, 512, 512, 2, DEFAULT, 1),
                     no_ws),
+        "gemm_all_reduce_one_kernel": (tp_gemm.all_reduce_gemm_kernel, (2, "bfloat16", 128, 512, 1024, NARROW),
+                                       no_ws),
     }
 
 
@@ -389,6 +391,8 @@ def test_every_op_kernel_lowers_to_nvshmem_calls(name):
         body = kernel_body(lower_cuda(factory.__wrapped__(*args), configs))
     assert re.search(r"tilescale::nvshmem_(put|get)_block\(", body), body[:3000]
     assert "__peers" not in body.replace("ts_sync_peers", "")
+    if name == "gemm_all_reduce_one_kernel":  # signals and waits per warp, through NVSHMEM's helpers too
+        assert "tilescale::nvshmem_warp_signal(" in body and "tilescale::nvshmem_warp_wait(" in body
 
 
 def test_kernels_without_a_dynamic_shared_buffer_are_left_alone():
