@@ -13,7 +13,9 @@ have not arrived.
 kernel writes every finished output tile straight into the receive buffer of the rank(s)
 that need it (the tile's row owner, or every rank) and signals it there; a reduction kernel
 sums the received partial tiles once its flags say they have all landed. Tiles are visited
-so that ranks send to different peers first.
+so that ranks send to different peers first. At decode sizes, where every output tile has
+an SM of its own, ``gemm_all_reduce`` is one kernel: each tile's block exchanges partials
+with the same block of the other ranks and sums them itself.
 
 Flags only grow: each call adds one "epoch" of arrivals, and waits compare against the
 running total, so no flag is ever reset between calls (which would race with a fast peer).
