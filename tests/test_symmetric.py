@@ -244,3 +244,14 @@ def test_allocating_before_init_raises(monkeypatch):
     with pytest.raises(TypeError, match="symmetric"):
         ts.peer_ptrs(plain)
     ts.finalize()  # nothing to finalize: no error
+
+
+def test_first_use_inside_a_cuda_graph_capture_is_refused_clearly(monkeypatch):
+    """Ops allocate symmetric buffers (every rank together) and peer tables at their first
+    call at a shape: inside a capture that cannot work, so they say what to do instead."""
+    runtime.check_not_capturing("moe_dispatch")  # no capture: nothing to refuse
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"moe_dispatch: first call inside a CUDA graph capture; call it once "
+                                           r"before capturing"):
+        runtime.check_not_capturing("moe_dispatch")

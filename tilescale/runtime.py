@@ -246,6 +246,19 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
         raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9))
 
 
+def check_not_capturing(what: str) -> None:
+    """Refuse to create state that an op makes at its first call (symmetric buffers, which
+    every rank allocates together; peer tables) while a CUDA graph is being captured.
+
+    Example::
+
+        check_not_capturing("moe_dispatch at tokens=128")  # RuntimeError inside a capture
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: first call inside a CUDA graph capture; call it once before capturing (that "
+                           "call allocates its buffers, on every rank together), then capture")
+
+
 def _name_in_last_kernel(address: int) -> str | None:
     names, args = current().last_kernel_args
     for name, t in zip(names, args, strict=True):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tilescale.comm import SymmetricAllocation
-from tilescale.runtime import current
+from tilescale.runtime import check_not_capturing, current
 
 
 @dataclass
@@ -132,6 +132,7 @@ def peer_ptrs(t: torch.Tensor) -> torch.Tensor:
     entry, offset = _require(t, "peer_ptrs' tensor")
     table = entry.ptr_tables.get(offset)
     if table is None:
+        check_not_capturing("a kernel's first use of this symmetric tensor (its peer table)")
         ptrs = [p + offset for p in entry.allocation.peer_ptrs]
         table = torch.tensor(ptrs, dtype=torch.int64, device=entry.device)
         entry.ptr_tables[offset] = table

@@ -533,6 +533,7 @@ class _Exchange:
         """The (source, local expert) entry counts' buffer (allocated at first use: every
         rank dispatches with the same number of experts)."""
         if per_rank not in self.expert_counts:
+            runtime.check_not_capturing(f"moe_dispatch with {per_rank} experts per rank")
             self.expert_counts[per_rank] = zeros((2, runtime.world_size(), per_rank), dtype=torch.int32)
         return self.expert_counts[per_rank]
 
@@ -548,6 +549,7 @@ _exchanges: dict[tuple, _Exchange] = {}
 def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
     key = (tokens, hidden, topk, dtype)
     if key not in _exchanges:
+        runtime.check_not_capturing(f"MoE exchange of {tokens} tokens x {hidden} ({dtype}), top-{topk}")
         world = runtime.world_size()
         rows, meta = (2, world, tokens, hidden), (2, world, tokens, topk)
         _exchanges[key] = _Exchange(

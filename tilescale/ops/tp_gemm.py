@@ -281,6 +281,7 @@ class _Exchange:
         """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
         step = self.steps.get(arrivals)
         if step is None:
+            runtime.check_not_capturing(f"a TP GEMM call adding {arrivals} arrivals per flag")
             step = self.steps[arrivals] = torch.tensor([1, arrivals], dtype=torch.int32, device=self.state.device)
         self.state += step
 
@@ -290,6 +291,7 @@ _exchanges: dict[tuple, _Exchange] = {}
 
 def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
     if key not in _exchanges:
+        runtime.check_not_capturing(f"TP GEMM exchange {key}")
         _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
                                     torch.zeros(2, dtype=torch.int32, device=runtime.device()))
     return _exchanges[key]
