@@ -411,12 +411,13 @@ def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[
     return padded, tiles, k_splits(owners * tiles, k, tile.block_K)
 
 
-def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig | None) -> torch.Tensor:
+def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
+                      plan: tuple[int, int, int]) -> torch.Tensor:
+    """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s."""
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
-    tile = tile or choose_tile(m, n, split_k=True)
-    padded, tiles, splits = reduce_plan(m, k, n, owners, tile)
+    padded, tiles, splits = plan
     slots = world * splits
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
     ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
@@ -451,7 +452,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(out, a @ weight.T)
         return out
-    return _gemm_then_reduce(a, weight, world, tile)
+    tile = tile or choose_tile(m, n, split_k=True)
+    return _gemm_then_reduce(a, weight, world, tile, reduce_plan(m, k, n, world, tile))
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -481,9 +483,10 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
     if splits > 1 or tiles > sm_count():  # one kernel needs whole K per tile and every tile resident
-        return _gemm_then_reduce(a, weight, 1, tile)
+        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
     world = runtime.world_size()
-    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tile.block_N), (world * padded, n), a.dtype, tiles)
+    # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
+    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles), (world * padded, n), a.dtype, tiles)
     ex.advance((world - 1) * (tile.threads // 32))  # each peer's consumer warps signal each tile once per call
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
