@@ -103,11 +103,11 @@ def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, it
     b_disp = time_fn(lambda: baseline.dispatch(x), iters=iters, barrier=dist.barrier)
     b_comb = time_fn(lambda: baseline.combine(weighted), iters=iters, barrier=dist.barrier)
     nbytes = received.shape[0] * hidden * 2
-    graphed = {}
+    graph_rows = {}
     if x.is_cuda:  # the baseline reads split sizes on the host, so it cannot be captured
-        graphed, graph_check = graph_timings(dispatch, round_trip, combined, iters)
+        graph_rows, graph_check = graph_timings(dispatch, round_trip, combined, iters)
         checks.append(graph_check)
-    return {**graphed,
+    return {**graph_rows,
         "case": case, "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
         "dispatch_us": t_disp.median_ms * 1e3, "a2a_dispatch_us": b_disp.median_ms * 1e3,
         "combine_us": (t_comb_pair.median_ms - t_disp.median_ms) * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
