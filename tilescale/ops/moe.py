@@ -52,6 +52,7 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
+from tilescale.language.scale import current_context
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.symmetric import zeros
 
@@ -248,22 +249,14 @@ def layout_kernel(world: int, per_rank: int, rows: int, sms: int):
             end = T.alloc_shared((per_rank,), "int32")  # inclusive prefix of the padded segments
             for q in T.serial(T.ceildiv(rows, FILL * blocks)):
                 for i in T.Parallel(FILL):
-                    if (q * blocks + bx) * FILL + i < rows:
-                        weight[(q * blocks + bx) * FILL + i] = 0.0
-                    if (q * blocks + bx) * FILL + i < rows:
-                        source_row[(q * blocks + bx) * FILL + i] = -1
-                    if (q * blocks + bx) * FILL + i < rows:
-                        row_expert[(q * blocks + bx) * FILL + i] = -1
+                    _reset_row((q * blocks + bx) * FILL + i, (q * blocks + bx) * FILL + i < rows, weight, source_row,
+                               row_expert)
             if bx == 0:
                 _segments(recv_expert_counts, _last_set(sends), upto, end, world, per_rank)
-                for e in T.Parallel(per_rank):
-                    counts[e] = upto[world - 1, e]
-                for e in T.Parallel(per_rank):
-                    offsets[e] = end[e] - _padded(upto, e, world)
+                _write_layout(upto, end, recv_counts, _last_set(sends), counts, offsets, received_counts, world,
+                              per_rank)
                 for src, e in T.Parallel(world, per_rank):
                     base[src, e] = _base(recv_expert_counts, _last_set(sends), upto, end, src, e, world)
-                for src in T.Parallel(world):
-                    received_counts[src] = recv_counts[_last_set(sends), src]
 
     return main
 
@@ -277,6 +270,50 @@ def _segments(recv_expert_counts, s, upto, end, world, per_rank):
     for e in T.Parallel(per_rank):
         end[e] = _padded(upto, e, world)
     T.cumsum(src=end, dim=0)
+
+
+@T.macro
+def _write_layout(upto, end, recv_counts, s, counts, offsets, received_counts, world, per_rank):
+    """Per local expert its entry count and its segment's first row; the rows received from
+    each source (set ``s``)."""
+    for e in T.Parallel(per_rank):
+        counts[e] = upto[world - 1, e]
+    for e in T.Parallel(per_rank):
+        offsets[e] = end[e] - _padded(upto, e, world)
+    for src in T.Parallel(world):
+        received_counts[src] = recv_counts[s, src]
+
+
+@T.macro
+def _reset_row(p, holds_none, weight, source_row, row_expert):
+    """Grouped row ``p`` marked as holding no entry (weight 0, source row and expert -1) where
+    ``holds_none``; called inside a parallel loop."""
+    if holds_none:
+        weight[p] = 0.0
+    if holds_none:
+        source_row[p] = -1
+    if holds_none:
+        row_expert[p] = -1
+
+
+@T.macro
+def _record_entries(pos, first, n, topk, received, s, recv_idx, recv_w, per_rank, position, weight, source_row,
+                    row_expert):
+    """Received rows ``first .. first + n`` (set ``s``): each entry's grouped row ``pos[i, k]``
+    into ``position``, and per grouped row in use its weight, source row and local expert.
+    The rank comes from the build context, not as an argument: a macro would bind it anew."""
+    for i, k in T.Parallel(n, topk):
+        if first + i < received:
+            position[first + i, k] = pos[i, k]
+    for i, k in T.Parallel(n, topk):
+        if pos[i, k] >= 0:
+            weight[pos[i, k]] = recv_w[s, T.min(first + i, received - 1), k]
+    for i, k in T.Parallel(n, topk):
+        if pos[i, k] >= 0:
+            source_row[pos[i, k]] = first + i
+    for i, k in T.Parallel(n, topk):
+        if pos[i, k] >= 0:
+            row_expert[pos[i, k]] = recv_idx[s, T.min(first + i, received - 1), k] - current_context().rank * per_rank
 
 
 def _padded(upto, e, world):
@@ -313,19 +350,8 @@ def place_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: int):
                         bx * PLACE_ROWS + i < received and r % tokens < received_counts[r // tokens]
                         and e >= 0 and e < per_rank,
                         base[r // tokens, T.max(T.min(e, per_rank - 1), 0)] + recv_slot[_last_set(sends), r, k], -1)
-                for i, k in T.Parallel(PLACE_ROWS, topk):
-                    if bx * PLACE_ROWS + i < received:
-                        position[bx * PLACE_ROWS + i, k] = pos[i, k]
-                for i, k in T.Parallel(PLACE_ROWS, topk):
-                    if pos[i, k] >= 0:
-                        weight[pos[i, k]] = recv_w[_last_set(sends), T.min(bx * PLACE_ROWS + i, received - 1), k]
-                for i, k in T.Parallel(PLACE_ROWS, topk):
-                    if pos[i, k] >= 0:
-                        source_row[pos[i, k]] = bx * PLACE_ROWS + i
-                for i, k in T.Parallel(PLACE_ROWS, topk):
-                    if pos[i, k] >= 0:
-                        row_expert[pos[i, k]] = (recv_idx[_last_set(sends), T.min(bx * PLACE_ROWS + i, received - 1), k]
-                                                 - rank * per_rank)
+                _record_entries(pos, bx * PLACE_ROWS, PLACE_ROWS, topk, received, _last_set(sends), recv_idx, recv_w,
+                                per_rank, position, weight, source_row, row_expert)
 
     return main
 
@@ -399,41 +425,21 @@ def receive_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: in
                         r % tokens < recv_counts[s, r // tokens] and e >= 0 and e < per_rank,
                         _base(recv_expert_counts, s, upto, end, r // tokens, T.max(T.min(e, per_rank - 1), 0), world)
                         + recv_slot[s, r, k], -1)
-                for i, k in T.Parallel(1, topk):
-                    position[r, k] = pos[i, k]
-                for i, k in T.Parallel(1, topk):
-                    if pos[i, k] >= 0:
-                        weight[pos[i, k]] = recv_w[s, r, k]
-                for i, k in T.Parallel(1, topk):
-                    if pos[i, k] >= 0:
-                        source_row[pos[i, k]] = r
-                for i, k in T.Parallel(1, topk):
-                    if pos[i, k] >= 0:
-                        row_expert[pos[i, k]] = recv_idx[s, r, k] - rank * per_rank
+                _record_entries(pos, r, 1, topk, received, s, recv_idx, recv_w, per_rank, position, weight, source_row,
+                                row_expert)
                 _copy_row(recv_x, s, r, pos, 0, out, topk, hidden, row, last)
                 for q in T.serial(T.ceildiv(per_rank - r, received)):  # expert r + q * received's padding
                     for i in T.Parallel(ROW_TILE):
-                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
-                            weight[_padding_row(upto, end, r + q * received, i, world)] = 0.0
-                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
-                            source_row[_padding_row(upto, end, r + q * received, i, world)] = -1
-                        if _padding_row(upto, end, r + q * received, i, world) >= 0:
-                            row_expert[_padding_row(upto, end, r + q * received, i, world)] = -1
+                        _reset_row(_padding_row(upto, end, r + q * received, i, world),
+                                   _padding_row(upto, end, r + q * received, i, world) >= 0, weight, source_row,
+                                   row_expert)
                 for q in T.serial(T.ceildiv(rows, FILL * received)):  # rows past the last segment
                     for i in T.Parallel(FILL):
-                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
-                            weight[(q * received + r) * FILL + i] = 0.0
-                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
-                            source_row[(q * received + r) * FILL + i] = -1
-                        if (q * received + r) * FILL + i >= end[per_rank - 1] and (q * received + r) * FILL + i < rows:
-                            row_expert[(q * received + r) * FILL + i] = -1
+                        _reset_row((q * received + r) * FILL + i,
+                                   (q * received + r) * FILL + i >= end[per_rank - 1]
+                                   and (q * received + r) * FILL + i < rows, weight, source_row, row_expert)
                 if r == 0:
-                    for e in T.Parallel(per_rank):
-                        counts[e] = upto[world - 1, e]
-                    for e in T.Parallel(per_rank):
-                        offsets[e] = end[e] - _padded(upto, e, world)
-                    for src in T.Parallel(world):
-                        received_counts[src] = recv_counts[s, src]
+                    _write_layout(upto, end, recv_counts, s, counts, offsets, received_counts, world, per_rank)
 
     return main
 
