@@ -5,8 +5,9 @@
 
 Each step is timed as ``benchmarks/moe.py`` times a call (CUDA events around single calls,
 median of ``--iters``, ranks released together by a barrier), on the inputs the steps
-before it left; the table shows the slowest rank's median. ``send`` also shows the rate of
-the rows it puts on other ranks (bytes out of this rank over NVLink / time).
+before it left; the table shows the slowest rank's median. ``send + group`` (the dispatch
+kernel) also shows the rate of the rows it puts on other ranks (bytes out of this rank over
+NVLink / time).
 """
 
 import argparse
@@ -18,7 +19,6 @@ from moe import CASES, SMALL, routing
 
 import tilescale as ts
 from tilescale.ops import moe
-from tilescale.ops._common import sm_count
 
 
 def main() -> None:
@@ -31,40 +31,18 @@ def main() -> None:
     tokens, hidden, topk, num_experts = (SMALL if args.small else CASES)[args.case]
     low_latency = args.case == "low-latency"
     world, rank = ts.world_size(), ts.rank()
-    per_rank = num_experts // world
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
 
     # One whole call builds every kernel and leaves the outputs the steps below overwrite.
     _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
-    rows = h.row_expert.shape[0]
-    ex = moe._exchange(tokens, hidden, topk, x.dtype)
-    i32 = dict(dtype=torch.int32, device=x.device)
-    base, bad, received_counts = torch.empty(world, per_rank, **i32), torch.empty(1, **i32), torch.empty(world, **i32)
-    recv_w = torch.empty(rows, dtype=torch.float32, device=x.device)
+    bad = torch.empty(1, dtype=torch.int32, device=x.device)
     route = moe.route_kernel(world, tokens, topk, num_experts)
     steps = {
         "route": lambda: route(h.topk_idx, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad),
-        "send": lambda: moe._send(x, h.topk_idx, h.topk_w, h.expert_slot, h.slot, h.send_counts,
-                                  h.expert_send_counts),
+        "send + group": lambda: moe._dispatch(x, h.topk_idx, h.topk_w, h.expert_slot, h.slot, h.send_counts,
+                                              h.expert_send_counts, low_latency),
     }
-    if low_latency:
-        receive = moe.receive_kernel(world, tokens, hidden, topk, per_rank, rows, "bfloat16")
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-        steps["receive (layout, place, group)"] = lambda: receive(
-            ex.received("x"), ex.received("idx"), ex.received("expert_slot"), ex.received("w"), ex.counts,
-            ex.expert_counts_for(per_rank), ex.sends, h.counts, h.offsets, received_counts, h.position, recv_w,
-            h.source_row, h.row_expert, recv_x)
-    else:
-        layout = moe.layout_kernel(world, per_rank, rows, sm_count())
-        place = moe.place_kernel(world, tokens, topk, per_rank, rows)
-        steps["layout (counts)"] = lambda: layout(ex.expert_counts_for(per_rank), ex.counts, ex.sends, h.counts,
-                                                  h.offsets, base, received_counts, recv_w, h.source_row,
-                                                  h.row_expert)
-        steps["place"] = lambda: place(ex.received("idx"), ex.received("expert_slot"), ex.received("w"),
-                                       received_counts, ex.sends, base, h.position, recv_w, h.source_row,
-                                       h.row_expert)
-        steps["group rows"] = lambda: moe._grouped(ex, h.position, rows)
     steps["moe_dispatch"] = lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     medians = torch.tensor([time_fn(fn, iters=args.iters, barrier=dist.barrier).median_ms * 1e3
                             for fn in steps.values()], device=x.device)
@@ -74,7 +52,7 @@ def main() -> None:
     report = Report("moe-profile", columns=["step", "us", "share", "GBps"])
     for (name, _), us in zip(steps.items(), medians.tolist(), strict=True):
         report.add({"step": name, "us": us, "share": us / total,
-                    "GBps": remote_bytes / us / 1e3 if name == "send" else None})
+                    "GBps": remote_bytes / us / 1e3 if name == "send + group" else None})
     report.add({"step": "sum of steps", "us": float(medians[:-1].sum()), "share": float(medians[:-1].sum()) / total})
     if rank == 0:
         print(f"world {world}, {tokens} tokens/rank, hidden {hidden}, top-{topk} of {num_experts} experts "

@@ -83,7 +83,7 @@ LAYOUT_CHECK = textwrap.dedent("""
     print(f"rank {rank}: ROUTE-OK", flush=True)
 
     tokens = 150
-    for low_latency in (False, True):  # the same layout from three kernels or from one
+    for low_latency in (False, True):  # the same layout whether rows are announced in groups or one by one
         idx, w, x = draw(tokens, 100 + rank)
         idx[::5, 1] = idx[::5, 0]  # a token naming an expert twice has two entries, two grouped rows
         recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=low_latency)
@@ -165,22 +165,29 @@ LL_ROWS = 12288  # grouped_rows(128, 8, 32) with 8 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize("name", ["dispatch", "combine"])
-def test_kernels_lower_and_compile(name, tmp_path):
+@pytest.mark.parametrize(("name", "tokens", "low_latency"), [("dispatch", TOKENS, False), ("dispatch", 128, True),
+                                                             ("combine", TOKENS, False)])
+def test_kernels_lower_and_compile(name, tokens, low_latency, tmp_path):
+    rows = ROWS if tokens == TOKENS else LL_ROWS
     with build_options(world_size=W):
-        func = (moe.dispatch_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, PER_RANK, "bfloat16", 132)
+        func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, rows, "bfloat16", 132, low_latency)
                 if name == "dispatch"
-                else moe.combine_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, ROWS, "bfloat16", 132))
+                else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, rows, "bfloat16", 132))
     src = lower_cuda(func)
-    # One closing barrier, no opening one: the buffer set alternates by a device-side count,
-    # read before the barrier and advanced after it (no host value, so a CUDA graph can replay it).
+    # One closing barrier, no opening one: flag targets and the combine's buffer set come from
+    # a device-side count, read before the barrier and advanced after it (no host value, so
+    # a CUDA graph can replay it).
     assert src.count("tilescale::grid_barrier(") == 1
     counter = "sends[0]" if name == "dispatch" else "combines[0]"
     barrier, advance = src.index("tilescale::grid_barrier("), src.index(f"{counter} = ")
     assert src.index(counter) < barrier < advance
     assert "uint4" in src  # rows move as 16-byte vectors
     if name == "dispatch":
-        assert src.count("*(uint4*)(x + ") == 1  # a token's row is read once, whatever its destinations
+        # A row is read once per use: for the peers, for this rank's experts, from the receive buffer.
+        assert src.count("*(uint4*)(x + ") == 2 and src.count("*(uint4*)(recv_x + ") == 1
+        # Every source's counts (equal to its dispatch count + 1), then each peer group's progress.
+        assert "tilescale::block_wait((&(arrived[" in src and "tilescale::block_wait((&(progress[" in src
+        assert "CumSum2D<128, 0, false>" in src and "CumSum1D<128, false>" in src  # the layout, in every block
     proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -200,36 +207,11 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-def test_grouping_kernel_lowers_to_vector_copies_and_compiles(tmp_path):
-    src = lower_cuda(moe.group_rows_kernel.__wrapped__(W, TOKENS, HIDDEN, TOPK, ROWS, "bfloat16"))
-    assert "uint4" in src and "position[" in src
-    assert src.count("*(uint4*)(recv_x + ") == 1  # each received row read once, written per local expert
-    proc = nvcc(src, tmp_path / "group_rows.cubin")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@needs_nvcc
-@pytest.mark.parametrize(("name", "tokens"), [("route", TOKENS), ("route", 128), ("layout", TOKENS),
-                                              ("place", TOKENS), ("receive", 128)])
-def test_layout_kernels_lower_and_compile(name, tokens, tmp_path):
-    kernels = {"route": lambda: moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK),
-               "layout": lambda: moe.layout_kernel.__wrapped__(W, PER_RANK, ROWS, 132),
-               "place": lambda: moe.place_kernel.__wrapped__(W, tokens, TOPK, PER_RANK, ROWS),
-               "receive": lambda: moe.receive_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, LL_ROWS,
-                                                                 "bfloat16")}
+@pytest.mark.parametrize("tokens", [TOKENS, 128])
+def test_route_kernel_lowers_and_compiles(tokens, tmp_path):
     with build_options(world_size=W):
-        func = kernels[name]()
-    src = lower_cuda(func)
-    if name == "route":  # two-level scan: a warp per row of tokens, then the row totals
-        assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
-    elif name == "layout":  # over sources, then over the padded segments
-        assert "CumSum2D<256, 0, false>" in src and "CumSum1D<256, false>" in src
-    elif name == "receive":  # each block: the same two scans, then its row read once, written per expert
-        assert "CumSum2D<128, 0, false>" in src and "CumSum1D<128, false>" in src
-        assert src.count("*(uint4*)(recv_x + ") == 1
-    else:  # no scan on the receiver: a grouped row is base[source, expert] + the entry's expert slot
-        assert "CumSum" not in src and "base[" in src
-    proc = nvcc(src, tmp_path / f"{name}.cubin")
+        src = lower_cuda(moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK))
+    # Two-level scan: a warp per row of tokens, then the row totals.
+    assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
+    proc = nvcc(src, tmp_path / "route.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -43,6 +43,7 @@ from tilescale.language.scale import (
     requested_remote,
 )
 from tilescale.symmetric import peer_ptrs
+from tilescale.tir_fixes import guard_unit_loops
 
 
 def _grid_blocks(func: tirx.PrimFunc) -> int | None:
@@ -203,7 +204,7 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | 
         func = factory(*args, **kwargs)
     if not isinstance(func, tirx.PrimFunc):
         raise TypeError(f"{factory.__name__} must return a T.prim_func, got {type(func).__name__}")
-    return func
+    return guard_unit_loops(func)
 
 
 def kernel_lowering() -> str | None:
@@ -238,7 +239,7 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
 
     def wrap(factory: Callable[..., Any] | tirx.PrimFunc) -> Any:
         if isinstance(factory, tirx.PrimFunc):
-            return DistributedKernel(factory, out_idx, **compile_kwargs)
+            return DistributedKernel(guard_unit_loops(factory), out_idx, **compile_kwargs)
 
         compiled: dict[tuple, DistributedKernel] = {}
 

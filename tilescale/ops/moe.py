@@ -4,42 +4,55 @@ Experts are split evenly over ranks (expert ``e`` lives on rank ``e // experts_p
 A token routed to several experts of one rank crosses the link once (DeepEP's
 deduplication): every (token, destination rank) pair is one row.
 
-Dispatch, three to five kernels and no host synchronisation:
+Dispatch, two kernels and no host synchronisation:
 
 1. ``route_kernel``, on the sender: each pair's destination and its slot in the
    destination's receive buffer (one slot range per source rank, token order, so senders
    never need the receivers' offsets); and each (token, k) entry's order among this rank's
    entries naming the same expert (``expert_slot``), with the entries sent to each expert.
    One block per destination rank and per expert, each a two-level scan over the tokens.
-2. ``dispatch_kernel``: each token's row is read once and put, with its expert ids, weights
-   and expert slots, into the receive buffers of every rank it goes to (destinations
-   interleaved, so no rank receives from all the others at once); block d then sends rank d
-   the row count and the per-expert entry counts. A device-scope barrier publishes everything.
-3. ``layout_kernel``, on the receiver: from the (source, local expert) entry counts, each
-   expert's count, its segment's first row (segments padded to 128-row GEMM tiles) and the
-   first row of each source's entries in it: ``base[src, e]``.
-4. ``place_kernel``: entry (src, row, k) of local expert e goes to grouped row
-   ``base[src, e] + expert_slot``, i.e. each segment holds its entries in (source, token, k)
-   order, deterministically and without a scan on the receiver.
-5. ``group_rows_kernel``: each received row, read once, is written to its experts' grouped
-   rows: one flat ``(rows, hidden)`` tensor in which expert ``l`` owns rows
-   ``offsets[l]:offsets[l] + counts[l]``. Its size is a bound known without a host round trip.
+2. ``dispatch_kernel``, sending and receiving at once. Block d first sends rank d this
+   rank's row count and per-expert entry counts, and raises rank d's ``arrived`` flag.
+   Then each block walks its own range of tokens in groups of a few:
 
-In low-latency mode (decode batches) ``receive_kernel`` does 3-5 in one launch: one block
-per received row, each recomputing the small (source, expert) prefix itself.
+   * each token of the group that goes to a peer is put there (row, expert ids, weights,
+     expert slots) at its slot; the group's slot range then goes to the peer, and the
+     peer's ``progress`` flag of this block is raised past the group (peers interleaved,
+     so no rank receives from all the others at once);
+   * once every source's counts are in (first group only), the grouped layout is known:
+     expert e's segment starts at the sum of the padded segments before it (segments
+     padded to 128-row GEMM tiles), and source src's entries of e start at ``base[src,
+     e]`` in it. Entry (token, k) of local expert e goes to grouped row ``base[src, e] +
+     expert_slot``: each segment holds its entries in (source, token, k) order,
+     deterministically, without a scan over the rows;
+   * this rank's own tokens go straight from ``x`` to their grouped rows (no receive
+     buffer), each row read once and written once per local expert;
+   * the previous group of each peer's block with the same index is placed likewise
+     from the receive buffer once its ``progress`` flag says it is in: a group's time
+     after it was sent, so the wait is usually over, and the copy from the peers
+     overlaps the block's own sends.
+
+   The result is one flat ``(rows, hidden)`` tensor in which local expert ``l`` owns rows
+   ``offsets[l]:offsets[l] + counts[l]``; its size is a bound known without a host round
+   trip. A closing barrier ends the call.
+
+Low-latency mode (decode batches) announces every row on its own (groups of one), so a
+receiver never waits for a row behind others.
 
 Combine reverses it in one kernel: each received row's expert outputs are summed with
 their routing weights on the expert side and put back into the source rank's slot; after
 the exchange each token sums its rows from its destination ranks.
 
 No host state changes from call to call, so a step can be captured in a CUDA graph and
-replayed. The receive buffers come in two sets, and each rank keeps a device-side count of
-its sends and of its combines; a call uses the set its count's parity names, and the
-kernel advances the count after its closing barrier. Consecutive exchanges through one
-buffer thus alternate sets, and a rank can write a set again only after passing the
-closing barrier of the call in between, which every rank reaches only after it has
-finished reading that set (its readers run before that call on its stream): no opening
-barrier is needed.
+replayed. Each rank keeps device-side counts of its dispatches and its combines. A
+source's ``arrived`` flag holds its dispatch count + 1, set once per call and compared for
+equality (so it survives the count's wrap-around); a ``progress`` flag holds the groups
+sent so far in this call, and its receiver puts it back to 0 after the last one. Dispatch
+reads its receive buffers before its closing barrier, so the next call, which starts after
+that barrier on every rank, may overwrite them and raise the flags again. Combine reads
+its returned rows after its barrier, so its buffers come in two sets, used by alternate
+calls: a rank writes a set again only after passing the barrier of the call in between,
+which no rank reaches before it has read that set. No opening barrier is needed.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -63,8 +76,10 @@ ROW_TILE = 128
 SCAN_ROWS = 32
 SCAN_COLS = 128
 SCAN_THREADS = 512
-# Received rows per block of the placement kernel; grouped rows per step of the fills.
-PLACE_ROWS = 64
+# Tokens a dispatch block sends to a peer between two announcements (each a fence and a
+# flag): fewer fences, against the receiver waiting longer for the first rows.
+GROUP_ROWS = 4
+# Grouped rows per step of the fill of rows holding no entry.
 FILL = 1024
 
 
@@ -172,116 +187,248 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
     return main
 
 
-@jit
-def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, dtype: str, sms: int):
-    """Put token t's row of ``x``, expert ids, weights and expert slots into slot
-    ``slot[d * tokens + t]`` of every rank d where that is >= 0; block d also
-    sends rank d the row count and this rank's entry count of each of d's experts.
+def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple[int, int, int]:
+    """``(blocks, chunk, group)`` of the dispatch kernel: block b sends tokens ``b * chunk ..
+    (b + 1) * chunk - 1`` and announces them to each peer every ``group`` tokens (one in
+    low-latency mode: each row as soon as it is out). One block per SM at most (the closing
+    barrier needs every block resident), and no fewer blocks than ranks (block d sends rank
+    d the counts)."""
+    chunk = -(-tokens // min(tokens, sms))
+    return max(-(-tokens // chunk), world), chunk, 1 if low_latency else min(GROUP_ROWS, chunk)
 
-    The receive buffers have two sets: this call uses set ``sends[0] % 2`` and advances
-    ``sends[0]`` once every rank's puts have landed (see the module notes).
+
+@jit
+def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
+                    low_latency: bool):
+    """Send every token to the ranks of its experts and group what this rank receives by
+    local expert, in one launch (see the module notes for the protocol).
+
+    Inputs are the routing kernel's outputs; ``recv_*``, ``ranges``, ``progress`` and
+    ``arrived`` are symmetric; the rest are this rank's grouped layout, written here.
     """
-    blocks = send_blocks(world, tokens, sms)
+    blocks, chunk, group = dispatch_plan(world, tokens, sms, low_latency)
+    groups = -(-chunk // group)
+    received = world * tokens
 
     @T.prim_func
     def main(x: T.Tensor((tokens, hidden), dtype), topk_idx: T.Tensor((tokens, topk), "int32"),
              topk_w: T.Tensor((tokens, topk), "float32"), expert_slot: T.Tensor((tokens, topk), "int32"),
-             slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             slot: T.Tensor((received,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
-             recv_x: T.Tensor((2, world, tokens, hidden), dtype), recv_idx: T.Tensor((2, world, tokens, topk), "int32"),
-             recv_w: T.Tensor((2, world, tokens, topk), "float32"),
-             recv_slot: T.Tensor((2, world, tokens, topk), "int32"), recv_counts: T.Tensor((2, world), "int32"),
-             recv_expert_counts: T.Tensor((2, world, per_rank), "int32"), sends: T.Tensor((1,), "int32")):
-        with T.Kernel(blocks, threads=128) as bx:
+             recv_x: T.Tensor((world, tokens, hidden), dtype), recv_idx: T.Tensor((world, tokens, topk), "int32"),
+             recv_w: T.Tensor((world, tokens, topk), "float32"), recv_slot: T.Tensor((world, tokens, topk), "int32"),
+             recv_counts: T.Tensor((world,), "int32"), recv_expert_counts: T.Tensor((world, per_rank), "int32"),
+             ranges: T.Tensor((world, blocks, groups, 2), "int32"), progress: T.Tensor((world, blocks), "int32"),
+             arrived: T.Tensor((world,), "int32"), sends: T.Tensor((1,), "int32"),
+             counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
+             received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
+             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
+             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype)):
+        with T.Kernel(blocks, threads=128) as b:
             with T.Scale("device") as (rank, ranks):
                 row = T.alloc_shared((hidden,), dtype)
-                at = T.alloc_local((world,), "int32")  # the token's slot at each destination, -1 for none
+                ids = T.alloc_shared((1, topk), "int32")
+                ws = T.alloc_shared((1, topk), "float32")
+                eslots = T.alloc_shared((1, topk), "int32")
+                pos = T.alloc_shared((1, topk), "int32")
+                span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
+                upto = T.alloc_shared((world, per_rank), "int32")
+                end = T.alloc_shared((per_rank,), "int32")
                 call = T.alloc_local((1,), "int32")
-                call[0] = sends[0]  # read by every block before the barrier, advanced after it
-                s = call[0] % 2
-                for q in T.serial(T.ceildiv(tokens - bx, blocks)):
-                    t = bx + q * blocks
-                    # Destinations rotate with the token: the tokens in flight go to every rank at once.
-                    for i in T.unroll(ranks):
-                        at[i] = slot[(rank + t + i) % ranks * tokens + t]
-                    T.copy(x[t, 0:hidden], row)  # read once, put to every destination
-                    for i in T.unroll(ranks):
-                        if at[i] >= 0:
-                            T.copy(row, recv_x[s, rank, at[i], 0:hidden], dst_pe=(rank + t + i) % ranks)
-                            T.copy(topk_idx[t, 0:topk], recv_idx[s, rank, at[i], 0:topk],
-                                   dst_pe=(rank + t + i) % ranks)
-                            T.copy(topk_w[t, 0:topk], recv_w[s, rank, at[i], 0:topk], dst_pe=(rank + t + i) % ranks)
-                            T.copy(expert_slot[t, 0:topk], recv_slot[s, rank, at[i], 0:topk],
-                                   dst_pe=(rank + t + i) % ranks)
-                if bx < ranks:  # there are at least as many blocks as ranks
-                    T.copy(send_counts[bx:bx + 1], recv_counts[s, rank:rank + 1], dst_pe=bx)
-                    T.copy(expert_counts[bx * per_rank:bx * per_rank + per_rank],
-                           recv_expert_counts[s, rank, 0:per_rank], dst_pe=bx)
-                T.barrier()  # everything sent has landed everywhere
-                if bx == 0:
+                call[0] = sends[0]
+                if b < ranks:  # the counts first: a receiver needs every source's to place any row
+                    T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
+                    T.copy(expert_counts[b * per_rank:b * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
+                           dst_pe=b)
+                    T.signal(arrived[rank], call[0] + 1, pe=b)
+                for g in T.serial(groups + 1):
+                    # Group g out to the peers, then placed here; group g - 1 of each peer's block b
+                    # placed meanwhile (it has had a group's time to arrive).
+                    if world > 1 and g < groups:
+                        for j in T.serial(world - 1):
+                            _put_group(x, topk_idx, topk_w, expert_slot, slot, row, span, recv_x, recv_idx, recv_w,
+                                       recv_slot, ranges, progress, b * chunk + g * group,
+                                       _group_tokens(b, g, chunk, group, tokens),
+                                       (rank + 1 + (b + j) % (world - 1)) % world,
+                                       b, g, tokens, hidden, topk)
+                    if g == 0:
+                        for src in T.serial(ranks):
+                            T.wait(arrived[src], "eq", call[0] + 1)
+                        _segments(recv_expert_counts, upto, end, world, per_rank)
+                    if g < groups:
+                        for i in T.serial(_group_tokens(b, g, chunk, group, tokens)):
+                            t = b * chunk + g * group + i
+                            if slot[rank * tokens + t] >= 0:
+                                T.copy(x[t, 0:hidden], row)
+                                T.copy(topk_idx[t:t + 1, 0:topk], ids)
+                                T.copy(topk_w[t:t + 1, 0:topk], ws)
+                                T.copy(expert_slot[t:t + 1, 0:topk], eslots)
+                                _place(rank * tokens + slot[rank * tokens + t], tokens, row, ids, ws, eslots, pos,
+                                       upto, end, recv_expert_counts, position, weight, source_row, row_expert, out,
+                                       world, per_rank, topk, hidden)
+                    if world > 1 and g > 0:
+                        for j in T.serial(world - 1):
+                            _take_group((rank + 1 + (b + j) % (world - 1)) % world, b, g - 1, groups, row, ids, ws,
+                                        eslots, pos, upto, end, recv_x, recv_idx, recv_w, recv_slot,
+                                        recv_expert_counts, ranges, progress, position, weight, source_row,
+                                        row_expert, out, world, tokens, per_rank, topk, hidden)
+                _finish_layout(b, blocks, upto, end, recv_counts, counts, offsets, received_counts, position, weight,
+                               source_row, row_expert, world, tokens, per_rank, topk, rows)
+                T.barrier()  # every rank has taken its rows out of the receive buffers
+                if b == 0:
                     sends[0] = call[0] + 1  # every thread stores the same value
 
     return main
 
 
-def _last_set(sends):
-    """The receive-buffer set of this rank's latest send (its count is advanced past it)."""
-    return (sends[0] + 1) % 2
+def _rank():
+    """This rank, inside a kernel's ``T.Scale("device")``. Use it inline: bound to a name in a
+    macro, TileLang would rename the kernel's rank parameter, which ``ts.jit`` binds by name."""
+    return current_context().rank
 
 
-@jit
-def layout_kernel(world: int, per_rank: int, rows: int, sms: int):
-    """Block 0: ``counts[e]`` (entries of local expert e from every source), ``offsets[e]``
-    (its segment's first grouped row, segments padded to row tiles), ``base[src, e]``
-    (the first grouped row of source src's entries of e) and the rows received from each
-    source. Every block: the per-row outputs reset (weight 0, source row and expert -1)
-    before the placement writes the rows in use."""
-    blocks = max(min(sms, -(-rows // FILL)), 1)
-
-    @T.prim_func
-    def main(recv_expert_counts: T.Tensor((2, world, per_rank), "int32"), recv_counts: T.Tensor((2, world), "int32"),
-             sends: T.Tensor((1,), "int32"), counts: T.Tensor((per_rank,), "int32"),
-             offsets: T.Tensor((per_rank,), "int32"), base: T.Tensor((world, per_rank), "int32"),
-             received_counts: T.Tensor((world,), "int32"), weight: T.Tensor((rows,), "float32"),
-             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32")):
-        with T.Kernel(blocks, threads=256) as bx:
-            upto = T.alloc_shared((world, per_rank), "int32")  # inclusive prefix over sources
-            end = T.alloc_shared((per_rank,), "int32")  # inclusive prefix of the padded segments
-            for q in T.serial(T.ceildiv(rows, FILL * blocks)):
-                for i in T.Parallel(FILL):
-                    _reset_row((q * blocks + bx) * FILL + i, (q * blocks + bx) * FILL + i < rows, weight, source_row,
-                               row_expert)
-            if bx == 0:
-                _segments(recv_expert_counts, _last_set(sends), upto, end, world, per_rank)
-                _write_layout(upto, end, recv_counts, _last_set(sends), counts, offsets, received_counts, world,
-                              per_rank)
-                for src, e in T.Parallel(world, per_rank):
-                    base[src, e] = _base(recv_expert_counts, _last_set(sends), upto, end, src, e, world)
-
-    return main
+def _group_tokens(b, g, chunk, group, tokens):
+    """Tokens in group g of block b (none past the last token)."""
+    return T.min(T.min(group, chunk - g * group), tokens - b * chunk - g * group)
 
 
 @T.macro
-def _segments(recv_expert_counts, s, upto, end, world, per_rank):
-    """``upto``: the (source, expert) entry counts of set ``s``, summed over sources;
-    ``end``: the inclusive prefix of the experts' padded segments."""
-    T.copy(recv_expert_counts[s, 0:world, 0:per_rank], upto)
+def _put_group(x, topk_idx, topk_w, expert_slot, slot, row, span, recv_x, recv_idx, recv_w, recv_slot, ranges,
+               progress, t0, n, d, b, g, tokens, hidden, topk):
+    """Tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row, expert
+    ids, weights, expert slots, at their slots there), then the group's slot range into
+    ``ranges[rank, b, g]`` there and its progress flag raised to g + 1."""
+    first, sent = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")  # per thread: no race
+    first[0] = 0
+    sent[0] = 0
+    for i in T.serial(n):
+        if slot[d * tokens + t0 + i] >= 0:
+            T.copy(x[t0 + i, 0:hidden], row)
+            T.copy(row, recv_x[_rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
+            T.copy(topk_idx[t0 + i:t0 + i + 1, 0:topk], recv_idx[_rank(), slot[d * tokens + t0 + i], 0:topk],
+                   dst_pe=d)
+            T.copy(topk_w[t0 + i:t0 + i + 1, 0:topk], recv_w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(expert_slot[t0 + i:t0 + i + 1, 0:topk], recv_slot[_rank(), slot[d * tokens + t0 + i], 0:topk],
+                   dst_pe=d)
+            if sent[0] == 0:
+                first[0] = slot[d * tokens + t0 + i]  # slots grow with the token: the rest follow
+            sent[0] = sent[0] + 1
+    span[0] = first[0]
+    span[1] = sent[0]
+    T.copy(span, ranges[_rank(), b, g, 0:2], dst_pe=d)
+    T.signal(progress[_rank(), b], g + 1, pe=d)
+
+
+@T.macro
+def _take_group(src, b, g, groups, row, ids, ws, eslots, pos, upto, end, recv_x, recv_idx, recv_w, recv_slot,
+                recv_expert_counts, ranges, progress, position, weight, source_row, row_expert, out, world, tokens,
+                per_rank, topk, hidden):
+    """Once it has arrived, group g of source src's block b: its rows placed at their experts'
+    grouped rows. After the last group, the flag goes back to 0 for the next call, whose
+    sender starts after this call's closing barrier."""
+    T.wait(progress[src, b], "ge", g + 1)
+    first, n = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")
+    first[0] = ranges[src, b, g, 0]
+    n[0] = ranges[src, b, g, 1]
+    for i in T.serial(n[0]):
+        T.copy(recv_x[src, first[0] + i, 0:hidden], row)
+        T.copy(recv_idx[src, first[0] + i:first[0] + i + 1, 0:topk], ids)
+        T.copy(recv_w[src, first[0] + i:first[0] + i + 1, 0:topk], ws)
+        T.copy(recv_slot[src, first[0] + i:first[0] + i + 1, 0:topk], eslots)
+        _place(src * tokens + first[0] + i, tokens, row, ids, ws, eslots, pos, upto, end, recv_expert_counts,
+               position, weight, source_row, row_expert, out, world, per_rank, topk, hidden)
+    if g == groups - 1:
+        progress[src, b] = 0
+
+
+@T.macro
+def _place(received_row, tokens, row, ids, ws, eslots, pos, upto, end, recv_expert_counts, position, weight,
+           source_row, row_expert, out, world, per_rank, topk, hidden):
+    """Received row ``received_row`` (slot ``received_row % tokens`` of source ``src =
+    received_row // tokens``; its data in ``row``, its entries' expert ids, weights and
+    expert slots in ``ids``, ``ws``, ``eslots``): entry k of local expert e goes to grouped
+    row ``base[src, e] + eslots[k]``. Records each entry's grouped row in
+    ``position`` (-1 for other ranks' experts), per grouped row its weight, source row and
+    expert, and writes the row to each."""
+    lo = _rank() * per_rank
+    for i, k in T.Parallel(1, topk):
+        pos[i, k] = T.if_then_else(
+            lo <= ids[i, k] and ids[i, k] < lo + per_rank,
+            _base(recv_expert_counts, upto, end, received_row // tokens, T.max(T.min(ids[i, k] - lo, per_rank - 1), 0),
+                  world)
+            + eslots[i, k], -1)
+    for i, k in T.Parallel(1, topk):
+        position[received_row, k] = pos[i, k]
+    for i, k in T.Parallel(1, topk):
+        if pos[i, k] >= 0:
+            weight[pos[i, k]] = ws[i, k]
+    for i, k in T.Parallel(1, topk):
+        if pos[i, k] >= 0:
+            source_row[pos[i, k]] = received_row
+    for i, k in T.Parallel(1, topk):
+        if pos[i, k] >= 0:
+            row_expert[pos[i, k]] = ids[i, k] - lo
+    for k in T.serial(topk):
+        if pos[0, k] >= 0:
+            T.copy(row, out[pos[0, k], 0:hidden])
+
+
+@T.macro
+def _segments(recv_expert_counts, upto, end, world, per_rank):
+    """``upto``: the (source, expert) entry counts summed over sources; ``end``: the inclusive
+    prefix of the experts' padded segments."""
+    T.copy(recv_expert_counts[0:world, 0:per_rank], upto)
     T.cumsum(src=upto, dim=0)
     for e in T.Parallel(per_rank):
         end[e] = _padded(upto, e, world)
     T.cumsum(src=end, dim=0)
 
 
+def _padded(upto, e, world):
+    """Rows of expert e's segment: its entries rounded up to whole row tiles."""
+    return T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
+
+
+def _base(recv_expert_counts, upto, end, src, e, world):
+    """First grouped row of source src's entries of expert e."""
+    return end[e] - _padded(upto, e, world) + upto[src, e] - recv_expert_counts[src, e]
+
+
+def _padding_row(upto, end, e, i, world):
+    """Row i of expert e's segment past its entries, or -1 past the segment's end."""
+    return T.if_then_else(upto[world - 1, e] + i < _padded(upto, e, world),
+                          end[e] - _padded(upto, e, world) + upto[world - 1, e] + i, -1)
+
+
 @T.macro
-def _write_layout(upto, end, recv_counts, s, counts, offsets, received_counts, world, per_rank):
-    """Per local expert its entry count and its segment's first row; the rows received from
-    each source (set ``s``)."""
-    for e in T.Parallel(per_rank):
-        counts[e] = upto[world - 1, e]
-    for e in T.Parallel(per_rank):
-        offsets[e] = end[e] - _padded(upto, e, world)
-    for src in T.Parallel(world):
-        received_counts[src] = recv_counts[s, src]
+def _finish_layout(b, blocks, upto, end, recv_counts, counts, offsets, received_counts, position, weight, source_row,
+                   row_expert, world, tokens, per_rank, topk, rows):
+    """What no row placement writes, shared out over the blocks: the entries of receive slots
+    past their source's count (-1), the grouped rows holding no entry (each expert's padding
+    and the rows past the last segment: weight 0, source row and expert -1), and (block 0)
+    each expert's count and first row and the rows received from each source."""
+    for q in T.serial(T.ceildiv(world * tokens, blocks)):
+        if b + q * blocks < world * tokens and (b + q * blocks) % tokens >= recv_counts[
+                T.min((b + q * blocks) // tokens, world - 1)]:
+            for k in T.Parallel(topk):
+                position[b + q * blocks, k] = -1
+    for q in T.serial(T.ceildiv(per_rank, blocks)):
+        if b + q * blocks < per_rank:
+            for i in T.Parallel(ROW_TILE):
+                _reset_row(_padding_row(upto, end, b + q * blocks, i, world),
+                           _padding_row(upto, end, b + q * blocks, i, world) >= 0, weight, source_row, row_expert)
+    for q in T.serial(T.ceildiv(rows, FILL * blocks)):
+        for i in T.Parallel(FILL):
+            _reset_row((q * blocks + b) * FILL + i,
+                       (q * blocks + b) * FILL + i >= end[per_rank - 1] and (q * blocks + b) * FILL + i < rows, weight,
+                       source_row, row_expert)
+    if b == 0:
+        for e in T.Parallel(per_rank):
+            counts[e] = upto[world - 1, e]
+        for e in T.Parallel(per_rank):
+            offsets[e] = end[e] - _padded(upto, e, world)
+        for src in T.Parallel(world):
+            received_counts[src] = recv_counts[src]
 
 
 @T.macro
@@ -294,154 +441,6 @@ def _reset_row(p, holds_none, weight, source_row, row_expert):
         source_row[p] = -1
     if holds_none:
         row_expert[p] = -1
-
-
-@T.macro
-def _record_entries(pos, first, n, topk, received, s, recv_idx, recv_w, per_rank, position, weight, source_row,
-                    row_expert):
-    """Received rows ``first .. first + n`` (set ``s``): each entry's grouped row ``pos[i, k]``
-    into ``position``, and per grouped row in use its weight, source row and local expert.
-    The rank comes from the build context, not as an argument: a macro would bind it anew."""
-    for i, k in T.Parallel(n, topk):
-        if first + i < received:
-            position[first + i, k] = pos[i, k]
-    for i, k in T.Parallel(n, topk):
-        if pos[i, k] >= 0:
-            weight[pos[i, k]] = recv_w[s, T.min(first + i, received - 1), k]
-    for i, k in T.Parallel(n, topk):
-        if pos[i, k] >= 0:
-            source_row[pos[i, k]] = first + i
-    for i, k in T.Parallel(n, topk):
-        if pos[i, k] >= 0:
-            row_expert[pos[i, k]] = recv_idx[s, T.min(first + i, received - 1), k] - current_context().rank * per_rank
-
-
-def _padded(upto, e, world):
-    """Rows of expert e's segment: its entries rounded up to whole row tiles."""
-    return T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
-
-
-def _base(recv_expert_counts, s, upto, end, src, e, world):
-    """First grouped row of source src's entries of expert e."""
-    return end[e] - _padded(upto, e, world) + upto[src, e] - recv_expert_counts[s, src, e]
-
-
-@jit
-def place_kernel(world: int, tokens: int, topk: int, per_rank: int, rows: int):
-    """Entry (received row r, k) of local expert e goes to grouped row ``base[src, e] +
-    recv_slot[r, k]`` (src = r // tokens): its ``position``, and per grouped row the routing
-    weight, source row and expert. Entries of no local expert, and rows past the count
-    received from their source, get position -1."""
-    received = world * tokens
-
-    @T.prim_func
-    def main(recv_idx: T.Tensor((2, received, topk), "int32"), recv_slot: T.Tensor((2, received, topk), "int32"),
-             recv_w: T.Tensor((2, received, topk), "float32"), received_counts: T.Tensor((world,), "int32"),
-             sends: T.Tensor((1,), "int32"), base: T.Tensor((world, per_rank), "int32"),
-             position: T.Tensor((received, topk), "int32"), weight: T.Tensor((rows,), "float32"),
-             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32")):
-        with T.Kernel(T.ceildiv(received, PLACE_ROWS), threads=128) as bx:
-            with T.Scale("device") as (rank, ranks):
-                pos = T.alloc_shared((PLACE_ROWS, topk), "int32")
-                for i, k in T.Parallel(PLACE_ROWS, topk):
-                    r = T.min(bx * PLACE_ROWS + i, received - 1)
-                    e = recv_idx[_last_set(sends), r, k] - rank * per_rank
-                    pos[i, k] = T.if_then_else(
-                        bx * PLACE_ROWS + i < received and r % tokens < received_counts[r // tokens]
-                        and e >= 0 and e < per_rank,
-                        base[r // tokens, T.max(T.min(e, per_rank - 1), 0)] + recv_slot[_last_set(sends), r, k], -1)
-                _record_entries(pos, bx * PLACE_ROWS, PLACE_ROWS, topk, received, _last_set(sends), recv_idx, recv_w,
-                                per_rank, position, weight, source_row, row_expert)
-
-    return main
-
-
-@T.macro
-def _copy_row(recv_x, s, r, targets, i, out, topk, hidden, row, last):
-    """Received row r of set s, read once, to grouped row ``targets[i, k]`` for every k where
-    that is >= 0 (a row with no local expert, or not received, is not read)."""
-    last[0] = -1
-    for k in T.serial(topk):
-        last[0] = T.max(last[0], targets[i, k])
-    if last[0] >= 0:
-        T.copy(recv_x[s, r:r + 1, 0:hidden], row)
-        for k in T.serial(topk):
-            if targets[i, k] >= 0:
-                T.copy(row, out[targets[i, k]:targets[i, k] + 1, 0:hidden])
-
-
-@jit
-def group_rows_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str):
-    """Block r: copy received row r to grouped row ``position[r, k]`` for every k where it
-    is >= 0 (the row is read once, into registers)."""
-    received = world * tokens
-
-    @T.prim_func
-    def main(recv_x: T.Tensor((2, received, hidden), dtype), sends: T.Tensor((1,), "int32"),
-             position: T.Tensor((received, topk), "int32"), out: T.Tensor((rows, hidden), dtype)):
-        with T.Kernel(received, threads=128) as r:
-            row = T.alloc_fragment((1, hidden), dtype)
-            last = T.alloc_local((1,), "int32")
-            _copy_row(recv_x, _last_set(sends), r, position, r, out, topk, hidden, row, last)
-
-    return main
-
-
-def _padding_row(upto, end, e, i, world):
-    """Row i of expert e's segment past its entries, or -1 past the segment's end."""
-    return T.if_then_else(upto[world - 1, e] + i < _padded(upto, e, world),
-                          end[e] - _padded(upto, e, world) + upto[world - 1, e] + i, -1)
-
-
-@jit
-def receive_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str):
-    """Low-latency mode's receiver, layout + placement + grouping in one launch: block r
-    recomputes the (source, expert) prefix (a few hundred entries), places received row r's
-    entries and copies the row to them; it also resets the rows of the experts ``r, r +
-    received, ...`` that hold no entry, and its share of the rows past the last segment."""
-    received = world * tokens
-
-    @T.prim_func
-    def main(recv_x: T.Tensor((2, received, hidden), dtype), recv_idx: T.Tensor((2, received, topk), "int32"),
-             recv_slot: T.Tensor((2, received, topk), "int32"), recv_w: T.Tensor((2, received, topk), "float32"),
-             recv_counts: T.Tensor((2, world), "int32"), recv_expert_counts: T.Tensor((2, world, per_rank), "int32"),
-             sends: T.Tensor((1,), "int32"), counts: T.Tensor((per_rank,), "int32"),
-             offsets: T.Tensor((per_rank,), "int32"), received_counts: T.Tensor((world,), "int32"),
-             position: T.Tensor((received, topk), "int32"), weight: T.Tensor((rows,), "float32"),
-             source_row: T.Tensor((rows,), "int32"), row_expert: T.Tensor((rows,), "int32"),
-             out: T.Tensor((rows, hidden), dtype)):
-        with T.Kernel(received, threads=128) as r:
-            with T.Scale("device") as (rank, ranks):
-                upto = T.alloc_shared((world, per_rank), "int32")
-                end = T.alloc_shared((per_rank,), "int32")
-                pos = T.alloc_shared((1, topk), "int32")
-                row = T.alloc_fragment((1, hidden), dtype)
-                last = T.alloc_local((1,), "int32")
-                s = _last_set(sends)
-                _segments(recv_expert_counts, s, upto, end, world, per_rank)
-                for i, k in T.Parallel(1, topk):
-                    e = recv_idx[s, r, k] - rank * per_rank
-                    pos[i, k] = T.if_then_else(
-                        r % tokens < recv_counts[s, r // tokens] and e >= 0 and e < per_rank,
-                        _base(recv_expert_counts, s, upto, end, r // tokens, T.max(T.min(e, per_rank - 1), 0), world)
-                        + recv_slot[s, r, k], -1)
-                _record_entries(pos, r, 1, topk, received, s, recv_idx, recv_w, per_rank, position, weight, source_row,
-                                row_expert)
-                _copy_row(recv_x, s, r, pos, 0, out, topk, hidden, row, last)
-                for q in T.serial(T.ceildiv(per_rank - r, received)):  # expert r + q * received's padding
-                    for i in T.Parallel(ROW_TILE):
-                        _reset_row(_padding_row(upto, end, r + q * received, i, world),
-                                   _padding_row(upto, end, r + q * received, i, world) >= 0, weight, source_row,
-                                   row_expert)
-                for q in T.serial(T.ceildiv(rows, FILL * received)):  # rows past the last segment
-                    for i in T.Parallel(FILL):
-                        _reset_row((q * received + r) * FILL + i,
-                                   (q * received + r) * FILL + i >= end[per_rank - 1]
-                                   and (q * received + r) * FILL + i < rows, weight, source_row, row_expert)
-                if r == 0:
-                    _write_layout(upto, end, recv_counts, s, counts, offsets, received_counts, world, per_rank)
-
-    return main
 
 
 @jit
@@ -485,16 +484,17 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                 if bx == 0:
                     combines[0] = call[0] + 1  # every thread stores the same value
                 # Token t's row from destination rank d is back[s, d, slot[d * tokens + t]].
-                for q in T.serial(T.ceildiv(tokens - bx, blocks)):
+                for q in T.serial(T.ceildiv(tokens, blocks)):
                     t = bx + q * blocks
-                    T.clear(acc)
-                    for d in T.serial(ranks):
-                        if dest[d * tokens + t] >= 0:
-                            T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
-                            for i, c in T.Parallel(1, hidden):
-                                acc[i, c] += T.cast(part[i, c], "float32")
-                    T.copy(acc, row)
-                    T.copy(row, out[t:t + 1, 0:hidden])
+                    if t < tokens:
+                        T.clear(acc)
+                        for d in T.serial(ranks):
+                            if dest[d * tokens + t] >= 0:
+                                T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
+                                for i, c in T.Parallel(1, hidden):
+                                    acc[i, c] += T.cast(part[i, c], "float32")
+                        T.copy(acc, row)
+                        T.copy(row, out[t:t + 1, 0:hidden])
 
     return main
 
@@ -521,32 +521,28 @@ class DispatchHandle:
 
 @dataclass
 class _Exchange:
-    """Receive buffers of one (tokens, hidden, topk, dtype), two sets of each (the leading
-    dimension), and this rank's device-side counts of the sends and combines through them,
-    which pick the set (see the module notes)."""
+    """Receive buffers of one (tokens, hidden, topk, dtype), and this rank's device-side counts
+    of the dispatches and combines through them (see the module notes)."""
 
-    x: torch.Tensor  # (2, world, tokens, hidden)
-    idx: torch.Tensor  # (2, world, tokens, topk) int32
-    w: torch.Tensor  # (2, world, tokens, topk) float32
-    expert_slot: torch.Tensor  # (2, world, tokens, topk) int32
-    counts: torch.Tensor  # (2, world) int32 rows from each source
-    back: torch.Tensor  # (2, world, tokens, hidden) combine's rows coming back
+    x: torch.Tensor  # (world, tokens, hidden): slot j of source src at [src, j]
+    idx: torch.Tensor  # (world, tokens, topk) int32
+    w: torch.Tensor  # (world, tokens, topk) float32
+    expert_slot: torch.Tensor  # (world, tokens, topk) int32
+    counts: torch.Tensor  # (world,) int32 rows from each source
+    arrived: torch.Tensor  # (world,) int32: source src's counts are in once [src] > its dispatch count
+    back: torch.Tensor  # (2, world, tokens, hidden) combine's rows coming back, two sets
     sends: torch.Tensor  # (1,) int32, this rank only
     combines: torch.Tensor  # (1,) int32, this rank only
-    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # (2, world, per_rank), by per_rank
+    by_shape: dict[tuple, torch.Tensor] = field(default_factory=dict)  # int32 buffers by (name, shape)
 
-    def expert_counts_for(self, per_rank: int) -> torch.Tensor:
-        """The (source, local expert) entry counts' buffer (allocated at first use: every
-        rank dispatches with the same number of experts)."""
-        if per_rank not in self.expert_counts:
-            runtime.check_not_capturing(f"moe_dispatch with {per_rank} experts per rank")
-            self.expert_counts[per_rank] = zeros((2, runtime.world_size(), per_rank), dtype=torch.int32)
-        return self.expert_counts[per_rank]
-
-    def received(self, name: str) -> torch.Tensor:
-        """Buffer ``name`` with each set's (source, slot) rows as one dimension."""
-        t = getattr(self, name)
-        return t.view(2, t.shape[1] * t.shape[2], *t.shape[3:])
+    def int32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Symmetric int32 buffer ``name`` of ``shape``, allocated (zeroed) at first use: its
+        shape depends on the call (experts, the dispatch plan), the same on every rank."""
+        key = (name, shape)
+        if key not in self.by_shape:
+            runtime.check_not_capturing(f"moe_dispatch's {name} buffer of {shape}")
+            self.by_shape[key] = zeros(shape, dtype=torch.int32)
+        return self.by_shape[key]
 
 
 _exchanges: dict[tuple, _Exchange] = {}
@@ -557,11 +553,11 @@ def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Excha
     if key not in _exchanges:
         runtime.check_not_capturing(f"MoE exchange of {tokens} tokens x {hidden} ({dtype}), top-{topk}")
         world = runtime.world_size()
-        rows, meta = (2, world, tokens, hidden), (2, world, tokens, topk)
+        rows, meta = (world, tokens, hidden), (world, tokens, topk)
         _exchanges[key] = _Exchange(
             zeros(rows, dtype=dtype), zeros(meta, dtype=torch.int32), zeros(meta, dtype=torch.float32),
-            zeros(meta, dtype=torch.int32), zeros((2, world), dtype=torch.int32), zeros(rows, dtype=dtype),
-            torch.zeros(1, dtype=torch.int32, device=runtime.device()),
+            zeros(meta, dtype=torch.int32), zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32),
+            zeros((2, *rows), dtype=dtype), torch.zeros(1, dtype=torch.int32, device=runtime.device()),
             torch.zeros(1, dtype=torch.int32, device=runtime.device()))
     return _exchanges[key]
 
@@ -631,37 +627,33 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts])
 
 
-def _receive(ex: _Exchange, tokens: int, topk: int, per_rank: int, low_latency: bool) -> tuple[torch.Tensor, ...]:
-    """The rows of the latest send grouped by local expert, with their layout; no host round trip.
+def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
+              slot: torch.Tensor, send_counts: torch.Tensor, expert_send_counts: torch.Tensor,
+              low_latency: bool) -> tuple[torch.Tensor, ...]:
+    """Every token to its destinations, and what this rank receives grouped by local expert,
+    from the routing kernel's outputs; no host round trip.
 
     Returns ``recv_x`` (rows, hidden), per grouped row its routing weight, ``row_expert`` and
     ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
     ``position`` (received rows, topk); and the rows received from each source.
     """
-    world, hidden = runtime.world_size(), ex.x.shape[3]
-    dev = ex.x.device
+    world = runtime.world_size()
+    (tokens, hidden), topk = x.shape, idx.shape[1]
+    per_rank = expert_send_counts.numel() // world
     rows = grouped_rows(tokens, topk, per_rank)
-    received = world * tokens
-    i32 = dict(dtype=torch.int32, device=dev)
+    ex = _exchange(tokens, hidden, topk, x.dtype)
+    blocks, chunk, group = dispatch_plan(world, tokens, sm_count(), low_latency)
+    i32 = dict(dtype=torch.int32, device=x.device)
     counts, offsets = torch.empty(per_rank, **i32), torch.empty(per_rank, **i32)
-    received_counts, position = torch.empty(world, **i32), torch.empty(received, topk, **i32)
-    weight = torch.empty(rows, dtype=torch.float32, device=dev)
+    received_counts, position = torch.empty(world, **i32), torch.empty(world * tokens, topk, **i32)
+    weight = torch.empty(rows, dtype=torch.float32, device=x.device)
     source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
-    if low_latency:
-        recv_x = torch.empty(rows, hidden, dtype=ex.x.dtype, device=dev)
-        receive_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(recv_x))(
-            ex.received("x"), ex.received("idx"), ex.received("expert_slot"), ex.received("w"), ex.counts,
-            ex.expert_counts_for(per_rank), ex.sends, counts, offsets, received_counts, position, weight, source_row,
-            row_expert, recv_x)
-    else:
-        base = torch.empty(world, per_rank, **i32)
-        layout_kernel(world, per_rank, rows, sm_count())(ex.expert_counts_for(per_rank), ex.counts, ex.sends, counts,
-                                                         offsets, base, received_counts, weight, source_row,
-                                                         row_expert)
-        place_kernel(world, tokens, topk, per_rank, rows)(ex.received("idx"), ex.received("expert_slot"),
-                                                          ex.received("w"), received_counts, ex.sends, base, position,
-                                                          weight, source_row, row_expert)
-        recv_x = _grouped(ex, position, rows)
+    recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sm_count(), low_latency)
+    kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
+           ex.counts, ex.int32("expert counts", (world, per_rank)),
+           ex.int32("ranges", (world, blocks, -(-chunk // group), 2)), ex.int32("progress", (world, blocks)),
+           ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x)
     return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
 
@@ -684,9 +676,9 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     consumes this layout. Every rank passes the same number of tokens (pad with tokens
     weighted 0).
 
-    ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) groups the
-    received rows in one launch instead of three (see the module notes); both modes give
-    the same result. Every rank must pick the same mode.
+    ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) announces
+    every row to its receiver as soon as it is out, instead of every few rows (see the
+    module notes); both modes give the same result.
 
     No host synchronisation: the ranks agree on shapes through the job's store at a shape's
     first call, and expert ids are checked on the device. An id outside [0, num_experts)
@@ -704,7 +696,6 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     world = runtime.world_size()
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
-    per_rank = num_experts // world
     dev = x.device
 
     # Routing: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
@@ -717,13 +708,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
     expert_send_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
     route_kernel(world, tokens, topk, num_experts)(idx, dest, slot, send_counts, expert_slot, expert_send_counts, bad)
-    ex = _send(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts)
     capturing = _capturing(x)
+    recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _dispatch(
+        x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
     if not capturing:
         _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
-
-    recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _receive(
-        ex, tokens, topk, per_rank, low_latency)
     handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
                             send_counts=send_counts, expert_send_counts=expert_send_counts, recv_counts=recv_counts,
                             position=position, counts=counts, offsets=offsets, row_expert=row_expert,
@@ -742,37 +731,15 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         grad_rows = ts.ops.moe_redispatch(grad_y, handle)   # the backward of moe_combine
 
     ``x`` is (tokens, any hidden), one row per token of this rank; the result is (rows,
-    hidden) in the dispatch's grouped layout (rows holding no token are undefined).
+    hidden) in the dispatch's grouped layout, which the same routes give again (rows
+    holding no token are undefined).
     """
     check_input(x, "x")
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
     check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
-    ex = _send(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
-               handle.expert_send_counts)
-    return _grouped(ex, handle.position, handle.row_expert.shape[0])
-
-
-def _send(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor, slot: torch.Tensor,
-          send_counts: torch.Tensor, expert_send_counts: torch.Tensor) -> _Exchange:
-    """Rows, expert ids, weights and expert slots of every pair into the destinations' receive buffers."""
-    world = runtime.world_size()
-    (tokens, hidden), topk = x.shape, idx.shape[1]
-    per_rank = expert_send_counts.numel() // world
-    ex = _exchange(tokens, hidden, topk, x.dtype)
-    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, tl_dtype(x), sm_count())
-    kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
-           ex.counts, ex.expert_counts_for(per_rank), ex.sends)
-    return ex
-
-
-def _grouped(ex: _Exchange, position: torch.Tensor, rows: int) -> torch.Tensor:
-    """The rows of the latest send copied to their experts' grouped rows."""
-    world, tokens, hidden = ex.x.shape[1:]
-    out = torch.empty(rows, hidden, dtype=ex.x.dtype, device=ex.x.device)
-    kernel = group_rows_kernel(world, tokens, hidden, position.shape[1], rows, tl_dtype(ex.x))
-    kernel(ex.received("x"), ex.sends, position, out)
-    return out
+    return _dispatch(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+                     handle.expert_send_counts, low_latency=False)[0]
 
 
 def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

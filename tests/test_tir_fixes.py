@@ -1,0 +1,46 @@
+"""Workarounds for TileLang miscompilations (``tilescale/tir_fixes.py``), checked on the CUDA it generates."""
+
+import tilelang.language as TL
+from cuda_build import lower_cuda
+
+from tilescale.language import build_options
+from tilescale.ops import tp_gemm
+from tilescale.ops._gemm import WIDE
+from tilescale.tir_fixes import guard_unit_loops
+
+
+def strided(extent):
+    """13 blocks; block r stores at r, r + 13, ... for ``extent(r, B)`` steps."""
+
+    @TL.prim_func
+    def main(A: TL.Tensor((64,), "int32"), B: TL.Tensor((4,), "int32")):
+        with TL.Kernel(13, threads=32) as r:
+            for q in TL.serial(extent(r, B)):
+                A[r + q * 13] = 1
+
+    return main
+
+
+def body(src: str) -> str:
+    return src[src.index("__launch_bounds__"):]
+
+
+def test_loop_of_zero_or_one_step_keeps_its_check():
+    # 8 items over 13 blocks: blocks 8..12 have nothing to do. TileLang alone emits the store
+    # unconditionally; guarded, the check survives.
+    src = body(lower_cuda(guard_unit_loops(strided(lambda r, B: TL.ceildiv(8 - r, 13)))))
+    assert "if (((int)blockIdx.x) < 8)" in src and "for (int q" not in src
+
+
+def test_other_loops_are_left_alone():
+    for extent in (lambda r, B: (13 - r) // 6, lambda r, B: 3, lambda r, B: B[0] - r):  # 0..2 steps, constant, any
+        func = strided(extent)
+        assert guard_unit_loops(func).same_as(func)
+
+
+def test_all_gather_gemm_pushers_stay_in_their_row_tile():
+    # K = 1024: a 128-row tile is 8 chunks of 16 rows, shared by 32 pushers; pushers 8..31 have
+    # none of it, and unguarded they pushed rows of the next tiles as well.
+    with build_options(world_size=2):
+        func = tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 1024, 32, WIDE)
+    assert "if (((int)blockIdx.x) < 8)" in lower_cuda(guard_unit_loops(func))
