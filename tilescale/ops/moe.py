@@ -226,12 +226,14 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype)):
         with T.Kernel(blocks, threads=128) as b:
             with T.Scale("device") as (rank, ranks):
-                row = T.alloc_shared((hidden,), dtype)
-                ids = T.alloc_shared((1, topk), "int32")
-                ws = T.alloc_shared((1, topk), "float32")
-                eslots = T.alloc_shared((1, topk), "int32")
-                pos = T.alloc_shared((1, topk), "int32")
+                # A group of rows with their entries' expert ids, weights and expert slots: read
+                # once from x (or a receive buffer), used for every destination.
+                tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
+                              T.alloc_shared((group, topk), "float32"), T.alloc_shared((group, topk), "int32"),
+                              T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"))
                 span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
+                given = T.alloc_shared((world, per_rank), "int32")  # every source's entries of each expert
+                got = T.alloc_shared((world,), "int32")  # every source's rows
                 upto = T.alloc_shared((world, per_rank), "int32")
                 end = T.alloc_shared((per_rank,), "int32")
                 call = T.alloc_local((1,), "int32")
@@ -242,43 +244,52 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                            dst_pe=b)
                     T.signal(arrived[rank], call[0] + 1, pe=b)
                 for g in T.serial(groups + 1):
-                    # Group g out to the peers, then placed here; group g - 1 of each peer's block b
-                    # placed meanwhile (it has had a group's time to arrive).
+                    # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
+                    # block b placed meanwhile (it has had a group's time to arrive).
+                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                        _load(x, topk_idx, topk_w, expert_slot, b * chunk + g * group, tile)
                     if world > 1 and g < groups:
                         for j in T.serial(world - 1):
-                            _put_group(x, topk_idx, topk_w, expert_slot, slot, row, span, recv_x, recv_idx, recv_w,
-                                       recv_slot, ranges, progress, b * chunk + g * group,
-                                       _group_tokens(b, g, chunk, group, tokens),
-                                       (rank + 1 + (b + j) % (world - 1)) % world,
-                                       b, g, tokens, hidden, topk)
+                            _put_group(tile, slot, span, recv_x, recv_idx, recv_w, recv_slot, ranges, progress,
+                                       b * chunk + g * group, _group_tokens(b, g, chunk, group, tokens),
+                                       (rank + 1 + (b + j) % (world - 1)) % world, b, g, tokens)
                     if g == 0:
                         for src in T.serial(ranks):
                             T.wait(arrived[src], "eq", call[0] + 1)
-                        _segments(recv_expert_counts, upto, end, world, per_rank)
-                    if g < groups:
-                        for i in T.serial(_group_tokens(b, g, chunk, group, tokens)):
-                            t = b * chunk + g * group + i
-                            if slot[rank * tokens + t] >= 0:
-                                T.copy(x[t, 0:hidden], row)
-                                T.copy(topk_idx[t:t + 1, 0:topk], ids)
-                                T.copy(topk_w[t:t + 1, 0:topk], ws)
-                                T.copy(expert_slot[t:t + 1, 0:topk], eslots)
-                                _place(rank * tokens + slot[rank * tokens + t], tokens, row, ids, ws, eslots, pos,
-                                       upto, end, recv_expert_counts, position, weight, source_row, row_expert, out,
-                                       world, per_rank, topk, hidden)
+                        _segments(recv_expert_counts, recv_counts, given, got, upto, end, world, per_rank)
+                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                        for i in T.Parallel(group):  # this rank's own tokens among them: received rows
+                            tile.where[i] = T.if_then_else(
+                                i < _group_tokens(b, g, chunk, group, tokens)
+                                and slot[rank * tokens + T.min(b * chunk + g * group + i, tokens - 1)] >= 0,
+                                rank * tokens + slot[rank * tokens + T.min(b * chunk + g * group + i, tokens - 1)],
+                                -1)
+                        _place(tile, upto, end, given, position, weight, source_row, row_expert, out, world, tokens,
+                               per_rank)
                     if world > 1 and g > 0:
                         for j in T.serial(world - 1):
-                            _take_group((rank + 1 + (b + j) % (world - 1)) % world, b, g - 1, groups, row, ids, ws,
-                                        eslots, pos, upto, end, recv_x, recv_idx, recv_w, recv_slot,
-                                        recv_expert_counts, ranges, progress, position, weight, source_row,
-                                        row_expert, out, world, tokens, per_rank, topk, hidden)
-                _finish_layout(b, blocks, upto, end, recv_counts, counts, offsets, received_counts, position, weight,
+                            _take_group((rank + 1 + (b + j) % (world - 1)) % world, b, g - 1, groups, tile, span,
+                                        upto, end, given, recv_x, recv_idx, recv_w, recv_slot, ranges, progress,
+                                        position, weight, source_row, row_expert, out, world, tokens, per_rank)
+                _finish_layout(b, blocks, upto, end, got, counts, offsets, received_counts, position, weight,
                                source_row, row_expert, world, tokens, per_rank, topk, rows)
                 T.barrier()  # every rank has taken its rows out of the receive buffers
                 if b == 0:
                     sends[0] = call[0] + 1  # every thread stores the same value
 
     return main
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A dispatch block's shared tiles for one group of rows."""
+
+    rows: object  # (group, hidden)
+    ids: object  # (group, topk) expert ids of each row's entries
+    ws: object  # (group, topk) their routing weights
+    eslots: object  # (group, topk) their expert slots
+    where: object  # (group,) the received row each row is (source * tokens + slot), -1 for none
+    pos: object  # (group, topk) each entry's grouped row, -1 for other ranks' experts
 
 
 def _rank():
@@ -293,23 +304,30 @@ def _group_tokens(b, g, chunk, group, tokens):
 
 
 @T.macro
-def _put_group(x, topk_idx, topk_w, expert_slot, slot, row, span, recv_x, recv_idx, recv_w, recv_slot, ranges,
-               progress, t0, n, d, b, g, tokens, hidden, topk):
-    """Tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row, expert
-    ids, weights, expert slots, at their slots there), then the group's slot range into
+def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
+    """Tokens ``t0 ..`` of this rank into ``tile`` (a group past the last token is cut short)."""
+    group = tile.rows.shape[0]
+    T.copy(x[t0:t0 + group, 0:tile.rows.shape[1]], tile.rows)
+    T.copy(topk_idx[t0:t0 + group, 0:tile.ids.shape[1]], tile.ids)
+    T.copy(topk_w[t0:t0 + group, 0:tile.ids.shape[1]], tile.ws)
+    T.copy(expert_slot[t0:t0 + group, 0:tile.ids.shape[1]], tile.eslots)
+
+
+@T.macro
+def _put_group(tile, slot, span, recv_x, recv_idx, recv_w, recv_slot, ranges, progress, t0, n, d, b, g, tokens):
+    """The group's tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row,
+    expert ids, weights, expert slots, at their slots there), then the group's slot range into
     ``ranges[rank, b, g]`` there and its progress flag raised to g + 1."""
+    hidden, topk = tile.rows.shape[1], tile.ids.shape[1]
     first, sent = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")  # per thread: no race
     first[0] = 0
     sent[0] = 0
     for i in T.serial(n):
         if slot[d * tokens + t0 + i] >= 0:
-            T.copy(x[t0 + i, 0:hidden], row)
-            T.copy(row, recv_x[_rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
-            T.copy(topk_idx[t0 + i:t0 + i + 1, 0:topk], recv_idx[_rank(), slot[d * tokens + t0 + i], 0:topk],
-                   dst_pe=d)
-            T.copy(topk_w[t0 + i:t0 + i + 1, 0:topk], recv_w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
-            T.copy(expert_slot[t0 + i:t0 + i + 1, 0:topk], recv_slot[_rank(), slot[d * tokens + t0 + i], 0:topk],
-                   dst_pe=d)
+            T.copy(tile.rows[i, 0:hidden], recv_x[_rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
+            T.copy(tile.ids[i:i + 1, 0:topk], recv_idx[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(tile.ws[i:i + 1, 0:topk], recv_w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(tile.eslots[i:i + 1, 0:topk], recv_slot[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
             if sent[0] == 0:
                 first[0] = slot[d * tokens + t0 + i]  # slots grow with the token: the rest follow
             sent[0] = sent[0] + 1
@@ -320,64 +338,74 @@ def _put_group(x, topk_idx, topk_w, expert_slot, slot, row, span, recv_x, recv_i
 
 
 @T.macro
-def _take_group(src, b, g, groups, row, ids, ws, eslots, pos, upto, end, recv_x, recv_idx, recv_w, recv_slot,
-                recv_expert_counts, ranges, progress, position, weight, source_row, row_expert, out, world, tokens,
-                per_rank, topk, hidden):
+def _take_group(src, b, g, groups, tile, span, upto, end, given, recv_x, recv_idx, recv_w, recv_slot, ranges,
+                progress, position, weight, source_row, row_expert, out, world, tokens, per_rank):
     """Once it has arrived, group g of source src's block b: its rows placed at their experts'
     grouped rows. After the last group, the flag goes back to 0 for the next call, whose
-    sender starts after this call's closing barrier."""
+    sender starts after this call's closing barrier. Read through this rank's peer address
+    (see :func:`_segments`)."""
+    group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     T.wait(progress[src, b], "ge", g + 1)
+    T.copy(ranges[src, b, g, 0:2], span, src_pe=_rank())
     first, n = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")
-    first[0] = ranges[src, b, g, 0]
-    n[0] = ranges[src, b, g, 1]
-    for i in T.serial(n[0]):
-        T.copy(recv_x[src, first[0] + i, 0:hidden], row)
-        T.copy(recv_idx[src, first[0] + i:first[0] + i + 1, 0:topk], ids)
-        T.copy(recv_w[src, first[0] + i:first[0] + i + 1, 0:topk], ws)
-        T.copy(recv_slot[src, first[0] + i:first[0] + i + 1, 0:topk], eslots)
-        _place(src * tokens + first[0] + i, tokens, row, ids, ws, eslots, pos, upto, end, recv_expert_counts,
-               position, weight, source_row, row_expert, out, world, per_rank, topk, hidden)
+    first[0] = span[0]
+    n[0] = span[1]
+    if n[0] > 0:
+        T.copy(recv_x[src, first[0]:first[0] + group, 0:hidden], tile.rows, src_pe=_rank())
+        T.copy(recv_idx[src, first[0]:first[0] + group, 0:topk], tile.ids, src_pe=_rank())
+        T.copy(recv_w[src, first[0]:first[0] + group, 0:topk], tile.ws, src_pe=_rank())
+        T.copy(recv_slot[src, first[0]:first[0] + group, 0:topk], tile.eslots, src_pe=_rank())
+        for i in T.Parallel(group):
+            tile.where[i] = T.if_then_else(i < n[0], src * tokens + first[0] + i, -1)
+        _place(tile, upto, end, given, position, weight, source_row, row_expert, out, world, tokens, per_rank)
     if g == groups - 1:
         progress[src, b] = 0
 
 
 @T.macro
-def _place(received_row, tokens, row, ids, ws, eslots, pos, upto, end, recv_expert_counts, position, weight,
-           source_row, row_expert, out, world, per_rank, topk, hidden):
-    """Received row ``received_row`` (slot ``received_row % tokens`` of source ``src =
-    received_row // tokens``; its data in ``row``, its entries' expert ids, weights and
-    expert slots in ``ids``, ``ws``, ``eslots``): entry k of local expert e goes to grouped
-    row ``base[src, e] + eslots[k]``. Records each entry's grouped row in
-    ``position`` (-1 for other ranks' experts), per grouped row its weight, source row and
-    expert, and writes the row to each."""
+def _place(tile, upto, end, given, position, weight, source_row, row_expert, out, world, tokens, per_rank):
+    """The group's rows that are received rows (``tile.where[i] >= 0``, slot ``where % tokens``
+    of source ``src = where // tokens``): entry k of local expert e goes to grouped row
+    ``base[src, e] + eslots[i, k]``. Records each entry's grouped row in ``position`` (-1 for
+    other ranks' experts), per grouped row its weight, source row and expert, and writes the
+    row to each."""
+    group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     lo = _rank() * per_rank
-    for i, k in T.Parallel(1, topk):
-        pos[i, k] = T.if_then_else(
-            lo <= ids[i, k] and ids[i, k] < lo + per_rank,
-            _base(recv_expert_counts, upto, end, received_row // tokens, T.max(T.min(ids[i, k] - lo, per_rank - 1), 0),
-                  world)
-            + eslots[i, k], -1)
-    for i, k in T.Parallel(1, topk):
-        position[received_row, k] = pos[i, k]
-    for i, k in T.Parallel(1, topk):
-        if pos[i, k] >= 0:
-            weight[pos[i, k]] = ws[i, k]
-    for i, k in T.Parallel(1, topk):
-        if pos[i, k] >= 0:
-            source_row[pos[i, k]] = received_row
-    for i, k in T.Parallel(1, topk):
-        if pos[i, k] >= 0:
-            row_expert[pos[i, k]] = ids[i, k] - lo
-    for k in T.serial(topk):
-        if pos[0, k] >= 0:
-            T.copy(row, out[pos[0, k], 0:hidden])
+    for i, k in T.Parallel(group, topk):
+        tile.pos[i, k] = T.if_then_else(
+            tile.where[i] >= 0 and lo <= tile.ids[i, k] and tile.ids[i, k] < lo + per_rank,
+            _base(given, upto, end, T.max(tile.where[i], 0) // tokens,
+                  T.max(T.min(tile.ids[i, k] - lo, per_rank - 1), 0), world) + tile.eslots[i, k], -1)
+    for i, k in T.Parallel(group, topk):
+        if tile.where[i] >= 0:
+            position[tile.where[i], k] = tile.pos[i, k]
+    for i, k in T.Parallel(group, topk):
+        if tile.pos[i, k] >= 0:
+            weight[tile.pos[i, k]] = tile.ws[i, k]
+    for i, k in T.Parallel(group, topk):
+        if tile.pos[i, k] >= 0:
+            source_row[tile.pos[i, k]] = tile.where[i]
+    for i, k in T.Parallel(group, topk):
+        if tile.pos[i, k] >= 0:
+            row_expert[tile.pos[i, k]] = tile.ids[i, k] - lo
+    for i in T.serial(group):
+        for k in T.serial(topk):
+            if tile.pos[i, k] >= 0:
+                T.copy(tile.rows[i, 0:hidden], out[tile.pos[i, k], 0:hidden])
 
 
 @T.macro
-def _segments(recv_expert_counts, upto, end, world, per_rank):
-    """``upto``: the (source, expert) entry counts summed over sources; ``end``: the inclusive
-    prefix of the experts' padded segments."""
-    T.copy(recv_expert_counts[0:world, 0:per_rank], upto)
+def _segments(recv_expert_counts, recv_counts, given, got, upto, end, world, per_rank):
+    """Every source's counts, which peers put here during this launch, into ``given`` (entries
+    per expert) and ``got`` (rows), read through this rank's peer address: the kernel never
+    stores to these buffers by their own name, so TileLang declares them ``const
+    __restrict__``, which lets nvcc load them through the non-coherent cache, or before the
+    wait (a first call on an H200 read zeros). Then ``upto``, the (source, expert) entry
+    counts summed over sources, and ``end``, the inclusive prefix of the experts' padded
+    segments."""
+    T.copy(recv_expert_counts[0:world, 0:per_rank], given, src_pe=_rank())
+    T.copy(recv_counts[0:world], got, src_pe=_rank())
+    T.copy(given, upto)
     T.cumsum(src=upto, dim=0)
     for e in T.Parallel(per_rank):
         end[e] = _padded(upto, e, world)
@@ -389,9 +417,9 @@ def _padded(upto, e, world):
     return T.ceildiv(upto[world - 1, e], ROW_TILE) * ROW_TILE
 
 
-def _base(recv_expert_counts, upto, end, src, e, world):
+def _base(given, upto, end, src, e, world):
     """First grouped row of source src's entries of expert e."""
-    return end[e] - _padded(upto, e, world) + upto[src, e] - recv_expert_counts[src, e]
+    return end[e] - _padded(upto, e, world) + upto[src, e] - given[src, e]
 
 
 def _padding_row(upto, end, e, i, world):
@@ -401,14 +429,14 @@ def _padding_row(upto, end, e, i, world):
 
 
 @T.macro
-def _finish_layout(b, blocks, upto, end, recv_counts, counts, offsets, received_counts, position, weight, source_row,
+def _finish_layout(b, blocks, upto, end, got, counts, offsets, received_counts, position, weight, source_row,
                    row_expert, world, tokens, per_rank, topk, rows):
     """What no row placement writes, shared out over the blocks: the entries of receive slots
     past their source's count (-1), the grouped rows holding no entry (each expert's padding
     and the rows past the last segment: weight 0, source row and expert -1), and (block 0)
     each expert's count and first row and the rows received from each source."""
     for q in T.serial(T.ceildiv(world * tokens, blocks)):
-        if b + q * blocks < world * tokens and (b + q * blocks) % tokens >= recv_counts[
+        if b + q * blocks < world * tokens and (b + q * blocks) % tokens >= got[
                 T.min((b + q * blocks) // tokens, world - 1)]:
             for k in T.Parallel(topk):
                 position[b + q * blocks, k] = -1
@@ -428,7 +456,7 @@ def _finish_layout(b, blocks, upto, end, recv_counts, counts, offsets, received_
         for e in T.Parallel(per_rank):
             offsets[e] = end[e] - _padded(upto, e, world)
         for src in T.Parallel(world):
-            received_counts[src] = recv_counts[src]
+            received_counts[src] = got[src]
 
 
 @T.macro
@@ -489,8 +517,9 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                     if t < tokens:
                         T.clear(acc)
                         for d in T.serial(ranks):
-                            if dest[d * tokens + t] >= 0:
-                                T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
+                            if dest[d * tokens + t] >= 0:  # read as the dispatch reads its counts (_segments)
+                                T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part,
+                                       src_pe=rank)
                                 for i, c in T.Parallel(1, hidden):
                                     acc[i, c] += T.cast(part[i, c], "float32")
                         T.copy(acc, row)
