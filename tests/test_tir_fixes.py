@@ -1,12 +1,13 @@
-"""Workarounds for TileLang miscompilations (``tilescale/tir_fixes.py``), checked on the CUDA it generates."""
+"""Workarounds for what TileLang compiles wrong (``tilescale/tir_fixes.py``), checked on the CUDA it generates."""
 
 import tilelang.language as TL
 from cuda_build import lower_cuda
+from tilelang.engine import register_cuda_postproc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
 from tilescale.ops._gemm import WIDE
-from tilescale.tir_fixes import guard_unit_loops
+from tilescale.tir_fixes import coherent_reads, guard_unit_loops
 
 
 def strided(extent):
@@ -44,3 +45,35 @@ def test_all_gather_gemm_pushers_stay_in_their_row_tile():
     with build_options(world_size=2):
         func = tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 1024, 32, WIDE)
     assert "if (((int)blockIdx.x) < 8)" in lower_cuda(guard_unit_loops(func))
+
+
+def test_kernels_that_wait_read_plain_pointers():
+    # The reduction of GEMM-reduce-scatter waits for flags, then reads what peers pushed while
+    # it ran: no argument may be const __restrict__ (nvcc could load it early or non-coherently).
+    with build_options(world_size=2):
+        waits = tp_gemm.sum_received_kernel.__wrapped__(2, 2, "bfloat16", 4096, 4096, 132)
+    with coherent_reads():
+        src = lower_cuda(waits)
+        alone = lower_cuda(strided(lambda r, B: 3))  # no wait: qualifiers kept
+    assert "tilescale::block_wait(" in src and "__restrict__" not in src and "bfloat16_t* recv," in src
+    assert "int* __restrict__ A" in alone
+    assert "const bfloat16_t* __restrict__ recv" in lower_cuda(waits)  # outside the block: TileLang's own
+
+
+def test_coherent_reads_keeps_earlier_post_processing():
+    seen = []
+
+    def mark(code, target):
+        seen.append(code)
+        return code + "\n// marked"
+
+    register_cuda_postproc(mark)
+    try:
+        with build_options(world_size=2):
+            func = tp_gemm.sum_received_kernel.__wrapped__(2, 2, "bfloat16", 4096, 4096, 132)
+        with coherent_reads():
+            src = lower_cuda(func)
+        assert src.endswith("// marked") and "__restrict__" not in seen[-1]  # ours first, then theirs
+        assert lower_cuda(func).endswith("// marked")  # theirs alone again
+    finally:
+        register_cuda_postproc(lambda code, target: code)

@@ -43,7 +43,7 @@ from tilescale.language.scale import (
     requested_remote,
 )
 from tilescale.symmetric import peer_ptrs
-from tilescale.tir_fixes import guard_unit_loops
+from tilescale.tir_fixes import coherent_reads, guard_unit_loops
 
 
 def _grid_blocks(func: tirx.PrimFunc) -> int | None:
@@ -118,7 +118,10 @@ class DistributedKernel:
 
             self.kernel = CpuKernel(func)
         else:
-            self.kernel = tilelang.compile(func, out_idx=outputs or None, **compile_kwargs)
+            # The attribute keeps TileLang's disk cache from serving a kernel generated without it.
+            with coherent_reads():
+                self.kernel = tilelang.compile(func.with_attr("tilescale.coherent_reads", 1), out_idx=outputs or None,
+                                               **compile_kwargs)
         self._checked_for: runtime.Runtime | None = None
 
     def get_kernel_source(self) -> str:

@@ -43,6 +43,7 @@ from tvm import tirx
 from tvm.target import Target
 
 from tilescale.language.nvshmem import build_cubin, nvshmem_home
+from tilescale.tir_fixes import coherent_reads
 
 
 def nvcc_arch(device: torch.device | int | None = None) -> str:
@@ -166,7 +167,7 @@ def link_module(func: tirx.PrimFunc, arch: str, pass_configs: dict[str, Any] | N
     """
     target = Target({"kind": "cuda", "arch": arch})
     configs = {**(pass_configs or {}), WARP_SPECIALIZATION_OFF: True}
-    with target, tvm.transform.PassContext(opt_level=3, config=configs):
+    with target, tvm.transform.PassContext(opt_level=3, config=configs), coherent_reads():
         artifact = tilelang.lower(func, target=target)
     source, slack = align_dynamic_shared(artifact.kernel_source)
     launcher = _launcher_source(target, func, artifact, configs, slack)

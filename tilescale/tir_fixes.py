@@ -1,5 +1,5 @@
-"""Workarounds for miscompilations of the pinned TileLang (0.1.15), applied by ``ts.jit``
-to every kernel before TileLang compiles it.
+"""Workarounds for what the pinned TileLang (0.1.15) compiles wrong for distributed kernels,
+applied by ``ts.jit`` to every kernel it builds.
 
 Loops of zero or one iteration. A serial loop whose extent is index arithmetic that can
 be 0 or 1 but nothing else, such as a grid-stride loop over fewer items than blocks::
@@ -11,10 +11,25 @@ so blocks that should do nothing run the body (with out-of-range indices). The C
 runs such loops right, so its tests cannot see it; found on an H200, where it broke the
 MoE receive kernel. :func:`guard_unit_loops` rewrites each such loop into one iteration
 under an explicit ``if extent > 0``, which TileLang keeps.
+
+Reads of what other ranks write during the launch. TileLang declares every pointer
+argument ``__restrict__``, and ``const`` when the kernel never stores to it by that name.
+That lets nvcc load it through the non-coherent cache and move the loads before a wait:
+on an H200 a kernel read the zeros of a fresh buffer before the wait for the peers'
+counts ended. A kernel that waits for other ranks (``T.wait``, ``T.barrier()``) reads
+data they write while it runs, under any of its arguments' names, so inside
+:func:`coherent_reads` such kernels are generated without either qualifier
+(:func:`coherent_arguments`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+
+import tvm_ffi
+from tilelang.engine import register_cuda_postproc
 from tvm import arith, ir, tirx
 
 
@@ -63,3 +78,36 @@ def guard_unit_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
     body = tirx.stmt_functor.ir_transform(func.body, None, rewrite, ["tirx.For"])
     return func if body.same_as(func.body) else func.with_body(body)
+
+
+_WAITS = re.compile(r"tilescale::\w*(?:wait|barrier)\w*\(")
+_QUALIFIED_POINTER = re.compile(r"(?:const )?(\w+)\* __restrict__ ")
+_POSTPROC = "tilelang_callback_cuda_postproc"
+
+
+def coherent_arguments(code: str) -> str:
+    """``code`` (CUDA TileLang generated) with plain pointer arguments if its kernel waits for
+    other ranks, else unchanged.
+
+    Example::
+
+        coherent_arguments(src)    # "const int* __restrict__ counts" -> "int* counts"
+    """
+    return _QUALIFIED_POINTER.sub(r"\1* ", code) if _WAITS.search(code) else code
+
+
+@contextlib.contextmanager
+def coherent_reads() -> Iterator[None]:
+    """Apply :func:`coherent_arguments` to the CUDA TileLang generates inside this block (after
+    it, whatever post-processing was registered before runs as it did)."""
+    previous = tvm_ffi.get_global_func(_POSTPROC, allow_missing=True)
+
+    def postproc(code: str, target: object) -> str:
+        code = coherent_arguments(code)
+        return previous(code, target) if previous is not None else code
+
+    register_cuda_postproc(postproc)
+    try:
+        yield
+    finally:
+        register_cuda_postproc(previous if previous is not None else (lambda code, target: code))

@@ -76,8 +76,9 @@ ROW_TILE = 128
 SCAN_ROWS = 32
 SCAN_COLS = 128
 SCAN_THREADS = 512
-# Tokens a dispatch block sends to a peer between two announcements (each a fence and a
-# flag): fewer fences, against the receiver waiting longer for the first rows.
+# Tokens a dispatch block reads at once and sends to a peer between two announcements (each
+# a fence and a flag): more rows in flight and fewer fences, against the receiver waiting
+# longer for the first rows.
 GROUP_ROWS = 4
 # Grouped rows per step of the fill of rows holding no entry.
 FILL = 1024
@@ -94,12 +95,6 @@ def exchange_blocks(world: int, tokens: int, sms: int) -> int:
     """Blocks of the combine kernel: one per SM at most (so that device-wide barriers hold),
     but no fewer than the ranks."""
     return max(min(world * tokens, sms), world)
-
-
-def send_blocks(world: int, tokens: int, sms: int) -> int:
-    """Blocks of the dispatch kernel (one token each at a time): one per SM at most, but no
-    fewer than the ranks (block d sends the counts to rank d)."""
-    return max(min(tokens, sms), world)
 
 
 def _entries(idx, t, topk, lo, hi):
@@ -342,19 +337,18 @@ def _take_group(src, b, g, groups, tile, span, upto, end, given, recv_x, recv_id
                 progress, position, weight, source_row, row_expert, out, world, tokens, per_rank):
     """Once it has arrived, group g of source src's block b: its rows placed at their experts'
     grouped rows. After the last group, the flag goes back to 0 for the next call, whose
-    sender starts after this call's closing barrier. Read through this rank's peer address
-    (see :func:`_segments`)."""
+    sender starts after this call's closing barrier."""
     group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     T.wait(progress[src, b], "ge", g + 1)
-    T.copy(ranges[src, b, g, 0:2], span, src_pe=_rank())
+    T.copy(ranges[src, b, g, 0:2], span)
     first, n = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")
     first[0] = span[0]
     n[0] = span[1]
     if n[0] > 0:
-        T.copy(recv_x[src, first[0]:first[0] + group, 0:hidden], tile.rows, src_pe=_rank())
-        T.copy(recv_idx[src, first[0]:first[0] + group, 0:topk], tile.ids, src_pe=_rank())
-        T.copy(recv_w[src, first[0]:first[0] + group, 0:topk], tile.ws, src_pe=_rank())
-        T.copy(recv_slot[src, first[0]:first[0] + group, 0:topk], tile.eslots, src_pe=_rank())
+        T.copy(recv_x[src, first[0]:first[0] + group, 0:hidden], tile.rows)
+        T.copy(recv_idx[src, first[0]:first[0] + group, 0:topk], tile.ids)
+        T.copy(recv_w[src, first[0]:first[0] + group, 0:topk], tile.ws)
+        T.copy(recv_slot[src, first[0]:first[0] + group, 0:topk], tile.eslots)
         for i in T.Parallel(group):
             tile.where[i] = T.if_then_else(i < n[0], src * tokens + first[0] + i, -1)
         _place(tile, upto, end, given, position, weight, source_row, row_expert, out, world, tokens, per_rank)
@@ -396,15 +390,11 @@ def _place(tile, upto, end, given, position, weight, source_row, row_expert, out
 
 @T.macro
 def _segments(recv_expert_counts, recv_counts, given, got, upto, end, world, per_rank):
-    """Every source's counts, which peers put here during this launch, into ``given`` (entries
-    per expert) and ``got`` (rows), read through this rank's peer address: the kernel never
-    stores to these buffers by their own name, so TileLang declares them ``const
-    __restrict__``, which lets nvcc load them through the non-coherent cache, or before the
-    wait (a first call on an H200 read zeros). Then ``upto``, the (source, expert) entry
-    counts summed over sources, and ``end``, the inclusive prefix of the experts' padded
-    segments."""
-    T.copy(recv_expert_counts[0:world, 0:per_rank], given, src_pe=_rank())
-    T.copy(recv_counts[0:world], got, src_pe=_rank())
+    """Every source's counts into ``given`` (entries per expert) and ``got`` (rows); ``upto``,
+    the (source, expert) entry counts summed over sources; ``end``, the inclusive prefix of
+    the experts' padded segments."""
+    T.copy(recv_expert_counts[0:world, 0:per_rank], given)
+    T.copy(recv_counts[0:world], got)
     T.copy(given, upto)
     T.cumsum(src=upto, dim=0)
     for e in T.Parallel(per_rank):
@@ -517,9 +507,8 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                     if t < tokens:
                         T.clear(acc)
                         for d in T.serial(ranks):
-                            if dest[d * tokens + t] >= 0:  # read as the dispatch reads its counts (_segments)
-                                T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part,
-                                       src_pe=rank)
+                            if dest[d * tokens + t] >= 0:
+                                T.copy(back[s, d, slot[d * tokens + t]:slot[d * tokens + t] + 1, 0:hidden], part)
                                 for i, c in T.Parallel(1, hidden):
                                     acc[i, c] += T.cast(part[i, c], "float32")
                         T.copy(acc, row)
