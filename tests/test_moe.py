@@ -21,6 +21,8 @@ def test_dispatch_combine_match_reference(n):
     # an out-of-range expert id is a ValueError naming the rank and the ids
     for r in range(n):
         assert f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {4 * n}); got" in proc.stdout
+    assert proc.stdout.count("MODE-MISMATCH moe_dispatch: shapes differ across ranks") == n
+    assert "'low_latency=True'" in proc.stdout and "'low_latency=False'" in proc.stdout
 
 
 @pytest.mark.timeout(300)

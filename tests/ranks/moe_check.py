@@ -74,4 +74,10 @@ try:
     ts.ops.moe_dispatch(torch.randn(4, hidden), torch.full((4, 1), num_experts), torch.ones(4, 1), num_experts)
 except ValueError as err:
     print(f"rank {rank}: ValueError: {err}", flush=True)
+if world > 1:  # the ranks' dispatch kernels follow one plan: one rank alone in low-latency mode is refused
+    try:
+        ts.ops.moe_dispatch(torch.randn(6, hidden), torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1), num_experts,
+                            low_latency=rank == 0)
+    except ValueError as err:
+        print(f"rank {rank}: MODE-MISMATCH {err}", flush=True)
 ts.finalize()

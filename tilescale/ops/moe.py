@@ -628,8 +628,10 @@ def _raise_bad_ids() -> None:
                              f"got {low}..{high} ({found} out of range, not sent)")
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
-    """Shapes are checked locally and, at a shape's first call, across ranks.
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   low_latency: bool) -> None:
+    """Shapes are checked locally and, at a shape's first call, across ranks, with what the
+    dispatch kernel's plan derives from (its blocks and groups must match across ranks).
 
     Expert ids are checked on the device, without a host round trip: see :func:`moe_dispatch`.
     """
@@ -642,7 +644,8 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
                          f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, topk)")
     if num_experts % world:
         raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
-    check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts])
+    check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
+                                             f"low_latency={low_latency}", f"SMs={sm_count()}"])
 
 
 def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
@@ -696,7 +699,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
     ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) announces
     every row to its receiver as soon as it is out, instead of every few rows (see the
-    module notes); both modes give the same result.
+    module notes); both modes give the same result. Every rank must pick the same mode
+    (checked at a shape's first call).
 
     No host synchronisation: the ranks agree on shapes through the job's store at a shape's
     first call, and expert ids are checked on the device. An id outside [0, num_experts)
@@ -710,7 +714,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     eagerly, and replayed; each call's state lives on the device. Calls captured into a
     graph do not check expert ids (out-of-range ids are still routed nowhere).
     """
-    _check_routing(x, topk_idx, topk_weights, num_experts)
+    _check_routing(x, topk_idx, topk_weights, num_experts, low_latency)
     world = runtime.world_size()
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
