@@ -90,6 +90,7 @@ class DistributedKernel:
     """A compiled kernel that fills in its hidden distributed arguments on every call."""
 
     def __init__(self, func: tirx.PrimFunc, out_idx: list[int] | int | None = None, **compile_kwargs: Any):
+        func = guard_unit_loops(func)
         attrs = func.attrs if func.attrs is not None else {}
         self.hidden: dict[str, str] = {str(k): str(v) for k, v in dict(attrs.get("tilescale.hidden", {})).items()}
         world = attrs.get("tilescale.world_size")
@@ -207,7 +208,7 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | 
         func = factory(*args, **kwargs)
     if not isinstance(func, tirx.PrimFunc):
         raise TypeError(f"{factory.__name__} must return a T.prim_func, got {type(func).__name__}")
-    return guard_unit_loops(func)
+    return func
 
 
 def kernel_lowering() -> str | None:
@@ -242,7 +243,7 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
 
     def wrap(factory: Callable[..., Any] | tirx.PrimFunc) -> Any:
         if isinstance(factory, tirx.PrimFunc):
-            return DistributedKernel(guard_unit_loops(factory), out_idx, **compile_kwargs)
+            return DistributedKernel(factory, out_idx, **compile_kwargs)
 
         compiled: dict[tuple, DistributedKernel] = {}
 

@@ -182,14 +182,15 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
     return main
 
 
-def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple[int, int, int]:
-    """``(blocks, chunk, group)`` of the dispatch kernel: block b sends tokens ``b * chunk ..
-    (b + 1) * chunk - 1`` and announces them to each peer every ``group`` tokens (one in
-    low-latency mode: each row as soon as it is out). One block per SM at most (the closing
-    barrier needs every block resident), and no fewer blocks than ranks (block d sends rank
-    d the counts)."""
+def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple[int, int, int, int]:
+    """``(blocks, chunk, group, groups)`` of the dispatch kernel: block b sends tokens ``b *
+    chunk .. (b + 1) * chunk - 1``, ``groups`` groups of ``group``, and announces each group to
+    each peer (groups of one in low-latency mode: each row as soon as it is out). One block per
+    SM at most (the closing barrier needs every block resident), and no fewer blocks than
+    ranks (block d sends rank d the counts)."""
     chunk = -(-tokens // min(tokens, sms))
-    return max(-(-tokens // chunk), world), chunk, 1 if low_latency else min(GROUP_ROWS, chunk)
+    group = 1 if low_latency else min(GROUP_ROWS, chunk)
+    return max(-(-tokens // chunk), world), chunk, group, -(-chunk // group)
 
 
 @jit
@@ -201,8 +202,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
     Inputs are the routing kernel's outputs; ``recv_*``, ``ranges``, ``progress`` and
     ``arrived`` are symmetric; the rest are this rank's grouped layout, written here.
     """
-    blocks, chunk, group = dispatch_plan(world, tokens, sms, low_latency)
-    groups = -(-chunk // group)
+    blocks, chunk, group, groups = dispatch_plan(world, tokens, sms, low_latency)
     received = world * tokens
 
     @T.prim_func
@@ -247,7 +247,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                         for j in T.serial(world - 1):
                             _put_group(tile, slot, span, recv_x, recv_idx, recv_w, recv_slot, ranges, progress,
                                        b * chunk + g * group, _group_tokens(b, g, chunk, group, tokens),
-                                       (rank + 1 + (b + j) % (world - 1)) % world, b, g, tokens)
+                                       _peer(b, j, world), b, g, tokens)
                     if g == 0:
                         for src in T.serial(ranks):
                             T.wait(arrived[src], "eq", call[0] + 1)
@@ -263,7 +263,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                                per_rank)
                     if world > 1 and g > 0:
                         for j in T.serial(world - 1):
-                            _take_group((rank + 1 + (b + j) % (world - 1)) % world, b, g - 1, groups, tile, span,
+                            _take_group(_peer(b, j, world), b, g - 1, groups, tile, span,
                                         upto, end, given, recv_x, recv_idx, recv_w, recv_slot, ranges, progress,
                                         position, weight, source_row, row_expert, out, world, tokens, per_rank)
                 _finish_layout(b, blocks, upto, end, got, counts, offsets, received_counts, position, weight,
@@ -291,6 +291,12 @@ def _rank():
     """This rank, inside a kernel's ``T.Scale("device")``. Use it inline: bound to a name in a
     macro, TileLang would rename the kernel's rank parameter, which ``ts.jit`` binds by name."""
     return current_context().rank
+
+
+def _peer(b, j, world):
+    """The j-th peer block b sends to and takes from, rotated by block so that no rank hears
+    from all the others at once."""
+    return (_rank() + 1 + (b + j) % (world - 1)) % world
 
 
 def _group_tokens(b, g, chunk, group, tokens):
@@ -663,17 +669,18 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     per_rank = expert_send_counts.numel() // world
     rows = grouped_rows(tokens, topk, per_rank)
     ex = _exchange(tokens, hidden, topk, x.dtype)
-    blocks, chunk, group = dispatch_plan(world, tokens, sm_count(), low_latency)
+    sms = sm_count()
+    blocks, _, _, groups = dispatch_plan(world, tokens, sms, low_latency)
     i32 = dict(dtype=torch.int32, device=x.device)
     counts, offsets = torch.empty(per_rank, **i32), torch.empty(per_rank, **i32)
     received_counts, position = torch.empty(world, **i32), torch.empty(world * tokens, topk, **i32)
     weight = torch.empty(rows, dtype=torch.float32, device=x.device)
     source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
     recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sm_count(), low_latency)
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency)
     kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
            ex.counts, ex.int32("expert counts", (world, per_rank)),
-           ex.int32("ranges", (world, blocks, -(-chunk // group), 2)), ex.int32("progress", (world, blocks)),
+           ex.int32("ranges", (world, blocks, groups, 2)), ex.int32("progress", (world, blocks)),
            ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x)
     return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
