@@ -4,6 +4,13 @@ Every rank's copy is mapped into every process, so a kernel reaches a peer's cop
 ordinary loads and stores (and TMA) through ``peer_ptrs``. ``buffer_ptrs`` of a torch
 handle are allocation bases; a tensor inside the allocation sits at the same offset on
 every peer (DESIGN.md, pointer rule).
+
+Torch symmetric memory refuses ranks that share a GPU (``tilescale run --share-gpus``),
+so there each copy is an ordinary caching-allocator tensor whose legacy CUDA IPC handle
+(the one ``torch.multiprocessing`` sends) the peers open. Torch counts the peers' references
+to such memory and may warn at exit ("Producer process has been terminated before all
+shared CUDA tensors released") about copies still alive then: harmless, as every rank has
+passed ``finalize``'s barrier.
 """
 
 from __future__ import annotations
@@ -26,6 +33,29 @@ class CudaIpcAllocation(SymmetricAllocation):
         return self._handle.get_buffer(rank, (self.nbytes,), torch.uint8, self._offset)
 
 
+class SharedGpuAllocation(SymmetricAllocation):
+    def __init__(self, local: torch.Tensor, peers: list[torch.Tensor | None]):
+        self._peers = peers  # keeps the peers' opened copies mapped; None for our own
+        super().__init__(local.numel(), [local.data_ptr() if p is None else p.data_ptr() for p in peers])
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self._peers[rank]
+
+
+def _ipc_handle(local: torch.Tensor) -> list:
+    fields = local.untyped_storage()._share_cuda_()
+    return [f.hex() if isinstance(f, bytes) else f for f in fields]
+
+
+def _open_ipc_handle(fields: list) -> torch.Tensor:
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
+        bytes.fromhex(event_handle) if event_handle else event_handle, event_sync,
+    )  # fmt: skip
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
+
+
 class CudaIpcBackend(CommBackend):
     """Peer-address symmetric memory for ranks that share a node (NVLink or PCIe peers)."""
 
@@ -45,9 +75,13 @@ class CudaIpcBackend(CommBackend):
         if blocked:
             raise RuntimeError(f"GPU {me} cannot reach GPUs {blocked} directly (no P2P); cuda_ipc needs peer access")
         self._group_name = dist.group.WORLD.group_name
+        gpus = group.exchange(group.next_tag("gpu-uuid"), str(torch.cuda.get_device_properties(me).uuid))
+        self.gpus_shared = len(set(gpus)) < len(gpus)
 
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
         gpu = torch.device("cuda", torch.cuda.current_device())
+        if self.gpus_shared:
+            return self._allocate_shared(nbytes, tag, gpu)
         local = symm_mem.empty(max(nbytes, 1), dtype=torch.uint8, device=gpu)
         local.zero_()
         handle = symm_mem.rendezvous(local, self._group_name)
@@ -56,3 +90,11 @@ class CudaIpcBackend(CommBackend):
         handle.barrier()
         local = local[:nbytes]
         return local, CudaIpcAllocation(local, handle, self.group.rank)
+
+    def _allocate_shared(self, nbytes: int, tag: str, gpu: torch.device) -> tuple[torch.Tensor, SymmetricAllocation]:
+        local = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=gpu)
+        # Zeroed before any peer can open it: each rank synchronises before it contributes its handle.
+        torch.cuda.synchronize()
+        handles = self.group.exchange(f"{tag}/ipc", _ipc_handle(local))
+        peers = [None if r == self.group.rank else _open_ipc_handle(h)[:nbytes] for r, h in enumerate(handles)]
+        return local[:nbytes], SharedGpuAllocation(local[:nbytes], peers)

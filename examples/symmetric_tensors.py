@@ -46,10 +46,12 @@ def main(rows: int = 256, cols: int = 1024) -> None:
 
     peer = ts.peer_view(x, right)[rank * rows:(rank + 1) * rows]
     t_peer = timed(lambda: peer.copy_(mine))
-    buf = torch.empty_like(mine)
+    # gloo (the CPU path, or ranks sharing a GPU) sends host tensors only.
+    sent = mine.cpu() if dist.get_backend() == "gloo" else mine
+    buf = torch.empty_like(sent)
 
     def sendrecv() -> None:
-        ops = [dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, buf, left)]
+        ops = [dist.P2POp(dist.isend, sent, right), dist.P2POp(dist.irecv, buf, left)]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 

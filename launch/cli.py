@@ -6,6 +6,7 @@
     tilescale run -n 8 train.py                               # one rank per GPU
     tilescale run --nnodes 2 --node-rank 0 --master-addr gpu01 train.py   # once on every node
     tilescale run --launcher mpirun -n 4 train.py             # through MPICH's mpiexec
+    tilescale run -n 2 --share-gpus check.py                  # 2 ranks on one GPU (correctness only)
 
 Three launchers start the ranks:
 
@@ -30,7 +31,7 @@ Whatever the launcher, NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are given to every rank, and a
 different value exported by the user is overridden with a warning, since multicast objects
 are a shared, scarce resource that must never be used on shared hosts. ``--cpu`` adds
-TILESCALE_DEVICE=cpu.
+TILESCALE_DEVICE=cpu; ``--share-gpus`` adds TILESCALE_SHARE_GPUS=1 (see ``tilescale.runtime``).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def default_nproc(cpu: bool) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def extra_env(environ: Mapping[str, str], cpu: bool) -> dict[str, str]:
+def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -> dict[str, str]:
     """The variables every launcher adds for the ranks: multicast off, unbuffered output, device.
 
     A multicast variable the user exported with another value is overridden, with a warning.
@@ -119,6 +120,8 @@ def extra_env(environ: Mapping[str, str], cpu: bool) -> dict[str, str]:
     extra["PYTHONUNBUFFERED"] = "1"
     if cpu:
         extra["TILESCALE_DEVICE"] = "cpu"
+    if share_gpus:
+        extra["TILESCALE_SHARE_GPUS"] = "1"
     return extra
 
 
@@ -380,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run.add_argument("--cpu", action="store_true", help="run on the CPU path (sets TILESCALE_DEVICE=cpu)")
     run.add_argument(
+        "--share-gpus", action="store_true",
+        help="allow more ranks than GPUs, ranks taking GPUs round-robin (sets TILESCALE_SHARE_GPUS=1): "
+        "checks multi-rank correctness on fewer GPUs; timings then mean nothing",
+    )  # fmt: skip
+    run.add_argument(
         "--timeout-kill", type=float, default=5.0, metavar="SECONDS",
         help="auto launcher: grace period between SIGTERM and SIGKILL when stopping ranks (default 5)",
     )  # fmt: skip
@@ -432,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:
             _say(f"cannot find a free port on --master-addr {args.master_addr}: {err}")
             return 2
-    extra = extra_env(os.environ, args.cpu)
+    extra = extra_env(os.environ, args.cpu, args.share_gpus)
     where = {"nproc": nproc, "master_addr": args.master_addr, "master_port": port, "extra": extra}
     if args.launcher == "mpirun":
         return run_mpirun(args.script, args.script_args, **where)

@@ -22,7 +22,8 @@ SHOW_ENV = r"""
     import json, os, sys
     names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TILESCALE_DEVICE", "PYTHONUNBUFFERED", "PMI_RANK", "PMI_SIZE",
-             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"]
+             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+             "TILESCALE_SHARE_GPUS"]
     sys.stdout.write(json.dumps({n: os.environ.get(n) for n in names}) + "\n")
     sys.stderr.write("hello on stderr\n")
 """
@@ -32,7 +33,8 @@ needs_mpiexec = pytest.mark.skipif(find_mpiexec() is None, reason='needs MPICH: 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without anything a launcher (or the user) might have exported."""
-    drop = {*TORCHRUN_VARS, *MULTICAST_OFF, "MASTER_ADDR", "MASTER_PORT", "TILESCALE_DEVICE", "PMI_RANK", "PMI_SIZE"}
+    drop = {*TORCHRUN_VARS, *MULTICAST_OFF, "MASTER_ADDR", "MASTER_PORT", "TILESCALE_DEVICE", "PMI_RANK", "PMI_SIZE",
+            "TILESCALE_SHARE_GPUS"}
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
@@ -100,7 +102,16 @@ def test_four_cpu_ranks_get_torchrun_env_and_prefixed_output(tmp_path):
         assert env["PYTHONUNBUFFERED"] == "1"
         assert {name: env[name] for name in MULTICAST_OFF} == MULTICAST_OFF
         assert f"[rank {rank}] hello on stderr" in result.stderr.splitlines()
+        assert env["TILESCALE_SHARE_GPUS"] is None
     assert "warning" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_share_gpus_is_passed_to_every_rank(tmp_path):
+    result = tilescale_run("-n", 2, "--cpu", "--share-gpus", write_script(tmp_path, SHOW_ENV))
+    assert result.returncode == 0, result.stderr
+    envs = rank_envs(result.stdout)
+    assert [envs[r]["TILESCALE_SHARE_GPUS"] for r in (0, 1)] == ["1", "1"]
 
 
 @pytest.mark.timeout(60)

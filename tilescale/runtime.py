@@ -12,6 +12,13 @@ On a machine with CUDA GPUs each rank binds GPU ``local_rank`` and the process g
 NCCL for CUDA tensors and gloo for CPU tensors; without GPUs (or with
 ``TILESCALE_DEVICE=cpu``, which ``tilescale run --cpu`` sets) the ranks run on the CPU
 path with gloo and POSIX shared memory.
+
+With ``TILESCALE_SHARE_GPUS=1`` (``tilescale run --share-gpus``) more ranks than GPUs may
+run on a node: rank ``local_rank`` binds GPU ``local_rank % count``, and since NCCL refuses
+two ranks on one GPU the process group moves CUDA tensors through gloo. The kernels of
+ranks sharing a GPU run by turns (the GPU time-slices their contexts), so every wait
+still completes: this checks multi-rank programs on one GPU for correctness; its timings
+mean nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class Runtime:
     sync_workspace: torch.Tensor | None = None
     # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
     last_kernel_args: tuple[list[str], tuple] = ([], ())
+    # Whether ranks of this node share GPUs (TILESCALE_SHARE_GPUS): correct, but not timeable.
+    gpus_shared: bool = False
 
     @property
     def wait_status_view(self):
@@ -79,13 +88,22 @@ def _choose_device(device: str | None) -> torch.device:
     return torch.device("cuda")
 
 
+def _shares_gpus(env: LaunchEnv) -> bool:
+    """Whether this node runs more ranks than it has GPUs, which only TILESCALE_SHARE_GPUS allows."""
+    count = torch.cuda.device_count()
+    if env.local_world_size <= count:
+        return False
+    if os.environ.get("TILESCALE_SHARE_GPUS", "0") in ("", "0"):
+        raise RuntimeError(
+            f"{env.local_world_size} ranks on this node but only {count} visible GPUs; start one "
+            "rank per GPU, use --cpu, or --share-gpus (TILESCALE_SHARE_GPUS=1) to check a "
+            "program's correctness with ranks sharing GPUs"
+        )
+    return True
+
+
 def _bind_gpu(env: LaunchEnv) -> torch.device:
     count = torch.cuda.device_count()
-    if env.local_world_size > count:
-        raise RuntimeError(
-            f"{env.local_world_size} ranks on this node but only {count} visible GPUs; "
-            "start one rank per GPU (or use --cpu)"
-        )
     index = env.local_rank % count
     major, minor = torch.cuda.get_device_capability(index)
     if major < 7:
@@ -115,10 +133,11 @@ def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int]:
     return MPI.COMM_WORLD.bcast((addr, port), root=0)
 
 
-def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -> None:
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, gpus_shared: bool) -> None:
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo stages CUDA tensors on the host.
+    backend = "gloo" if device.type == "cpu" or gpus_shared else "cpu:gloo,cuda:nccl"
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    if device.type == "cuda":
+    if device.type == "cuda" and not gpus_shared:
         kwargs["device_id"] = device
     if env.world_size == 1 and env.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -165,11 +184,12 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     dev = _choose_device(device)
     name = backend or comm.default_backend(dev.type)
     comm.check(name, dev.type)
+    gpus_shared = dev.type == "cuda" and _shares_gpus(env)
     if dev.type == "cuda":
         dev = _bind_gpu(env)
     owns = not dist.is_initialized()
     if owns:
-        _init_process_group(env, dev, timeout_s)
+        _init_process_group(env, dev, timeout_s, gpus_shared)
     try:
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
@@ -181,7 +201,8 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         # Host memory the kernels write a timed-out wait into (pinned on GPUs), whatever the default device.
         status = torch.zeros(8, dtype=torch.int64, device="cpu", pin_memory=dev.type == "cuda")
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
-                           int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9))
+                           int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
+                           gpus_shared=gpus_shared)
         # Allocated now, while every rank is known to be here, rather than collectively inside
         # the first barrier kernel's launch, where a rank that failed earlier would stall it.
         from tilescale.symmetric import zeros
