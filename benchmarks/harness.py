@@ -386,6 +386,13 @@ def device_info() -> dict[str, Any]:
     return {"gpus": gpus, "gpu_count": len(gpus), "cpu": _cpu_model(), "cpu_cores": os.cpu_count()}
 
 
+def gpus_shared() -> bool:
+    """Whether this job's ranks share GPUs (``tilescale run --share-gpus``): its timings mean nothing."""
+    import tilescale
+
+    return tilescale.is_initialized() and tilescale.runtime.current().gpus_shared
+
+
 def device_slug(info: dict[str, Any]) -> str:
     """Short file-name-safe device name: ``nvidia-h200-x8``, ``nvidia-h100-80gb-hbm3``, ``cpu``."""
     if not info["gpus"]:
@@ -475,6 +482,8 @@ class Report:
             ).rstrip()
 
         print(self.name)
+        if gpus_shared():
+            print("warning: ranks share GPUs and their kernels run by turns; these timings mean nothing")
         print(line(self.columns))
         print(line(["-" * w for w in widths]))
         for r in cells:
@@ -503,6 +512,7 @@ class Report:
                 "env": {k: os.environ[k] for k in _LAUNCH_VARS if k in os.environ},
             },
             "device": device_info(),
+            "gpus_shared": gpus_shared(),
             "versions": versions(),
             "distributed": distributed,
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},

@@ -227,6 +227,7 @@ def test_save_writes_json_with_metadata_and_rows(tmp_path, monkeypatch):
     assert data["versions"]["python"].count(".") == 2
     assert data["versions"]["tilelang"] and data["versions"]["tilescale"]
     assert data["distributed"] is None
+    assert data["gpus_shared"] is False
     assert data["env"]["NCCL_DEBUG"] == "INFO" and data["env"]["TILESCALE_TEST_KNOB"] == "1"
     assert "UNRELATED_VAR" not in data["env"]
     assert len(data["rows"]) == 3
