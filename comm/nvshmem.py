@@ -59,29 +59,37 @@ def import_nvshmem() -> tuple[ModuleType, ModuleType]:
     return core, bindings
 
 
-def check_mpi_bootstrap() -> None:
-    """Raise unless NVSHMEM's MPI bootstrap can run in this process.
+def check_mpi_bootstrap(world_size: int) -> None:
+    """Raise unless NVSHMEM's MPI bootstrap can run in this process of a ``world_size``-rank job.
 
     The pip package's ``nvshmem_bootstrap_mpi.so.3`` is built against Open MPI
     (``libmpi.so.40``): under MPICH it loads another MPI beside the one the job started,
-    and the process crashes (seen on H200s: exit 11). The unique-id bootstrap, the
-    default, works under any launcher.
+    and the process crashes (seen on H200s: exit 11). And an mpi4py built for another MPI
+    than the launcher's sees each process as a job of its own (seen on an H200: MPICH's
+    mpiexec, an Open MPI mpi4py), so NVSHMEM would make every rank PE 0 of 1. The
+    unique-id bootstrap, the default, works under any launcher.
 
     Example::
 
-        check_mpi_bootstrap()   # RuntimeError under MPICH's mpiexec
+        check_mpi_bootstrap(2)   # RuntimeError under MPICH's mpiexec
     """
+    unset = "leave TILESCALE_NVSHMEM_BOOTSTRAP unset (the unique-id bootstrap works under mpirun too)"
     try:
         from mpi4py import MPI
     except ImportError as err:
-        raise RuntimeError(f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi needs mpi4py ({err}); or leave it unset (the unique-id "
-                           "bootstrap through the job's store)") from None
+        raise RuntimeError(f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi needs mpi4py ({err}); or {unset}") from None
     library = MPI.Get_library_version().strip().splitlines()[0]
     if "Open MPI" not in library:
         raise RuntimeError(
             f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi: NVSHMEM's MPI bootstrap in the pip package is built against Open MPI "
-            f"(libmpi.so.40), but this process runs {library!r}; leave TILESCALE_NVSHMEM_BOOTSTRAP unset (the "
-            "unique-id bootstrap works under mpirun too), or start the job with Open MPI"
+            f"(libmpi.so.40), but this process runs {library!r}; {unset}, or start the job with Open MPI"
+        )
+    processes = MPI.COMM_WORLD.Get_size()
+    if processes != world_size:
+        raise RuntimeError(
+            f"TILESCALE_NVSHMEM_BOOTSTRAP=mpi: mpi4py's MPI ({library!r}) sees {processes} process(es), but the job "
+            f"has {world_size} ranks: the job was not started by this MPI's mpirun; {unset}, or start it with "
+            "Open MPI's mpirun"
         )
 
 
@@ -121,7 +129,7 @@ class NvshmemBackend(CommBackend):
         device.set_current()
         method = os.environ.get("TILESCALE_NVSHMEM_BOOTSTRAP", "uid")
         if method == "mpi":
-            check_mpi_bootstrap()
+            check_mpi_bootstrap(group.world_size)
             self._core.init(device=device, initializer_method="mpi")
         elif method == "uid":
             self._core.init(device=device, uid=self._exchange_uid(), rank=group.rank, nranks=group.world_size,

@@ -124,4 +124,5 @@ def test_nvshmem_mpi_bootstrap_under_mpich_is_refused_clearly(tmp_path):
     proc = run("--launcher", "mpirun", "examples/ring_shift.py", timeout=250,
                env=nvshmem_env("fast_path", tmp_path, TILESCALE_NVSHMEM_BOOTSTRAP="mpi"))
     assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("built against Open MPI") >= 2
+    # Which of check_mpi_bootstrap's refusals depends on the MPI that mpi4py was built for.
+    assert (proc.stdout + proc.stderr).count("leave TILESCALE_NVSHMEM_BOOTSTRAP unset") >= 2

@@ -352,10 +352,13 @@ def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
     from tilescale.comm.nvshmem import check_mpi_bootstrap
 
     if "Open MPI" in mpi.Get_library_version():
-        check_mpi_bootstrap()
+        check_mpi_bootstrap(1)
+        # A job this MPI did not start (another launcher's ranks): each process is an MPI job of one.
+        with pytest.raises(RuntimeError, match=r"sees 1 process\(es\), but the job has 2 ranks"):
+            check_mpi_bootstrap(2)
     else:  # MPICH (the tilescale[mpi] extra): NVSHMEM's plugin needs libmpi.so.40
         with pytest.raises(RuntimeError, match=r"built against Open MPI .*leave TILESCALE_NVSHMEM_BOOTSTRAP unset"):
-            check_mpi_bootstrap()
+            check_mpi_bootstrap(2)
 
 
 def _op_kernels():
