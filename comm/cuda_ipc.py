@@ -92,9 +92,10 @@ class CudaIpcBackend(CommBackend):
         return local, CudaIpcAllocation(local, handle, self.group.rank)
 
     def _allocate_shared(self, nbytes: int, tag: str, gpu: torch.device) -> tuple[torch.Tensor, SymmetricAllocation]:
-        local = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=gpu)
+        whole = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=gpu)
         # Zeroed before any peer can open it: each rank synchronises before it contributes its handle.
         torch.cuda.synchronize()
-        handles = self.group.exchange(f"{tag}/ipc", _ipc_handle(local))
+        handles = self.group.exchange(f"{tag}/ipc", _ipc_handle(whole))
         peers = [None if r == self.group.rank else _open_ipc_handle(h)[:nbytes] for r, h in enumerate(handles)]
-        return local[:nbytes], SharedGpuAllocation(local[:nbytes], peers)
+        local = whole[:nbytes]
+        return local, SharedGpuAllocation(local, peers)
