@@ -1,0 +1,146 @@
+"""Host cost of an eager call: every ``ts.ops`` op and ``ts.nn`` layer forward at a small size.
+
+For each call the table gives the host time per call of back-to-back calls with no
+synchronisation (small sizes, so the host sets the pace), the number of kernels and copies
+the call launches (counted by the CUDA profiler over one call), the budget the host-path
+goal allows (``1.3 x torch launch x kernels``), the time of one eager call between CUDA
+events (``eager_us``) and, where the call can be captured in a CUDA graph, that of a replay
+(``graph_us``). A torch kernel
+launch (``x.add_(0)``) and the raw TileLang kernel under a ``DistributedKernel`` are measured
+in the same run, interleaved with the rest.
+
+    tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
+    tilescale run -n 1 benchmarks/host_cost.py --calls 500
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from harness import Report, graphed, time_fn
+from torch.profiler import ProfilerActivity, profile
+
+import tilescale as ts
+from tilescale.ops import p2p
+from tilescale.ops._common import sm_count
+
+BF16 = torch.bfloat16
+
+
+def host_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the host time per call of ``calls`` back-to-back calls."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def launches(fn: Callable[[], object]) -> int:
+    """Kernels, copies and fills one call puts on the GPU (CUDA activity seen by the profiler)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def capturable(fn: Callable[[], object]) -> Callable[[], object] | None:
+    """``fn`` as a CUDA-graph replay, or None if it cannot be captured (host reads, say)."""
+    try:
+        return graphed(fn)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+
+
+def calls_to_measure() -> dict[str, Callable[[], object]]:
+    """One small call of every op and layer (inputs made once, outside the timed calls)."""
+    dev = ts.device()
+    world, rank = ts.world_size(), ts.rank()
+    right = (rank + 1) % world
+    x4k = torch.randn(2048, device=dev, dtype=BF16)
+    y4k = ts.zeros((2048,), dtype=BF16)
+    rows = torch.randn(64, 1024, device=dev, dtype=BF16)
+    big = torch.randn(world * 64, 1024, device=dev, dtype=BF16)
+    w = torch.randn(1024, 1024, device=dev, dtype=BF16) / 32
+    decode = torch.randn(128, 1024, device=dev, dtype=BF16)
+    tokens, hidden, topk, experts = 128, 1024, 8, 64
+    moe_x = torch.randn(tokens, hidden, device=dev, dtype=BF16)
+    scores = torch.rand(tokens, experts, device=dev)
+    moe_w, moe_idx = scores.topk(topk, dim=1)
+    recv_x, recv_w, _, handle = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
+    local_w = torch.randn(experts // world, hidden, hidden, device=dev, dtype=BF16) / 32
+    mlp = ts.nn.TensorParallelMLP(1024, 4096, dtype=BF16)
+    moe = ts.nn.ExpertParallelMoE(hidden, 512, experts, topk, dtype=BF16, low_latency=True)
+    kernel = p2p.transfer_kernel("bfloat16", 8, p2p.DEFAULT_PLAN, sm_count(), False)
+    table = ts.peer_ptrs(y4k)
+
+    def dispatch_combine():
+        rx, rw, _, h = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
+        return ts.ops.moe_combine(rx, rw, h)
+
+    return {
+        "torch add_ (one launch)": lambda: x4k.add_(0),
+        "tilelang JITKernel (put)": lambda: kernel.kernel(x4k, y4k, right, table),
+        "DistributedKernel (put)": lambda: kernel(x4k, y4k, right),
+        "ops.put 4 KiB": lambda: ts.ops.put(x4k, y4k, right),
+        "ops.get 4 KiB": lambda: ts.ops.get(y4k, x4k, right),
+        "ops.all_gather 4 KiB": lambda: ts.ops.all_gather(x4k),
+        "ops.reduce_scatter 4 KiB": lambda: ts.ops.reduce_scatter(x4k),
+        "ops.all_reduce 4 KiB": lambda: ts.ops.all_reduce(x4k),
+        "ops.all_reduce two_shot 4 KiB": lambda: ts.ops.all_reduce(x4k, algorithm="two_shot"),
+        "ops.all_gather_gemm fused 64x1024x1024": lambda: ts.ops.all_gather_gemm(rows, w, plan="fused"),
+        "ops.gemm_reduce_scatter fused": lambda: ts.ops.gemm_reduce_scatter(big, w, plan="fused"),
+        "ops.gemm_all_reduce 128x1024x1024": lambda: ts.ops.gemm_all_reduce(decode, w),
+        "ops.moe_dispatch low-latency 128 tok": lambda: ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts,
+                                                                            low_latency=True),
+        "ops.moe_combine low-latency 128 tok": lambda: ts.ops.moe_combine(recv_x, recv_w, handle),
+        "ops.moe dispatch + combine": dispatch_combine,
+        "ops.grouped_gemm": lambda: ts.ops.grouped_gemm(recv_x, local_w, handle.row_expert),
+        "nn.TensorParallelMLP forward 64 rows": lambda: mlp(rows),
+        "nn.ExpertParallelMoE forward 128 tok": lambda: moe(moe_x),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=300, help="back-to-back calls per host-time sample")
+    args = parser.parse_args()
+    ts.init()
+    if ts.device().type != "cuda":
+        raise SystemExit("host_cost.py measures the GPU launch path: run it on a GPU (without --cpu)")
+    fns = calls_to_measure()
+    with torch.no_grad():
+        for fn in fns.values():  # kernels built, buffers allocated, before anything is timed
+            fn()
+        counts = {name: launches(fn) for name, fn in fns.items()}
+        host: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(3):  # interleaved rounds: a drift of clocks moves every row alike
+            for name, fn in fns.items():
+                host[name].append(host_us(fn, args.calls))
+        torch_launch = statistics.median(host["torch add_ (one launch)"])
+        report = Report("host_cost", columns=["call", "kernels", "host_us", "budget_us", "vs_budget",
+                                              "eager_us", "graph_us"])
+        for name, fn in fns.items():
+            us = statistics.median(host[name])
+            budget = 1.3 * torch_launch * max(counts[name], 1)
+            eager = time_fn(fn, warmup=3, iters=50).median_ms * 1e3
+            replay = capturable(fn) if name.startswith(("ops.", "nn.")) else None
+            graph = time_fn(replay, warmup=3, iters=50).median_ms * 1e3 if replay is not None else None
+            report.add({"call": name, "kernels": counts[name], "host_us": us, "budget_us": budget,
+                        "vs_budget": us / budget, "eager_us": eager, "graph_us": graph,
+                        "host_us_rounds": host[name]})
+    report.print_table()
+    report.save()
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
