@@ -7,9 +7,17 @@ tilescale result is checked against the NCCL + cuBLAS one before timing.
 
     tilescale run -n 2 benchmarks/tp_gemm.py            # the issue's shapes (2x H200)
     tilescale run -n 2 --cpu benchmarks/tp_gemm.py --small
+
+``--floor`` (a one-rank job) times every fused plan of every op, as one rank's GEMM of a
+TP shape, against cuBLAS on the same operands: what the fused kernels cost before any link
+(see :func:`floor`)::
+
+    tilescale run -n 1 benchmarks/tp_gemm.py --floor
 """
 
 import argparse
+import json
+import math
 
 import tilelang
 import torch
@@ -189,6 +197,165 @@ def plot(report: Report) -> None:
     fig.savefig(report.path.with_suffix(".png"), dpi=120)
 
 
+# One rank's GEMM (M, K, N) of the MLP layers of real models under tensor parallelism t:
+# the all-gather GEMM is the up projection (K = hidden, N = FFN / t), the reduce-scatter and
+# all-reduce GEMMs the down projection (K = FFN / t, N = hidden). M: the rows one rank's GEMM
+# computes (prefill/training token counts; decode for the all-reduce), several not multiples
+# of 128. Models (hidden, FFN): Llama-3-70B (8192, 28672), Qwen2.5-72B (8192, 29568),
+# DeepSeek-V3 dense (7168, 18432), Llama-3-8B (4096, 14336).
+FLOOR_SHAPES = [
+    *(("ag", s) for s in AG_SHAPES),
+    ("ag", (16384, 8192, 3584)),   # Llama-3-70B, TP 8
+    ("ag", (3000, 8192, 7392)),    # Qwen2.5-72B, TP 4
+    ("ag", (2048, 7168, 9216)),    # DeepSeek-V3, TP 2
+    ("ag", (1500, 4096, 7168)),    # Llama-3-8B, TP 2
+    *(("rs", s) for s in RS_SHAPES),
+    ("rs", (4096, 7168, 8192)),    # Llama-3-70B, TP 4
+    ("rs", (16384, 3696, 8192)),   # Qwen2.5-72B, TP 8
+    ("rs", (3000, 4608, 7168)),    # DeepSeek-V3, TP 4
+    ("rs", (2048, 7168, 4096)),    # Llama-3-8B, TP 2
+    ("rs", (1000, 1792, 4096)),    # Llama-3-8B, TP 8
+    *(("ar", s) for s in AR_SHAPES),
+    ("ar", (256, 14336, 8192)),    # Llama-3-70B, TP 2, decode
+    ("ar", (128, 7392, 8192)),     # Qwen2.5-72B, TP 4, decode
+    ("ar", (200, 2304, 7168)),     # DeepSeek-V3, TP 8, decode
+    ("ar", (256, 11008, 4096)),    # the issue's slowest decode shape
+    ("ar", (256, 3584, 4096)),     # Llama-3-8B, TP 4, decode
+]
+# Goals of issue 22 (one-rank job, fused / cuBLAS).
+FLOOR_GOAL, FLOOR_GEOMEAN_GOAL, DECODE_GRAPH_GOAL, DECODE_EAGER_GOAL = 1.03, 1.01, 1.05, 1.10
+
+
+# A candidate tile against wave quantisation: 3/4 of WIDE's columns, so other tile counts.
+TILE_128X192 = TileConfig(128, 192, 64, 3, 256, "FullRow", "shared", 8)
+
+
+def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor) -> dict:
+    """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
+    the all-gather's copy-engine plan also with the 128x192 tile (``tile_128x192``)."""
+    if op == "ag":
+        return {"fused_copy_engine": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine"),
+                "fused_sm_pushers": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm"),
+                "tile_128x192": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine",
+                                                               tile=TILE_128X192)}
+    if op == "rs":
+        return {"fused": lambda: ts.ops.gemm_reduce_scatter(a, weight, plan="fused")}
+    return {"fused": lambda: ts.ops.gemm_all_reduce(a, weight, plan="fused")}
+
+
+def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool = False) -> dict:
+    """One rank's GEMM of ``shape`` through every fused plan of ``op``, checked against cuBLAS
+    (``torch.matmul``) on the same random operands, then timed taking turns with it (CUDA
+    events, warm-up, median); decode all-reduces (M <= 256) also as CUDA-graph replays."""
+    m, k, n = shape
+    g = torch.Generator(device=ts.device()).manual_seed(m * 7 + k * 3 + n)
+    a = torch.randn(m, k, device=ts.device(), generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    cublas = lambda: a @ weight.T  # noqa: E731
+    expected = cublas()
+    plans = floor_plans(op, a, weight)
+    tile = choose_tile(m, n, split_k=op != "ag")
+    splits = 1 if op == "ag" else reduce_plan(m, k, n, 1, tile)[2]
+    row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[tile], "k_splits": splits, "checks": []}
+    tol = tolerance(op, shape, tile)
+    for name, fn in plans.items():
+        row["checks"].append(check_close(f"{op} {shape} {name}", fn(), expected, rtol=tol, atol=tol))
+    if compile_only:
+        return row
+    timings = {"cublas": cublas, **plans}
+    for name, timing in time_interleaved(timings, rounds=5, iters=iters).items():
+        row[f"{name}_ms"] = timing.median_ms
+        row[f"{name}_samples_ms"] = timing.samples_ms
+    for name in plans:
+        row[f"{name}_vs_cublas"] = row[f"{name}_ms"] / row["cublas_ms"]
+    if op == "ar" and m <= 256 and ts.device().type == "cuda":
+        replays = {"cublas": graphed(cublas), **{name: graphed(fn) for name, fn in plans.items()}}
+        for name, timing in time_interleaved(replays, rounds=5, iters=iters).items():
+            row[f"graph_{name}_ms"] = timing.median_ms
+        row["graph_fused_vs_cublas"] = row["graph_fused_ms"] / row["graph_cublas_ms"]
+    return row
+
+
+def floor_summary(rows: list[dict]) -> dict:
+    """Worst and geometric-mean fused/cuBLAS over the shapes with >= 1024 rows, per plan, and
+    the decode all-reduces against their goals."""
+    summary = {}
+    for plan in sorted({key[:-len("_vs_cublas")] for r in rows for key in r
+                        if key.endswith("_vs_cublas") and not key.startswith("graph_")}):
+        ratios = [(r[f"{plan}_vs_cublas"], f"{r['op']} {r['M']}x{r['K']}x{r['N']}") for r in rows
+                  if r["M"] >= 1024 and f"{plan}_vs_cublas" in r]
+        if ratios:
+            worst = max(ratios)
+            summary[plan] = {"shapes": len(ratios), "worst": worst[0], "worst_shape": worst[1],
+                             "geomean": math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios)),
+                             "over_goal": [s for x, s in ratios if x > FLOOR_GOAL]}
+    # The default plan of each op (the copy-engine producer for the all-gather).
+    default = [r.get("fused_copy_engine_vs_cublas", r.get("fused_vs_cublas")) for r in rows if r["M"] >= 1024]
+    summary["default_plans"] = {"worst": max(default), "geomean": math.exp(sum(map(math.log, default)) / len(default)),
+                                "goal_worst": FLOOR_GOAL, "goal_geomean": FLOOR_GEOMEAN_GOAL}
+    summary["decode"] = [{"shape": f"{r['M']}x{r['K']}x{r['N']}", "eager": r["fused_vs_cublas"],
+                          "graph": r["graph_fused_vs_cublas"], "goal_eager": DECODE_EAGER_GOAL,
+                          "goal_graph": DECODE_GRAPH_GOAL} for r in rows if "graph_fused_vs_cublas" in r]
+    return summary
+
+
+def plot_floor(report: Report) -> None:
+    """fused / cuBLAS per shape and plan, with the goal line (rank 0 only)."""
+    if not report.path:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    series = ["fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "fused_vs_cublas", "graph_fused_vs_cublas"]
+    labels = ["AG, copy-engine producer", "AG, SM pushers", "RS / AR fused", "AR fused, graph replay"]
+    fig = Figure(figsize=(13, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(zip(series, labels, strict=True)):
+        points = [(j, r[key]) for j, r in enumerate(report.rows) if key in r]
+        if points:
+            ax.bar([j + i * width for j, _ in points], [y for _, y in points], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(FLOOR_GOAL, color="gray", linestyle="--", linewidth=0.8, label=f"goal ({FLOOR_GOAL}x, >= 1024 rows)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(report.rows))])
+    ax.set_xticklabels([f"{r['op']} {r['M']}x{r['K']}x{r['N']}" for r in report.rows], rotation=40, ha="right",
+                       fontsize=7)
+    ax.set_ylabel("fused / cuBLAS (one rank's GEMM)")
+    ax.set_ylim(0.8, max(1.3, *(r.get(k, 0) for r in report.rows for k in series)) + 0.05)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    ax.set_title(f"TP GEMM floor: fused plans vs cuBLAS, one-rank job on one {device}, bf16 (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(report.path.with_suffix(".png"), dpi=120)
+
+
+def run_floor(args: argparse.Namespace) -> None:
+    if ts.world_size() != 1:
+        raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/tp_gemm.py --floor")
+    shapes = FLOOR_SHAPES
+    if args.part:  # i/n: every n-th shape from the i-th, e.g. to build kernels in parallel processes
+        i, n = map(int, args.part.split("/"))
+        shapes = shapes[i::n]
+    columns = ["op", "M", "K", "N", "tile", "k_splits", "cublas_ms", "fused_copy_engine_ms", "fused_sm_pushers_ms",
+               "fused_ms", "fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "tile_128x192_vs_cublas",
+               "fused_vs_cublas",
+               "graph_cublas_ms", "graph_fused_ms", "graph_fused_vs_cublas"]
+    report = Report("tp-gemm-floor", columns=columns)
+    for op, shape in progress(shapes, "tp_gemm floor", fmt=str):
+        report.add(floor(op, shape, args.iters, compile_only=args.compile_only))
+    if args.compile_only:
+        print(f"built and checked {len(shapes)} shapes")
+        return
+    report.print_table()
+    summary = floor_summary(report.rows)
+    print(json.dumps(summary, indent=1))
+    report.add({"op": "summary", "M": 0, "K": 0, "N": 0, **summary})
+    report.save()
+    report.rows.pop()
+    plot_floor(report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU path)")
@@ -197,8 +364,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first (largest) shape of each op")
     parser.add_argument("--push-blocks", default="", help="all-gather GEMMs also timed with these pushers, e.g. 8,32")
     parser.add_argument("--graph", action="store_true", help="time every plan as a CUDA-graph replay (GPUs)")
+    parser.add_argument("--floor", action="store_true", help="one-rank job: every fused plan vs cuBLAS (see floor)")
+    parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
+    parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
     args = parser.parse_args()
     ts.init()
+    if args.floor:
+        run_floor(args)
+        ts.finalize()
+        return
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
     shapes = {op: shapes[op][:1] if args.quick else shapes[op] for op in args.ops.split(",")}
     pushers = [f"fused_push{b}_ms" for b in args.push_blocks.split(",") if b]

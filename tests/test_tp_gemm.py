@@ -33,9 +33,18 @@ def test_tp_mlp_training_on_fused_ops_matches_reference(n):
 
 
 KERNELS = {
-    "all_gather_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16, DEFAULT),
-    "all_gather_gemm_wide": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
-                                                                       WIDE),
+    "all_gather_gemm": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
+                                                                       DEFAULT),
+    "all_gather_gemm_wide": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
+                                                                           WIDE),
+    "all_gather_gemm_own_only": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024,
+                                                                               2048, 0, WIDE),
+    "all_gather_gemm_peers": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 1,
+                                                                             DEFAULT, "state"),
+    "all_gather_gemm_peers_epoch": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 4,
+                                                                                   WIDE, "epoch"),
+    "gemm_reduce_scatter_in_gemm": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(2, "bfloat16", 4096, 1024,
+                                                                                          2048, WIDE, 8),
     "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, DEFAULT, 1),
     "gemm_reduce_scatter_wide": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2,
                                                                              WIDE, 1),
@@ -55,20 +64,30 @@ def lower(name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_gemm_kernels_lower_to_wgmma_with_signals():
-    ag = lower("all_gather_gemm")
-    assert "wgmma" in ag and "tilescale::block_wait(" in ag  # waits for its row tile, then tensor cores
-    assert "gathered__peers[" in ag and "tilescale::block_signal(" in ag  # the pushers
-    assert "tilescale::grid_barrier(" not in ag  # double-buffered: no barrier between calls
-    # A flag per row tile: the pushers signal each of this rank's row tiles (32 here), and
-    # each GEMM tile waits for its own. TVM's simplifier once folded the segment arithmetic
-    # into a closed form that was wrong for even ranks: the segment comes from the register.
-    assert "block_signal((&(((int*)v_1)[((ts_rank * 32) + r)]))" in ag
-    assert "block_wait((&(flags[(((((by >> 5) + ts_rank) & 1) * 32) + (by & 31))]))" in ag
+    own = lower("all_gather_gemm")
+    # The own segment's tiles read x itself and wait for nothing; the pushers put rows to peers.
+    assert "wgmma" in own and "tilescale::block_wait(" not in own.split("__global__")[-1]
+    assert "gathered__peers[" in own and "tilescale::block_signal(" in own
+    assert "tilescale::grid_barrier(" not in own  # double-buffered: no barrier between calls
+    # A flag per row tile: the pushers signal each of this rank's row tiles (32 here) at the peer.
+    assert "block_signal((&(((int*)v_1)[((ts_rank * 32) + r)]))" in own
+    only = lower("all_gather_gemm_own_only")  # copy-engine plan: a plain GEMM of the own rows
+    assert "wgmma" in only and "__peers[" not in only and "block_signal((" not in only.split("__global__")[-1]
+    peers = lower("all_gather_gemm_peers")
+    # Each peer-segment tile waits for its own row tile's flag, segment from the register (TVM's
+    # simplifier once folded the segment arithmetic into a closed form wrong for even ranks).
+    assert "wgmma" in peers and "block_wait((&(flags[((segment * 32) + by)])), 2, state[1]," in peers
+    assert "int by = ((tile[0] & 511) >> 4);" in peers
+    epoch = lower("all_gather_gemm_peers_epoch")  # copy-engine plan: chunks of 4 row tiles, the call's epoch
+    assert "block_wait((&(flags[((segment * 8) + (by >> 2))])), 2, epoch," in epoch
     rs = lower("gemm_reduce_scatter")
     assert "wgmma" in rs and "recv__peers[" in rs and "tilescale::grid_barrier(" not in rs
     # Warp-specialised: the consumer warps run the epilogue and signal per warp.
     assert "warpgroup_reg_dealloc" in rs and "tilescale::warp_signal((&(((int*)v_1)[ts_rank])), 1, 1)" in rs
     assert "tilescale::block_signal((" not in rs.split("__global__")[-1]
+    fused = lower("gemm_reduce_scatter_in_gemm")  # own-segment tiles wait per warp, then sum the peers'
+    assert fused.index("tilescale::warp_wait(") < fused.index("tilescale::warp_signal(")
+    assert "tl::rasterization2DRow<8>()" in fused and "tilescale::grid_barrier(" not in fused
 
 
 @pytest.mark.slow
@@ -150,13 +169,14 @@ def test_tile_configs_lower_to_their_wgmma_and_epilogue():
 
 @pytest.mark.timeout(120)
 def test_the_wide_tile_reaches_both_fused_kernels():
-    """``tile=WIDE``: one m64n256 wgmma per warpgroup in both kernels, panel order in the
-    all-gather GEMM, the epilogue through shared memory."""
-    ag, rs = lower("all_gather_gemm_wide"), lower("gemm_reduce_scatter_wide")
-    for src in (ag, rs):
+    """``tile=WIDE``: one m64n256 wgmma per warpgroup in every kernel, panel order in the
+    all-gather GEMMs, the epilogue through shared memory."""
+    ag, peers, rs = lower("all_gather_gemm_wide"), lower("all_gather_gemm_peers_epoch"), \
+        lower("gemm_reduce_scatter_wide")
+    for src in (ag, peers, rs):
         assert "kFloat32, 64, 256, 16" in src and "kFloat32, 64, 64, 16" not in src
-    assert "tilescale::block_wait(" in ag and "tilescale::warp_signal(" in rs
-    assert "tma_store" in ag  # the shared-memory epilogue
+    assert "tilescale::block_wait(" in peers and "tilescale::warp_signal(" in rs
+    assert "tma_store" in ag and "tma_store" in peers  # the shared-memory epilogue
     assert "tl::rasterization2DRow<8>()" in rs  # the reduce-scatter GEMM's panel order
 
 

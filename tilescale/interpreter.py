@@ -629,6 +629,9 @@ def _floormod(a: Any, b: Any) -> Any:
 def _div(a: Any, b: Any) -> Any:
     if isinstance(a, int) and isinstance(b, int):
         return int(a / b)  # C semantics: truncation toward zero
+    if any(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in (a, b)) and \
+            not any(isinstance(x, float) or isinstance(x, torch.Tensor) and x.is_floating_point() for x in (a, b)):
+        return torch.div(torch.as_tensor(a), b, rounding_mode="trunc")  # integers (e.g. a register): C division
     return a / b
 
 

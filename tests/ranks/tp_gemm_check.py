@@ -20,9 +20,11 @@ for dtype in (torch.float16, torch.bfloat16):
         full = torch.empty(world * m, k, dtype=dtype)
         dist.all_gather_into_tensor(full, a)
         ref = (full.float() @ w.float().T)
-        # One exchange, calls adding different arrival counts to its flags: the targets keep up.
-        for tile, pushers in ((None, 32), (WIDE, 32), (None, 3), (None, 32)):
-            got = ts.ops.all_gather_gemm(a, w, plan="fused", tile=tile, push_blocks=pushers)
+        # SM pushers: one exchange, calls adding different arrival counts to its flags (the targets
+        # keep up). Copy engines: calls alternating buffer sets, epochs counted on the host.
+        for tile, pushers, producer in ((None, 32, "sm"), (WIDE, 32, "sm"), (None, 3, "sm"), (None, 32, "sm"),
+                                        (None, 32, None), (WIDE, 32, "copy_engine"), (None, 32, None)):
+            got = ts.ops.all_gather_gemm(a, w, plan="fused", tile=tile, push_blocks=pushers, producer=producer)
             torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-1)
         # row parallel
         M = world * m

@@ -29,6 +29,7 @@ elsewhere from the shape; pass ``plan`` to force one.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
-from tilescale.symmetric import zeros
+from tilescale.symmetric import peer_ptrs, peer_view, zeros
 
 # Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
 # on 2x H200, 32 beat 8 and 16 at three of the four benchmark shapes
@@ -55,23 +56,22 @@ FUSED_MIN_ROWS_GPU = 4096
 
 
 @jit
-def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
-                   tile_cfg: TileConfig):
-    """Blocks ``0..push_blocks-1`` push this rank's rows into every rank's gather buffer; the
-    others compute ``C = gathered @ W.T`` tile by tile, own segment first, each tile waiting
-    for its own row tile.
+def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
+                       tile_cfg: TileConfig):
+    """The all-gather GEMM's first kernel: this rank's own segment of ``C``, read straight from
+    ``x`` (no copy of it, no wait), and, in blocks ``0..push_blocks-1``, the pushers that put
+    this rank's rows into every peer's gather buffer (``push_blocks == 0``: the copy engines do).
 
-    Pushers and GEMM tiles are one kernel so that the pushers are resident: blocks are
-    dispatched in index order, so the first blocks run before any GEMM block can fill the
-    SMs with waits (a push kernel on a side stream could be starved by them, and was).
-    Flags count per row tile (``flags[segment * m_tiles + row_tile]``): every pusher adds 1
-    to a row tile's flag once it has pushed its share of that tile, so a GEMM tile starts as
-    soon as its rows are in, and the first tiles of this rank's own segment wait only for
-    the first rows of the local copy, not all of it.
+    Pushers and tiles are one kernel so that the pushers are resident: blocks are dispatched
+    in index order, so the first blocks run before the GEMM blocks take the SMs. Peers in
+    ``rank - 1, rank - 2, ...`` order (rank r - p computes this rank's segment p-th). Every
+    pusher adds 1 to a row tile's flag at the peer once it has pushed its share of that tile
+    (``flags[rank * m_tiles + row_tile]``), so the peer's tiles start as soon as their rows
+    are in. Nothing here waits, so the peers' second kernels always get their rows.
     """
-    bm = tile_cfg.block_M
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
-    n_tiles = -(-N // tile_cfg.block_N)
+    n_tiles = -(-N // bn)
     # Pushers move chunks of whole rows, about 16K elements each, that divide the shard and
     # the row tile (so a chunk belongs to one row tile).
     chunk_rows = 1
@@ -82,17 +82,13 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     # 16-byte stores, also when a chunk is not a whole number of vectors per thread.
     vector = 8 if K % 8 == 0 else 1
 
-    @T.prim_func
-    def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
-             W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-             flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32")):
-        with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
+    @T.macro
+    def own_kernel(x, gathered, W, C, flags, state):
+        with T.Kernel(push_blocks + m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
-                if b < push_blocks:
-                    for p in T.serial(ranks):
-                        # Own copy first: the GEMM starts on it. Rank r - p consumes this rank's
-                        # segment p-th (its order is r - p, r - p + 1, ...): it gets it p-th.
-                        peer = (rank + ranks - p) % ranks
+                if push_blocks and b < push_blocks:  # no pusher code at all without pushers
+                    for p in T.serial(ranks - 1):
+                        peer = (rank + ranks - 1 - p) % ranks
                         for r in T.serial(m_tiles):
                             mine = T.max(T.min(tile_chunks, chunks - r * tile_chunks) - b, 0)
                             for t in T.serial(T.ceildiv(mine, push_blocks)):
@@ -102,26 +98,90 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                                        dst_pe=peer, coalesced_width=vector)
                             T.signal(flags[rank * m_tiles + r], 1, pe=peer, op="add")
                 else:
-                    # The tile index lives in a register: TVM 0.1.15's simplifier rewrote
-                    # ``(rank + (b - push_blocks) // tiles) % world`` into a wrong closed form
-                    # for even ranks (the wait then watched another segment's flag).
-                    tile = T.alloc_local((1,), "int32")
+                    tile = T.alloc_local((1,), "int32")  # in a register, as ag_peer_gemm_kernel's
                     tile[0] = b - push_blocks
-                    if tile_cfg.panel:  # panel order within each segment, segments in turn
-                        per_segment = m_tiles * n_tiles
-                        segment = (rank + tile[0] // per_segment) % ranks
-                        by, bx = tile_coords(tile[0] % per_segment, m_tiles, n_tiles, tile_cfg.panel)
-                    else:
-                        by, bx = tile[0] // n_tiles, tile[0] % n_tiles
-                        segment = (rank + by // m_tiles) % ranks
-                        by = by % m_tiles
-                    T.wait(flags[segment * m_tiles + by], "ge", state[1])
-                    row = segment * padded_rows + by * bm
-                    col = bx * tile_cfg.block_N
-                    gemm_tile(gathered, _buffer_of(state) * world * padded_rows + row, W, col, C, row, col, K, dtype,
+                    by, bx = tile_coords(tile[0], m_tiles, n_tiles, tile_cfg.panel)
+                    gemm_tile(x, by * bm, W, bx * bn, C, rank * padded_rows + by * bm, bx * bn, K, dtype,
                               tile_cfg.stages, tile_cfg)
 
-    return main
+    if push_blocks:
+
+        @T.prim_func
+        def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
+                 W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
+                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32")):
+            own_kernel(x, gathered, W, C, flags, state)
+
+        return main
+
+    @T.prim_func
+    def gemm_only(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype),
+                  C: T.Tensor((world * padded_rows, N), dtype)):
+        own_kernel(x, None, W, C, None, None)
+
+    return gemm_only
+
+
+def _peer_tile(tile, rank, ranks, m_tiles: int, n_tiles: int, panel: int):
+    """(segment, row tile, column tile) of the peer-segment GEMM's linear ``tile`` index:
+    segments ``rank + 1, rank + 2, ...``, each in panel order (:func:`tile_coords`) or row-major."""
+    if panel:
+        per_segment = m_tiles * n_tiles
+        by, bx = tile_coords(tile % per_segment, m_tiles, n_tiles, panel)
+        return (rank + 1 + tile // per_segment) % ranks, by, bx
+    by, bx = tile // n_tiles, tile % n_tiles
+    return (rank + 1 + by // m_tiles) % ranks, by % m_tiles, bx
+
+
+@jit
+def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, chunk_tiles: int,
+                        tile_cfg: TileConfig, target: str):
+    """The all-gather GEMM's second kernel: the peers' segments of ``C = gathered @ W.T``, each
+    output tile waiting until the chunk of rows it reads has arrived.
+
+    Rows arrive in chunks of ``chunk_tiles`` row tiles, each with a flag (``flags[segment *
+    chunks + chunk]``). ``target="state"``: the flags count pusher arrivals and the tile
+    waits for the running total ``state[1]``, in the buffer set ``state[0]`` names
+    (:func:`ag_own_gemm_kernel`'s pushers; CUDA-graph safe). ``target="epoch"``: the copy
+    engines set each flag to the call's ``epoch`` (:func:`_copy_engine_gather`), and
+    ``gathered`` is the call's buffer set. The thread-block index goes through a register:
+    TVM 0.1.15's simplifier rewrote ``(rank + 1 + b // tiles) % world`` into a wrong closed
+    form for even ranks (the wait then watched another segment's flag).
+    """
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
+    m_tiles = padded_rows // bm
+    n_tiles = -(-N // bn)
+    chunks = -(-m_tiles // chunk_tiles)
+
+    @T.macro
+    def peer_tiles(gathered, W, C, flags, state, epoch):
+        with T.Kernel((world - 1) * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
+            with T.Scale("device") as (rank, ranks):
+                tile = T.alloc_local((1,), "int32")
+                tile[0] = b
+                segment, by, bx = _peer_tile(tile[0], rank, ranks, m_tiles, n_tiles, tile_cfg.panel)
+                T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1])
+                row = segment * padded_rows + by * bm
+                first = 0 if state is None else _buffer_of(state) * world * padded_rows
+                gemm_tile(gathered, first + row, W, bx * bn, C, row, bx * bn, K, dtype, tile_cfg.stages, tile_cfg)
+
+    if target == "state":
+
+        @T.prim_func
+        def counted(gathered: T.Tensor((2 * world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
+                    C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                    state: T.Tensor((2,), "int32")):
+            peer_tiles(gathered, W, C, flags, state, None)
+
+        return counted
+
+    @T.prim_func
+    def epoch_set(gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
+                  C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                  epoch: T.int32):
+        peer_tiles(gathered, W, C, flags, None, epoch)
+
+    return epoch_set
 
 
 @jit
@@ -175,53 +235,138 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
 
 
 @jit
-def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig):
-    """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
-    over the whole K, puts the partial (in ``dtype``) into its slot at every peer and
-    signals it there, waits for the peers' partials of the same tile, and sums all ranks'
-    partials in rank order, so every rank gets the same bits.
+def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, panel: int):
+    """Reduce-scatter over rows of ``a @ W.T`` in one kernel, the reduction in the owner's GEMM.
 
-    A block waits for the same block of the other ranks, so every block must be resident:
-    at most one tile per SM (``gemm_all_reduce`` picks this kernel only then). Under
-    TileLang's warp specialisation only the consumer warps run the epilogue, so each of
-    them signals and waits on its own (``scope="warp"``): a flag counts ``threads // 32``
-    signals per peer and call.
+    Rows are split in ``world`` segments; segment s belongs to rank s. A block computes one
+    output tile over the whole K. For a peer's segment it puts the partial (in ``dtype``) into
+    its slot at the owner and signals the tile's flag there; for this rank's own segment it
+    waits for the peers' partials of the same tile, adds them to its own fp32 accumulator and
+    writes the result: no pass over the partials after the GEMM, and with one rank, nothing
+    but the GEMM. Own-segment tiles come last in every rank's block order (segments in
+    ``rank + 1, rank + 2, ...`` order), so the tiles they wait for never wait themselves.
+    ``panel`` (tile rows of the panel order) divides the segment's row tiles, so no panel mixes
+    own and peer tiles. Each consumer warp signals and waits on its own (``scope="warp"``).
+    """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    seg_rows = M // world
+    padded = -(-seg_rows // bm) * bm
+    m_tiles, n_tiles = padded // bm, -(-N // bn)
+
+    tiles = m_tiles * n_tiles
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * world * padded, N), dtype),
+             out: T.Tensor((seg_rows, N), dtype), flags: T.Tensor((world * tiles,), "int32"),
+             state: T.Tensor((2,), "int32")):
+        with T.Kernel(n_tiles, world * m_tiles, threads=tile_cfg.threads) as (bx, by):
+            with T.Scale("device") as (rank, ranks):
+                T.use_swizzle(panel, enable=panel > 1)
+                seg, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                tile_out = T.alloc_shared((bm, bn), dtype)
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[seg * seg_rows + row * bm, k * bk], a)
+                    T.copy(W[bx * bn, k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                if seg == rank:
+                    part = T.alloc_fragment((bm, bn), dtype)
+                    for p in T.serial(ranks - 1):
+                        src = (rank + 1 + p) % ranks
+                        # A flag per sender: a peer already in its next call adds to its own flag only.
+                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp")
+                        T.copy(recv[(_buffer_of(state) * world + src) * padded + row * bm, bx * bn], part)
+                        for i, j in T.Parallel(bm, bn):
+                            acc[i, j] += T.cast(part[i, j], "float32")
+                    T.copy(acc, tile_out)  # through shared memory: whole-row (TMA) stores
+                    T.copy(tile_out, out[row * bm, bx * bn])
+                else:
+                    T.copy(acc, tile_out)
+                    T.copy(tile_out, recv[(_buffer_of(state) * world + rank) * padded + row * bm, bx * bn], dst_pe=seg)
+                    T.signal(flags[rank * tiles + row * n_tiles + bx], 1, pe=seg, op="add", scope="warp")
+
+    return main
+
+
+def _panel_dividing(m_tiles: int, panel: int) -> int:
+    """The largest power of two <= ``panel`` that divides ``m_tiles`` (1 at least)."""
+    p = 1
+    while p * 2 <= panel and m_tiles % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+@jit
+def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, splits: int = 1):
+    """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
+    over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
+    ``dtype``) into its slot at every rank and signals it there, then waits for all partials
+    of the same tile and sums them in rank order (and K-part order), so every rank gets the
+    same bits. With K split, block ``s`` of a tile sums and writes row slice ``s`` of it: the
+    reduction is spread over the same blocks, and no second kernel runs.
+
+    A block waits for the other blocks of its tile, on every rank, so every block must be
+    resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
+    Under TileLang's warp specialisation only the consumer warps run the epilogue, so each
+    of them signals and waits on its own (``scope="warp"``): a flag per (sender, tile)
+    counts ``splits * threads // 32`` signals per call.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     padded = -(-M // bm) * bm
     m_tiles, n_tiles = padded // bm, -(-N // bn)
+    k_part, rows = K // splits, bm // splits
 
     @T.prim_func
-    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * world * padded, N), dtype),
-             out: T.Tensor((M, N), dtype), flags: T.Tensor((m_tiles * n_tiles,), "int32"),
-             state: T.Tensor((2,), "int32")):
-        with T.Kernel(n_tiles, m_tiles, threads=tile_cfg.threads) as (bx, by):
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
+             recv: T.Tensor((2 * world * splits * padded, N), dtype), out: T.Tensor((M, N), dtype),
+             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((2,), "int32")):
+        with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
             with T.Scale("device") as (rank, ranks):
+                by, s = bz // splits, bz % splits
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
                 mine = T.alloc_shared((bm, bn), dtype)
-                part = T.alloc_fragment((bm, bn), dtype)
+                total = T.alloc_fragment((rows, bn), "float32")
+                part = T.alloc_fragment((rows, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
-                    T.copy(A[by * bm, k * bk], a)
-                    T.copy(W[bx * bn, k * bk], w)
+                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[by * bm, s * k_part + k * bk], a)
+                    T.copy(W[bx * bn, s * k_part + k * bk], w)
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 T.copy(acc, mine)
-                for p in T.serial(ranks - 1):
+                # Whole K: the own partial stays in shared memory. Split K: it goes to this
+                # rank's own slot too, where the tile's other blocks read it.
+                for p in T.serial(ranks - 1 if splits == 1 else ranks):
                     dst = (rank + 1 + p) % ranks
-                    T.copy(mine, recv[(_buffer_of(state) * world + rank) * padded + by * bm, bx * bn], dst_pe=dst)
-                    T.signal(flags[by * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
-                T.wait(flags[by * n_tiles + bx], "ge", state[1], scope="warp")
-                T.clear(acc)
+                    T.copy(mine, recv[((_buffer_of(state) * world + rank) * splits + s) * padded + by * bm, bx * bn],
+                           dst_pe=dst)
+                    T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
+                T.clear(total)
                 for p in T.serial(ranks):
-                    if p == rank:
-                        T.copy(mine, part)
+                    if splits == 1:
+                        if p == rank:
+                            T.copy(mine, part)
+                        else:
+                            # A flag per sender: with 3+ ranks a peer may already be in its next
+                            # call and signal again; one shared count could pass before a slower
+                            # peer's tile had landed.
+                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp")
+                            T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
+                        for i, j in T.Parallel(rows, bn):
+                            total[i, j] += T.cast(part[i, j], "float32")
                     else:
-                        T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
-                    for i, j in T.Parallel(bm, bn):
-                        acc[i, j] += T.cast(part[i, j], "float32")
-                T.copy(acc, out[by * bm, bx * bn])
+                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp")
+                        for q in T.serial(splits):
+                            slot = ((_buffer_of(state) * world + p) * splits + q) * padded + by * bm
+                            T.copy(recv[slot + s * rows, bx * bn], part)
+                            for i, j in T.Parallel(rows, bn):
+                                total[i, j] += T.cast(part[i, j], "float32")
+                if by * bm + s * rows < M:  # a slice of padding rows writes nothing
+                    T.copy(total, out[by * bm + s * rows, bx * bn])
 
     return main
 
@@ -277,13 +422,17 @@ class _Exchange:
     state: torch.Tensor  # (2,) int32 on this rank's device: [calls, running total of arrivals per flag]
     steps: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def advance(self, arrivals: int) -> None:
-        """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
+    def step(self, arrivals: int) -> torch.Tensor:
+        """The device-side increment of a call adding ``arrivals`` to each flag (made at first use)."""
         step = self.steps.get(arrivals)
         if step is None:
             runtime.check_not_capturing(f"a TP GEMM call adding {arrivals} arrivals per flag")
             step = self.steps[arrivals] = torch.tensor([1, arrivals], dtype=torch.int32, device=self.state.device)
-        self.state += step
+        return step
+
+    def advance(self, arrivals: int) -> None:
+        """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
+        self.state += self.step(arrivals)
 
 
 _exchanges: dict[tuple, _Exchange] = {}
@@ -295,6 +444,148 @@ def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int
         _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
                                     torch.zeros(2, dtype=torch.int32, device=runtime.device()))
     return _exchanges[key]
+
+
+class _StreamWrites:
+    """``cuStreamWriteValue32``: a 32-bit store that a stream performs once its earlier work is
+    complete (with a system-scope fence first), done by the GPU's front end, not by an SM, so
+    it lands even while a GEMM holds every SM waiting for it."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._write.restype = ctypes.c_int
+
+    def __call__(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        err = self._write(self._ctypes.c_void_p(stream.cuda_stream), address, value, 0)
+        if err:
+            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {err}")
+
+
+_stream_writes: _StreamWrites | None = None
+
+
+@dataclass
+class _GatherExchange:
+    """The copy-engine all-gather's buffers: two sets of gathered rows (stacked along the rows),
+    one flag per (segment, chunk), and the calls so far, counted on the host.
+
+    A call's flags are set to its call count (``epoch``): flags only grow, so none is reset.
+    Calls alternate between the two sets, as :class:`_Exchange`'s do and for the same reason.
+    The host counts the calls, so a CUDA graph could only replay one epoch: captured calls
+    take the SM pushers' plan instead (:func:`all_gather_gemm`).
+    """
+
+    buffers: torch.Tensor
+    flags: torch.Tensor
+    peer_buffers: list[torch.Tensor]
+    peer_flags: list[torch.Tensor]
+    stream: torch.cuda.Stream | None
+    calls: int = 0
+
+
+_gather_exchanges: dict[tuple, _GatherExchange] = {}
+
+
+def _gather_exchange(key: tuple, rows: int, k: int, dtype: torch.dtype, flags: int) -> _GatherExchange:
+    if key not in _gather_exchanges:
+        runtime.check_not_capturing(f"TP GEMM exchange {key}")
+        buffers, flag = zeros((2 * rows, k), dtype=dtype), zeros((flags,), dtype=torch.int32)
+        world = runtime.world_size()
+        stream = None
+        if buffers.is_cuda:  # high priority: its copies and flag writes go first where kernels wait for them
+            stream = torch.cuda.Stream(buffers.device, priority=-1)
+        _gather_exchanges[key] = _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(world)],
+                                                 [peer_view(flag, p) for p in range(world)], stream)
+    return _gather_exchanges[key]
+
+
+def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
+    """Row tiles per copy of the copy-engine all-gather: about 8 MB each, at least 2 copies per
+    segment where it has 2 row tiles, so the first tiles of a segment start after a part landed.
+
+    Example::
+
+        chunk_tiles(64, 8192, 128, 2)     # 4: 512 rows of 8192 bf16 = 8 MB
+    """
+    return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
+
+
+def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: TileConfig) -> None:
+    """The all-gather GEMM with copies as producer. On the main stream, the own segment's GEMM
+    (:func:`ag_own_gemm_kernel`, no pushers) starts at once; meanwhile, on a high-priority side
+    stream, this rank's rows go chunk by chunk into every peer's gather buffer (``rank - 1,
+    rank - 2, ...``), each chunk followed by a stream-ordered write of the call's epoch to its
+    flag there. The main stream then waits for those copies and runs the peers' segments
+    (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks.
+
+    Waiting for this rank's own copies before the waiting kernel is what keeps it free of
+    deadlock whoever executes a copy (a device-to-device copy may run on SMs): the copies
+    never wait for a kernel that waits, so every rank's rows arrive.
+    """
+    global _stream_writes
+    world, rank = runtime.world_size(), runtime.rank()
+    (m, k), n = a_shard.shape, weight.shape[0]
+    bm, dtype = tile.block_M, tl_dtype(a_shard)
+    padded = -(-m // bm) * bm
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile)
+    if world == 1:  # nothing to gather
+        own(a_shard, weight, out)
+        return
+    per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
+    chunks = -(-(padded // bm) // per_copy)
+    ex = _gather_exchange(("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
+                          world * chunks)
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch")
+    ex.calls += 1
+    epoch, first = ex.calls, (ex.calls % 2) * world * padded
+    main = torch.cuda.current_stream() if ex.stream is not None else None
+    if main is not None:
+        _stream_writes = _stream_writes or _StreamWrites()
+        ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
+    own(a_shard, weight, out)
+    with torch.cuda.stream(ex.stream) if main is not None else contextlib.nullcontext():
+        for step in range(1, world):
+            peer = (rank - step) % world
+            for c in range(chunks):
+                rows = slice(c * per_copy * bm, min(m, (c + 1) * per_copy * bm))
+                dst = first + rank * padded
+                ex.peer_buffers[peer][dst + rows.start:dst + rows.stop].copy_(a_shard[rows])
+                if main is not None:
+                    flag = ex.peer_flags[peer].data_ptr() + (rank * chunks + c) * ex.flags.element_size()
+                    _stream_writes(ex.stream, flag, epoch)
+                else:  # CPU path: the copy above is done; stores reach the peer in order
+                    ex.peer_flags[peer][rank * chunks + c] = epoch
+    if main is not None:
+        main.wait_stream(ex.stream)
+    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch)
+
+
+def _sm_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: TileConfig,
+               push_blocks: int) -> None:
+    """The all-gather GEMM with SM pushers: :func:`ag_own_gemm_kernel` (pushers and the own
+    segment), then :func:`ag_peer_gemm_kernel` (the peers' segments, counted flags). Call
+    counts and flag targets live on the device, so a CUDA graph can capture it. ``out=None``:
+    only make its exchange, peer table and kernels (for a capture later)."""
+    world = runtime.world_size()
+    (m, k), n = a_shard.shape, weight.shape[0]
+    bm, dtype = tile.block_M, tl_dtype(a_shard)
+    padded = -(-m // bm) * bm
+    ex = _exchange(("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype, world * padded // bm)
+    peer_ptrs(ex.buffers), peer_ptrs(ex.flags)  # the pushers' peer tables, made outside any capture
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile)
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state") if world > 1 else None
+    if out is None:
+        ex.step(push_blocks)
+        return
+    ex.advance(push_blocks)  # every pusher signals every row tile once per call
+    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
+    if peers is not None:
+        peers(ex.buffers, weight, out, ex.flags, ex.state)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -350,8 +641,12 @@ def _choose(plan: str | None, rows: int) -> str:
     return plan or ("fused" if rows >= threshold else "unfused")
 
 
+PRODUCERS = ("copy_engine", "sm")
+
+
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS) -> torch.Tensor:
+                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS,
+                    producer: str | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -359,12 +654,17 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         y = ts.ops.all_gather_gemm(x_rows, w_cols)     # (world * rows, N_local)
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
-    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`);
-    ``push_blocks``: its blocks that push rows to the peers (the rest compute).
+    this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
+    ``producer``: who moves the rows in the fused plan: ``"copy_engine"`` (copies and flag
+    writes on a side stream, the GEMM keeps every SM; the default, except inside a CUDA graph
+    capture) or ``"sm"`` (``push_blocks`` blocks of the GEMM kernel push the rows; counts its
+    calls on the device, so it is what a captured call runs).
     """
     _check_pair(a_shard, weight)
     if push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
+    if producer not in (None, *PRODUCERS):
+        raise ValueError(f"producer must be one of {PRODUCERS} or None, got {producer!r}")
     world = runtime.world_size()
     (m, k), n = a_shard.shape, weight.shape[0]
     check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
@@ -374,12 +674,17 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         return gathered @ weight.T
     tile = tile or choose_tile(world * m, n)
     padded = -(-m // tile.block_M) * tile.block_M
-    ex = _exchange(("ag", padded, k, a_shard.dtype, tile.block_M), (world * padded, k), a_shard.dtype,
-                   world * padded // tile.block_M)
+    capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile)
-    ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
+    if (producer or ("sm" if capturing else "copy_engine")) == "copy_engine":
+        if capturing:
+            raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "
+                               "values are counted on the host; capture producer='sm' (the default in a capture)")
+        if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
+            _sm_gather(a_shard, weight, None, tile, push_blocks)
+        _copy_engine_gather(a_shard, weight, out, tile)
+    else:
+        _sm_gather(a_shard, weight, out, tile, push_blocks)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -453,7 +758,18 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         dist.reduce_scatter_tensor(out, a @ weight.T)
         return out
     tile = tile or choose_tile(m, n, split_k=True)
-    return _gemm_then_reduce(a, weight, world, tile, reduce_plan(m, k, n, world, tile))
+    plan = reduce_plan(m, k, n, world, tile)
+    padded, tiles, splits = plan
+    if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
+        return _gemm_then_reduce(a, weight, world, tile, plan)
+    ex = _exchange(("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
+                   world * tiles)
+    ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
+    out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
+    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, _panel_dividing(padded // tile.block_M,
+                                                                                           tile.panel))
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state)
+    return out
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -464,9 +780,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
 
         y = ts.ops.gemm_all_reduce(h, w_rows)          # (M, N) on every rank
 
-    Fused, where every output tile fits on its own SM with K whole (decode shapes), one
-    kernel does it all (:func:`all_reduce_gemm_kernel`); else a GEMM kernel pushes partial
-    tiles (K split where the tiles are few) and a second kernel sums them. Every rank gets
+    Fused, where every block has an SM of its own (decode shapes: output tiles times K
+    splits, :func:`k_splits`), one kernel does it all (:func:`all_reduce_gemm_kernel`);
+    else a GEMM kernel pushes partial tiles and a second kernel sums them. Every rank gets
     the same bits: partials are summed in rank order.
     """
     _check_pair(a, weight)
@@ -482,12 +798,13 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         return out
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
-    if splits > 1 or tiles > sm_count():  # one kernel needs whole K per tile and every tile resident
+    if tiles * splits > sm_count():  # one kernel needs every block resident
         return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
     world = runtime.world_size()
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles), (world * padded, n), a.dtype, tiles)
-    ex.advance((world - 1) * (tile.threads // 32))  # each peer's consumer warps signal each tile once per call
+    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
+                   a.dtype, world * tiles)
+    ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
+    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits)(a, weight, ex.buffers, out, ex.flags, ex.state)
     return out
