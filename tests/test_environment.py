@@ -121,7 +121,7 @@ SRUN = {
 
 def test_slurm_step():
     env = detect(SRUN)
-    assert env == LaunchEnv("slurm", 9, 11, 1, 3, "gpu012", 29500 + 123456 % 20000)
+    assert env == LaunchEnv("slurm", 9, 11, 1, 3, "gpu012", 29500 + 123456 % 20000, "slurm:123456.0")
 
 
 @pytest.mark.parametrize(("node", "tasks"), [("0", 4), ("1", 4), ("2", 3)])
