@@ -14,18 +14,27 @@ Three launchers start the ranks:
     Our own spawner. Every local rank is ``sys.executable SCRIPT ARGS`` in its own session
     (so a rank's children can be stopped with it), with the torchrun variables (RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) in its
-    environment and stdin closed. Reader threads copy each rank's stdout and stderr line by
-    line to ours, prefixed ``[rank N] ``. The launcher fails fast: as soon as one rank exits
-    non-zero or dies of a signal it names the rank, sends SIGTERM to the process groups of
-    the others, SIGKILL after ``--timeout-kill`` seconds, and exits with that rank's status
-    (128 + signal number for a signal). SIGINT/SIGTERM sent to the launcher are forwarded
-    the same way.
+    environment and stdin closed, and SIGKILL as its parent-death signal (no rank outlives
+    the launcher, even one killed with SIGKILL). Reader threads copy each rank's stdout and
+    stderr line by line to ours, prefixed ``[rank N] ``. The launcher fails fast: as soon as
+    one rank exits non-zero or dies of a signal it names the rank, sends SIGTERM to the
+    process groups of the others, SIGKILL after ``--timeout-kill`` seconds, and exits with
+    that rank's status (128 + signal number for a signal). SIGINT/SIGTERM sent to the
+    launcher are forwarded the same way, and it exits with 128 + that signal.
 ``torchrun``
     ``python -m torch.distributed.run`` with the same options.
 ``mpirun``
     The ``mpiexec`` of MPICH (hydra), one node only. The ranks learn their place from
     PMI_RANK/PMI_SIZE; only MASTER_ADDR/MASTER_PORT are added. For several nodes use
     ``launch/mpirun_multinode.sh`` or ``launch/slurm.sbatch`` (see ``launch/README.md``).
+
+With ``auto`` and ``mpirun`` the launcher on the node of rank 0 hosts the job's store
+(``tilescale.launch.rendezvous``): a taken ``--master-port`` is refused before any rank starts,
+and every rank's exit is published there so that peers waiting for it raise at once. Every
+launcher gives the ranks a launch id (TILESCALE_LAUNCH_ID: fresh per launch on one node, else
+``--job-id`` or Slurm's job and step) that they check at rendezvous, and a key
+(TILESCALE_JOB_KEY) that prefixes the job's names in /dev/shm: the launcher removes them once
+the ranks are gone, and names of dead processes at its start.
 
 Whatever the launcher, NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are given to every rank, and a
@@ -526,7 +535,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = None
     if args.launcher == "torchrun":  # its agent hosts the store itself
         if port is None:
-            port = free_port(args.master_addr)
+            try:
+                port = free_port(args.master_addr)
+            except OSError as err:
+                _say(f"cannot find a free port on --master-addr {args.master_addr}: {err}")
+                return 2
     else:
         # The auto and mpirun launchers host the job's store on the node of rank 0: the port is
         # taken before any rank starts, and the store outlives any rank.

@@ -4,8 +4,9 @@ Every mode prints ``JOB <job id>`` and ``PID <pid>`` right after init, so that t
 find the job's names in /dev/shm and its processes.
 
 hold
-    Every rank fills a symmetric tensor with its launch id's hash and rank, and checks its
-    peer's copy a few times over ~3 s (long enough for a second job to try the same port).
+    Every rank fills a symmetric tensor with its launch id's hash and rank, then checks its
+    peer's copy until the file named by ``HOLD_UNTIL`` exists (at most 60 s): meanwhile the
+    test tries to start a second job, or a stray rank, on the same port.
 allocate
     Allocate symmetric tensors in a loop until killed (``ALLOCATING`` once started).
 die-in-alloc
@@ -44,10 +45,13 @@ if mode == "hold":
     x.fill_(mark * 10 + rank)
     ts.barrier()
     peer = ts.peer_view(x, other)
-    for _ in range(6):
+    print("HOLDING", flush=True)
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["HOLD_UNTIL"]).exists() and time.monotonic() < deadline:
         assert bool((peer == mark * 10 + other).all()), f"peer holds {peer[:4].tolist()}, not this launch's data"
-        time.sleep(0.5)
+        time.sleep(0.1)
     ts.barrier()
+    assert bool((peer == mark * 10 + other).all()), f"peer holds {peer[:4].tolist()}, not this launch's data"
     print(f"DATA-OK rank={rank}", flush=True)
     ts.finalize()
 elif mode == "allocate":
