@@ -156,6 +156,16 @@ def publish_exit(store: dist.Store, rank: int, code: int | None) -> None:
         store.set(exit_key(rank), "" if code is None else str(code))
 
 
+def linger(store: dist.Store, ranks: list[int], seconds: float) -> None:
+    """Wait until each of ``ranks`` has published its exit, at most ``seconds``: what a rank
+    that hosts the store does at exit, so that peers waiting for it read that it exited
+    rather than lose the store."""
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(Exception):  # c10d raises its own error types, by version
+        while time.monotonic() < deadline and not store.check([exit_key(r) for r in ranks]):
+            time.sleep(0.02)
+
+
 def describe_exit(value: str) -> str:
     """What a published exit value says, e.g. ``exited with code 0``."""
     if not value:

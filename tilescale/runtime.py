@@ -77,6 +77,10 @@ _runtime: Runtime | None = None
 _session = 0
 # Start-up deadline when RANK/WORLD_SIZE/MASTER_* come with no launcher's marks (maybe stale).
 UNMARKED_TIMEOUT_S = 30.0
+# Whether this process hosts the job's store (rank 0 under launchers other than tilescale run),
+# and how long it keeps it up at exit for peers to read that it exited.
+_hosts_store = False
+HOST_LINGER_S = 1.0
 
 # int32 words of the barrier workspace: three counters, each on its own 128-byte line.
 SYNC_WORKSPACE_WORDS = 96
@@ -146,6 +150,7 @@ def _restart() -> str:
 def _rendezvous(env: LaunchEnv, timeout_s: float, timeout_given: bool) -> dist.Store:
     """Join the job's store (rank 0 hosts it when no launcher does), after checking it is this
     launch's, and wait until every rank has joined; returns the store."""
+    global _hosts_store
     launch_id = env.launch_id
     addr, port = env.master_addr, env.master_port
     if addr is None or port is None:
@@ -178,6 +183,7 @@ def _rendezvous(env: LaunchEnv, timeout_s: float, timeout_given: bool) -> dist.S
             store = rendezvous.host_store(port, launch_id, timeout_s)
         except rendezvous.PortInUseError as err:
             raise rendezvous.PortInUseError(f"rank 0 cannot host the job's store: {err}") from None
+        _hosts_store = True
     else:
         store = rendezvous.connect(addr, port, timeout_s, waiting_for(f"the job's store at {where}"), every)
         if not agent:  # torchrun's agent holds the port itself, and writes no launch id
@@ -238,8 +244,13 @@ def _job_id(group_store: dist.Store, rank: int, timeout_s: float) -> str:
 def _publish_exit() -> None:
     # At interpreter exit without finalize(): tell ranks still waiting for this one (the
     # launcher adds the exit code later, or says it first if this process is killed).
-    if _runtime is not None and _runtime.group.exits is not None:
-        rendezvous.publish_exit(_runtime.group.exits, _runtime.env.rank, None)
+    rt = _runtime
+    if rt is None or rt.group.exits is None:
+        return
+    rendezvous.publish_exit(rt.group.exits, rt.env.rank, None)
+    if _hosts_store:  # the store ends with this process: let waiting peers read the exit first
+        others = [r for r in range(rt.env.world_size) if r != rt.env.rank]
+        rendezvous.linger(rt.group.exits, others, HOST_LINGER_S)
 
 
 def init(backend: str | None = None, *, device: str | None = None, timeout_s: float | None = None) -> Runtime:

@@ -10,8 +10,8 @@ hold
 allocate
     Allocate symmetric tensors in a loop until killed (``ALLOCATING`` once started).
 die-in-alloc
-    Both ranks allocate 64 MiB; rank 1 SIGKILLs itself once rank 0's segment exists, so that
-    both are inside the allocation when rank 1 dies.
+    Rank 0 allocates 64 MiB; rank 1 takes the allocation's first step and SIGKILLs itself once
+    rank 0's segment exists, so that rank 0 is inside the allocation when its peer dies.
 exit-early R
     Rank R exits 0 right after init, without finalize; the other allocates, and must learn at once.
 atomics
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -59,17 +58,18 @@ elif mode == "allocate":
     while True:
         ts.empty((1 << 18,), dtype=torch.float32)
 elif mode == "die-in-alloc":
-    if rank == 1:
-        def die_once_rank0_allocates() -> None:
-            segment = f"tilescale-{group.job_id}-alloc-1-0-p"
-            while not any(name.startswith(segment) for name in os.listdir("/dev/shm")):
-                time.sleep(0.002)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=die_once_rank0_allocates, daemon=True).start()
-    ts.empty((1 << 24,), dtype=torch.float32)
-    ts.barrier()
-    print(f"ALLOCATED rank={rank}", flush=True)  # must not happen: rank 1 died inside the allocation
+    request = ((1 << 24,), torch.float32)
+    if rank == 0:
+        ts.empty(*request)
+        print("ALLOCATED rank=0", flush=True)  # must not happen: rank 1 died inside the allocation
+    else:
+        # The first step of ts.empty (the ranks agree on the request), then death: rank 0 is
+        # then surely inside the allocation, its segment made, waiting for rank 1's.
+        group.exchange(group.next_tag("alloc"), [list(request[0]), str(request[1])])
+        segment = f"tilescale-{group.job_id}-alloc-1-0-p"
+        while not any(name.startswith(segment) for name in os.listdir("/dev/shm")):
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "exit-early":
     if rank == int(sys.argv[2]):
         sys.exit(0)
