@@ -59,7 +59,13 @@ class Group:
     def exchange(self, tag: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank contributes ``value`` (JSON-serialisable); all receive the list by rank.
 
-        Raises ``TimeoutError`` naming the ranks that did not contribute within the deadline.
+        Example::
+
+            shapes = group.exchange(group.next_tag("alloc"), [1024, "torch.float32"])
+
+        Raises :class:`PeerExitedError` as soon as a rank it waits for has exited,
+        ``TimeoutError`` naming the ranks that did not contribute within the deadline, and a
+        one-line ``RuntimeError`` if the store itself is gone.
         """
         timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         keys = [f"tilescale/{tag}/{r}" for r in range(self.world_size)]

@@ -226,7 +226,7 @@ def test_signal_to_the_launcher_while_ranks_allocate_stops_them_and_leaves_nothi
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_start_removes_their_names():
+def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_start_removes_their_names(tmp_path):
     job = launch("-n", 2, "--cpu", PROG, "allocate")
     job.wait_for("ALLOCATING", count=2)
     time.sleep(0.3)
@@ -236,8 +236,10 @@ def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_start_removes_thei
     assert len(pids) == 2 and gone(pids, timeout=10), [p for p in pids if alive(p)]
     # Nothing could remove what the ranks had in /dev/shm when they were killed; the next
     # launcher's start removes it (its owners are dead).
-    after = subprocess.run(launcher_cmd("-n", 1, "--cpu", ROOT / "tests" / "ranks" / "startup_only.py"),
-                           env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    script = tmp_path / "rank.py"
+    script.write_text("pass\n")
+    after = subprocess.run(launcher_cmd("-n", 1, "--cpu", script), env=clean_env(), cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
     assert after.returncode == 0, after.stderr
     assert names_of(job_id) == []
 
