@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
+import time
 from typing import Any
 
 import torch.distributed as dist
+
+from tilescale.launch.rendezvous import describe_exit, exit_key
+
+# Polling of an exchange: the first pause, the longest, and how often to look for exited ranks.
+# (A store wait that times out makes c10d log warnings, so waits poll with ``check`` instead.)
+_FIRST_PAUSE_S, _MAX_PAUSE_S, _EXIT_CHECK_S = 0.0002, 0.02, 0.25
 
 
 def default_timeout_s() -> float:
@@ -20,17 +26,28 @@ def default_timeout_s() -> float:
     return float(os.environ.get("TILESCALE_COLLECTIVE_TIMEOUT_S", "120"))
 
 
+class PeerExitedError(RuntimeError):
+    """A rank this one waits for has exited (its launcher, or its exit hook, said so)."""
+
+
 class Group:
-    """Rank, world size and a deadline-bounded exchange over a c10d store."""
+    """Rank, world size and a deadline-bounded exchange over a c10d store.
+
+    ``exits`` is the store where a rank's exit is published (by ``tilescale run``, or by the
+    rank's own exit hook; see ``tilescale.launch.rendezvous``), keyed by the rank as this
+    group numbers it: a wait for an exited rank raises :class:`PeerExitedError` at once
+    rather than at its deadline.
+    """
 
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
-                 store: dist.Store, job_id: str):
+                 store: dist.Store, job_id: str, exits: dist.Store | None = None):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.store = store
         self.job_id = job_id
+        self.exits = exits
         self._counts: dict[str, int] = {}
 
     def next_tag(self, kind: str) -> str:
@@ -42,25 +59,56 @@ class Group:
     def exchange(self, tag: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank contributes ``value`` (JSON-serialisable); all receive the list by rank.
 
-        Raises ``TimeoutError`` naming the ranks that did not contribute within the deadline.
+        Example::
+
+            shapes = group.exchange(group.next_tag("alloc"), [1024, "torch.float32"])
+
+        Raises :class:`PeerExitedError` as soon as a rank it waits for has exited,
+        ``TimeoutError`` naming the ranks that did not contribute within the deadline, and a
+        one-line ``RuntimeError`` if the store itself is gone.
         """
         timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         keys = [f"tilescale/{tag}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], json.dumps(value))
         try:
-            self.store.wait(keys, timedelta(seconds=timeout_s))
-        except Exception as err:  # c10d raises its own error types, by version
-            try:
+            self.store.set(keys[self.rank], json.dumps(value))
+            self._wait(keys, tag, timeout_s)
+            return [json.loads(self.store.get(k)) for k in keys]
+        except dist.DistError:  # the store's host (rank 0, or the launcher) is gone
+            raise RuntimeError(
+                f"rank {self.rank}: lost the job's store at '{tag}': the process hosting it (rank 0, or the "
+                "launcher) has exited or crashed"
+            ) from None
+
+    def _wait(self, keys: list[str], tag: str, timeout_s: float) -> None:
+        start = time.monotonic()
+        pause, next_exit_check = _FIRST_PAUSE_S, start + _EXIT_CHECK_S
+        while not self.store.check(keys):
+            now = time.monotonic()
+            if now >= next_exit_check or now - start >= timeout_s:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            except Exception:  # the store's host (rank 0) is gone
-                raise RuntimeError(
-                    f"rank {self.rank}: lost the job's store while waiting at '{tag}': rank 0 has exited or crashed"
-                ) from err
-            raise TimeoutError(
-                f"rank {self.rank}: ranks {missing} did not reach '{tag}' within {timeout_s:g} s "
-                f"(did they crash, or call collective operations in a different order?)"
-            ) from err
-        return [json.loads(self.store.get(k)) for k in keys]
+                exited = self._exited(missing)
+                if exited:
+                    raise PeerExitedError(
+                        f"rank {self.rank}: waiting at '{tag}' for "
+                        + ", ".join(f"rank {r}, which {how}" for r, how in exited.items())
+                        + (f"; also missing: ranks {sorted(set(missing) - set(exited))}" if len(exited) < len(missing)
+                           else "")
+                    )
+                if now - start >= timeout_s:
+                    raise TimeoutError(
+                        f"rank {self.rank}: ranks {missing} did not reach '{tag}' within {timeout_s:g} s "
+                        f"(did they crash, or call collective operations in a different order?)"
+                    )
+                next_exit_check = now + _EXIT_CHECK_S
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE_S)
+
+    def _exited(self, ranks: list[int]) -> dict[int, str]:
+        """Which of ``ranks`` have exited, and how (from the exit keys)."""
+        if self.exits is None:
+            return {}
+        return {r: describe_exit(self.exits.get(exit_key(r)).decode())
+                for r in ranks if self.exits.check([exit_key(r)])}
 
     def barrier(self, tag: str | None = None, timeout_s: float | None = None) -> None:
         """A deadline-bounded host barrier over the store."""

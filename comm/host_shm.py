@@ -2,22 +2,34 @@
 
 Each rank creates its own segment under ``/dev/shm``, every rank maps every peer's
 segment, and once all ranks have mapped them the owner unlinks its name. From then on the
-memory lives exactly as long as some process maps it, so a crashed job leaves nothing
-behind in ``/dev/shm``. Peers' copies sit at different virtual addresses in each process;
-like CUDA IPC mappings, the address table is therefore per process.
+memory lives exactly as long as some process maps it. The job-wide lock of the CPU
+execution path is a file made the same way at init: every rank opens it, then it is
+unlinked, and each rank keeps its descriptor.
+
+A name is in ``/dev/shm`` only inside those windows. A rank killed inside one (SIGTERM from
+a launcher, SIGKILL) cannot unlink it, so every name says whose it is,
+``tilescale-<job>-<what>-p<pid of its creator>``: ``tilescale run`` removes its job's names
+(``<job>`` starts with the launcher's ``TILESCALE_JOB_KEY``) once its ranks are gone, and
+:func:`remove_stale` removes names whose creator is dead; the launcher and every CPU-path
+``tilescale.init`` run it at start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import re
+from collections.abc import Iterator
 
 import torch
 
 from tilescale.comm.base import CommBackend, SymmetricAllocation
+from tilescale.comm.group import Group
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"
+_OWNED = re.compile(r"tilescale-.+-p(\d+)")
 
 
 def _map(path: str, nbytes: int) -> mmap.mmap:
@@ -26,6 +38,61 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def _name(job_id: str, what: str, pid: int) -> str:
+    return f"{SHM_DIR}/tilescale-{job_id}-{what.replace('/', '-')}-p{pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove tilescale's names in ``shm_dir`` whose creating process is gone; returns them.
+
+    Example::
+
+        remove_stale()   # e.g. ['/dev/shm/tilescale-9c1e...-alloc-0-1-p4242']
+
+    Judged by process id: run it only where ``/dev/shm`` is shared by processes of one pid
+    namespace (a container sharing the host's IPC namespace but not its pids would see the
+    host's live jobs as dead).
+    """
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(shm_dir):
+            m = _OWNED.fullmatch(entry)
+            if m and not _alive(int(m.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{shm_dir}/{entry}")
+                    removed.append(f"{shm_dir}/{entry}")
+    return removed
+
+
+def remove_job(job_key: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove every name of the jobs whose id starts with ``job_key``; returns them.
+
+    Example::
+
+        remove_job("5d0c2a9e71b4")   # what tilescale run does once its ranks are gone
+    """
+    if not re.fullmatch(r"[0-9a-f]{8,}", job_key):
+        raise ValueError(f"job key must be at least 8 hex digits, got {job_key!r}")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(shm_dir):
+            if entry.startswith(f"tilescale-{job_key}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{shm_dir}/{entry}")
+                    removed.append(f"{shm_dir}/{entry}")
+    return removed
 
 
 class HostShmAllocation(SymmetricAllocation):
@@ -43,23 +110,55 @@ class HostShmBackend(CommBackend):
     name = "host_shm"
     device_type = "cpu"
 
+    def __init__(self, group: Group):
+        super().__init__(group)
+        if group.local_world_size != group.world_size:
+            raise RuntimeError("the host_shm backend needs every rank on one host")
+        if group.rank == 0:
+            remove_stale()
+        # The job-wide lock: rank 0 creates the file, every rank opens it, rank 0 unlinks it.
+        if group.rank == 0:
+            path = _name(group.job_id, "lock", os.getpid())
+            self._lock_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            creator = group.exchange(group.next_tag("lock"), os.getpid())[0]
+            if group.rank != 0:
+                self._lock_fd = os.open(_name(group.job_id, "lock", creator), os.O_RDWR)
+            group.barrier(group.next_tag("lock"))
+        finally:
+            if group.rank == 0:
+                os.unlink(path)
+
+    @contextlib.contextmanager
+    def job_lock(self) -> Iterator[None]:
+        """Exclusive across the job's ranks while held (read-modify-writes of shared memory).
+
+        Example::
+
+            with backend.job_lock():
+                flag[0] += 1
+        """
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
         g = self.group
-        if g.local_world_size != g.world_size:
-            raise RuntimeError("the host_shm backend needs every rank on one host")
         size = max(nbytes, 1)
-        names = [f"{_SHM_DIR}/tilescale-{g.job_id}-{tag.replace('/', '-')}-{r}" for r in range(g.world_size)]
-        fd = os.open(names[g.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        mine = _name(g.job_id, f"{tag}-{g.rank}", os.getpid())
+        fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)  # zero-filled by the kernel
-        finally:
-            os.close(fd)
-        try:
-            g.barrier(f"{tag}/created")
-            maps = [_map(n, size) for n in names]
+            try:
+                os.ftruncate(fd, size)  # zero-filled by the kernel
+            finally:
+                os.close(fd)
+            pids = g.exchange(f"{tag}/created", os.getpid())
+            maps = [_map(_name(g.job_id, f"{tag}-{r}", pid), size) for r, pid in enumerate(pids)]
             g.barrier(f"{tag}/mapped")
         finally:
-            os.unlink(names[g.rank])
+            os.unlink(mine)
         copies: list[torch.Tensor | None] = [torch.frombuffer(m, dtype=torch.uint8, count=size)[:nbytes] for m in maps]
         local = copies[g.rank]
         ptrs = [t.data_ptr() for t in copies]
@@ -67,7 +166,4 @@ class HostShmBackend(CommBackend):
         return local, HostShmAllocation(nbytes, copies, ptrs)
 
     def finalize(self) -> None:
-        # The CPU execution path's job-wide lock file (tilescale.interpreter), if it made one.
-        if self.group.rank == 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{_SHM_DIR}/tilescale-{self.group.job_id}.lock")
+        os.close(self._lock_fd)

@@ -14,18 +14,27 @@ Three launchers start the ranks:
     Our own spawner. Every local rank is ``sys.executable SCRIPT ARGS`` in its own session
     (so a rank's children can be stopped with it), with the torchrun variables (RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) in its
-    environment and stdin closed. Reader threads copy each rank's stdout and stderr line by
-    line to ours, prefixed ``[rank N] ``. The launcher fails fast: as soon as one rank exits
-    non-zero or dies of a signal it names the rank, sends SIGTERM to the process groups of
-    the others, SIGKILL after ``--timeout-kill`` seconds, and exits with that rank's status
-    (128 + signal number for a signal). SIGINT/SIGTERM sent to the launcher are forwarded
-    the same way.
+    environment and stdin closed, and SIGKILL as its parent-death signal (no rank outlives
+    the launcher, even one killed with SIGKILL). Reader threads copy each rank's stdout and
+    stderr line by line to ours, prefixed ``[rank N] ``. The launcher fails fast: as soon as
+    one rank exits non-zero or dies of a signal it names the rank, sends SIGTERM to the
+    process groups of the others, SIGKILL after ``--timeout-kill`` seconds, and exits with
+    that rank's status (128 + signal number for a signal). SIGINT/SIGTERM sent to the
+    launcher are forwarded the same way, and it exits with 128 + that signal.
 ``torchrun``
     ``python -m torch.distributed.run`` with the same options.
 ``mpirun``
     The ``mpiexec`` of MPICH (hydra), one node only. The ranks learn their place from
     PMI_RANK/PMI_SIZE; only MASTER_ADDR/MASTER_PORT are added. For several nodes use
     ``launch/mpirun_multinode.sh`` or ``launch/slurm.sbatch`` (see ``launch/README.md``).
+
+With ``auto`` and ``mpirun`` the launcher on the node of rank 0 hosts the job's store
+(``tilescale.launch.rendezvous``): a taken ``--master-port`` is refused before any rank starts,
+and every rank's exit is published there so that peers waiting for it raise at once. Every
+launcher gives the ranks a launch id (TILESCALE_LAUNCH_ID: fresh per launch on one node, else
+``--job-id`` or Slurm's job and step) that they check at rendezvous, and a key
+(TILESCALE_JOB_KEY) that prefixes the job's names in /dev/shm: the launcher removes them once
+the ranks are gone, and names of dead processes at its start.
 
 Whatever the launcher, NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are given to every rank, and a
@@ -46,10 +55,17 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+import torch.distributed as dist
+
+from tilescale.comm import host_shm
+from tilescale.launch import rendezvous
 
 PROG = "tilescale run"
 
@@ -61,8 +77,23 @@ MULTICAST_OFF = {
 }
 # What the auto launcher sets for each rank; inherited values would mislead rank detection under mpirun.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-DEFAULT_MULTINODE_PORT = 29500
+# A port derived from a job id: 29500 + id % 20000, as srun's ranks derive theirs (environment.py).
+PORT_BASE, PORT_SPAN = 29500, 20000
 _POLL_S = 0.05
+# How long the launcher's own store operations (publishing an exit) may take.
+_STORE_TIMEOUT_S = 30.0
+
+# Run in every rank's process before its program: ask the kernel to send signal argv[1] when
+# the launcher dies (PR_SET_PDEATHSIG = 1), then check the launcher (pid argv[2]) did not die
+# before that took effect, then become the program argv[3:] (the request survives exec).
+_PARENT_DEATH_BOOT = """
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0) != 0:
+    sys.exit("tilescale run: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[2]):
+    sys.exit("tilescale run: the launcher exited before this process started")
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
 
 
 def _say(message: str) -> None:
@@ -94,6 +125,41 @@ def free_port(host: str) -> int:
     with socket.socket(family, kind, proto) as sock:
         sock.bind(address)
         return sock.getsockname()[1]
+
+
+def dies_with_launcher(cmd: Sequence[str], signum: int) -> list[str]:
+    """``cmd`` wrapped so that its process gets ``signum`` when this launcher dies (Linux).
+
+    Example::
+
+        subprocess.Popen(dies_with_launcher([sys.executable, "train.py"], signal.SIGKILL))
+
+    The wrapper is a short Python that sets the parent-death signal and execs ``cmd``; the
+    process keeps its pid. Must be started from the launcher's main thread: the kernel sends
+    the signal when the *thread* that forked the process ends.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-I", "-S", "-c", _PARENT_DEATH_BOOT, str(int(signum)), str(os.getpid()), *cmd]
+
+
+def port_for_job(job_id: str) -> int:
+    """The rendezvous port a multi-node job derives from the id all its nodes share.
+
+    Example::
+
+        port_for_job("123456")   # 29500 + 123456 % 20000 = 32956
+    """
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return PORT_BASE + number % PORT_SPAN
+
+
+def shared_job_id(environ: Mapping[str, str]) -> str | None:
+    """An id every node of a job knows without being told: Slurm's job (and step) id."""
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    step = environ.get("SLURM_STEP_ID")
+    return environ["SLURM_JOB_ID"] + (f".{step}" if step else "")
 
 
 def default_nproc(cpu: bool) -> int:
@@ -208,10 +274,13 @@ def spawn_ranks(
     master_port: int,
     extra: Mapping[str, str],
     grace: float,
+    store: dist.Store | None = None,
 ) -> int:
     """Start ``nproc`` local ranks of ``script``, stream their output, and fail fast.
 
-    Returns 0 when every rank exits 0, else the exit status of the first failing rank.
+    Every rank gets SIGKILL if the launcher dies (see :func:`dies_with_launcher`); each
+    rank's exit is published in ``store`` (the job's, when this launcher hosts it) as soon as
+    it is seen. Returns 0 when every rank exits 0, else the exit status of the first failing rank.
     """
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     base.update(extra)
@@ -229,7 +298,7 @@ def spawn_ranks(
             for local_rank in range(nproc):
                 rank = node_rank * nproc + local_rank
                 proc = subprocess.Popen(
-                    [sys.executable, script, *script_args],
+                    dies_with_launcher([sys.executable, script, *script_args], signal.SIGKILL),
                     env={**base, "RANK": str(rank), "LOCAL_RANK": str(local_rank)},
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -242,14 +311,16 @@ def spawn_ranks(
                     reader.start()
                     r.readers.append(reader)
                 ranks.append(r)
-            return _monitor(ranks, trap, lock, grace)
+            return _monitor(ranks, trap, lock, grace, store)
         finally:
             _stop(ranks, signal.SIGTERM, grace)
             for r in ranks:
                 r.join_readers(timeout=2.0)
 
 
-def _monitor(ranks: Sequence[_Rank], trap: _SignalTrap, lock: threading.Lock, grace: float) -> int:
+def _monitor(ranks: Sequence[_Rank], trap: _SignalTrap, lock: threading.Lock, grace: float,
+             store: dist.Store | None) -> int:
+    published: set[int] = set()
     while True:
         if trap.signum is not None:
             with lock:
@@ -257,6 +328,11 @@ def _monitor(ranks: Sequence[_Rank], trap: _SignalTrap, lock: threading.Lock, gr
             _stop(ranks, trap.signum, grace)
             return 128 + trap.signum
         codes = [r.proc.poll() for r in ranks]
+        for r, code in zip(ranks, codes, strict=True):
+            if code is not None and r.rank not in published and store is not None:
+                # Ranks waiting for this one raise at once, naming it, instead of at their deadline.
+                rendezvous.publish_exit(store, r.rank, code)
+                published.add(r.rank)
         for r, code in zip(ranks, codes, strict=True):
             if code:
                 r.join_readers(timeout=1.0)  # let its last words (a traceback) come out first
@@ -276,10 +352,11 @@ def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     """Run a launcher in its own session, forward SIGINT/SIGTERM to it, return its exit status.
 
     The launcher stops its own ranks on those signals, so there is no SIGKILL escalation here
-    (killing torchrun or mpiexec would orphan the ranks); signal it again to insist.
+    (killing torchrun or mpiexec would orphan the ranks); signal it again to insist. It gets
+    SIGTERM if this process dies.
     """
     with _SignalTrap() as trap:
-        proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+        proc = subprocess.Popen(dies_with_launcher(cmd, signal.SIGTERM), env=dict(env), start_new_session=True)
         while proc.poll() is None:
             while trap.pending:
                 proc.send_signal(trap.pending.pop(0))
@@ -316,7 +393,8 @@ def find_mpiexec() -> str | None:
     """MPICH's mpiexec: ``TILESCALE_MPIEXEC`` if set, else the one beside this Python (the
     ``mpich`` wheel), else the first on PATH."""
     if os.environ.get("TILESCALE_MPIEXEC"):
-        return os.environ["TILESCALE_MPIEXEC"]
+        named = os.environ["TILESCALE_MPIEXEC"]
+        return shutil.which(named) or named
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -336,6 +414,9 @@ def run_mpirun(
     mpiexec = find_mpiexec()
     if mpiexec is None:
         _say('no mpiexec found (next to this Python or on PATH); install MPICH with: pip install "tilescale[mpi]"')
+        return 2
+    if not (os.path.isfile(mpiexec) and os.access(mpiexec, os.X_OK)):
+        _say(f"TILESCALE_MPIEXEC={mpiexec}: no such executable file (unset it to use the mpiexec beside this Python)")
         return 2
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     if "Open MPI" in version.stdout + version.stderr:
@@ -375,7 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--master-addr", default="127.0.0.1", help="address of the node of rank 0 (default 127.0.0.1)")
     run.add_argument(
         "--master-port", type=int,
-        help=f"rendezvous port (default: a free port on one node, {DEFAULT_MULTINODE_PORT} on several)",
+        help="rendezvous port (default: a free port on one node; on several, one derived from the job id)",
+    )  # fmt: skip
+    run.add_argument(
+        "--job-id", metavar="ID",
+        help="the job's id, the same on every node: the ranks check they belong to one launch by it, and "
+        "--nnodes > 1 derives the port from it (default: fresh per launch on one node; under Slurm "
+        "SLURM_JOB_ID.SLURM_STEP_ID)",
     )  # fmt: skip
     run.add_argument(
         "--launcher", choices=("auto", "torchrun", "mpirun"), default="auto",
@@ -430,21 +517,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"warning: --nnodes {args.nnodes} with --master-addr {args.master_addr}; other nodes cannot reach it")
 
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.cpu)
-    if args.master_port is not None:
-        port = args.master_port
-    elif args.nnodes > 1:
-        port = DEFAULT_MULTINODE_PORT
-    else:
-        try:
-            port = free_port(args.master_addr)
-        except OSError as err:
-            _say(f"cannot find a free port on --master-addr {args.master_addr}: {err}")
+    job_id = args.job_id or (shared_job_id(os.environ) if args.nnodes > 1 else None)
+    port = args.master_port
+    if port is None and args.nnodes > 1:
+        if job_id is None:
+            _say(f"--nnodes {args.nnodes} needs --master-port PORT or --job-id ID, the same on every node "
+                 "(nothing the nodes share names the job: no SLURM_JOB_ID)")
             return 2
+        port = port_for_job(job_id)
+    launch_id = job_id or (f"{args.master_addr}:{port}" if args.nnodes > 1 else uuid.uuid4().hex[:12])
+    job_key = uuid.uuid4().hex[:12]  # this node's: the prefix of the job's files in /dev/shm
     extra = extra_env(os.environ, args.cpu, args.share_gpus)
+    extra.update({rendezvous.LAUNCH_ID_VAR: launch_id, rendezvous.JOB_KEY_VAR: job_key})
+    stale = host_shm.remove_stale()
+    if stale:
+        _say(f"removed {len(stale)} shared-memory name(s) that dead jobs left in {host_shm.SHM_DIR}")
+    store = None
+    if args.launcher == "torchrun":  # its agent hosts the store itself
+        if port is None:
+            try:
+                port = free_port(args.master_addr)
+            except OSError as err:
+                _say(f"cannot find a free port on --master-addr {args.master_addr}: {err}")
+                return 2
+    else:
+        # The auto and mpirun launchers host the job's store on the node of rank 0: the port is
+        # taken before any rank starts, and the store outlives any rank.
+        extra.update({rendezvous.HOSTED_VAR: "1", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        if args.node_rank == 0:
+            try:
+                store = rendezvous.host_store(port or 0, launch_id, _STORE_TIMEOUT_S)
+            except rendezvous.PortInUseError as err:
+                _say(str(err))
+                return 2
+            port = store.port
     where = {"nproc": nproc, "master_addr": args.master_addr, "master_port": port, "extra": extra}
-    if args.launcher == "mpirun":
-        return run_mpirun(args.script, args.script_args, **where)
     placement = {"node_rank": args.node_rank, "nnodes": args.nnodes, **where}
-    if args.launcher == "torchrun":
-        return run_torchrun(args.script, args.script_args, **placement)
-    return spawn_ranks(args.script, args.script_args, grace=args.timeout_kill, **placement)
+    try:
+        if args.launcher == "mpirun":
+            return run_mpirun(args.script, args.script_args, **where)
+        if args.launcher == "torchrun":
+            return run_torchrun(args.script, args.script_args, **placement)
+        return spawn_ranks(args.script, args.script_args, grace=args.timeout_kill, store=store, **placement)
+    finally:
+        left = host_shm.remove_job(job_key)
+        if left:
+            _say(f"removed {len(left)} shared-memory name(s) the ranks left in {host_shm.SHM_DIR}")

@@ -13,6 +13,14 @@ Slurm srun     SLURM_PROCID / SLURM_NTASKS  SLURM_LOCALID / tasks on node  (none
 
 ``tilescale run`` sets the torchrun variables, so it is detected as torchrun. MASTER_ADDR and
 MASTER_PORT, when exported, win over whatever a launcher implies.
+
+The *launch id* tells one launch's ranks from another's (``tilescale.init`` checks it against
+the one in the job's store, see ``tilescale.launch.rendezvous``): ``TILESCALE_LAUNCH_ID``,
+which ``tilescale run`` gives its ranks whatever launcher it uses; else
+``torchrun:<TORCHELASTIC_RUN_ID>:<TORCHELASTIC_RESTART_COUNT>`` under torchrun,
+``slurm:<SLURM_JOB_ID>.<SLURM_STEP_ID>`` under srun, ``openmpi:<PMIX_NAMESPACE>`` (or Open MPI's
+job id) under Open MPI; MPICH's hydra gives none (without MASTER_ADDR/MASTER_PORT, rank 0 draws
+one and broadcasts it over MPI with the address). Empty when nothing names the launch.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class LaunchEnv:
     local_world_size: int
     master_addr: str | None = None
     master_port: int | None = None
+    launch_id: str = ""
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -73,6 +82,19 @@ def _slurm_master_addr(env: Mapping[str, str]) -> str | None:
         return None
     prefix, ranges = m.group(1), m.group(2)
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _launch_id(launcher: str, env: Mapping[str, str]) -> str:
+    if env.get("TILESCALE_LAUNCH_ID"):
+        return env["TILESCALE_LAUNCH_ID"]
+    if launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if launcher == "slurm":
+        return f"slurm:{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+    if launcher == "openmpi":
+        job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid")
+        return f"openmpi:{job}" if job else ""
+    return ""
 
 
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -144,4 +166,5 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         launched.local_world_size,
         addr,
         port,
+        _launch_id(launched.launcher, env),
     )

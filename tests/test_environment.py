@@ -121,7 +121,7 @@ SRUN = {
 
 def test_slurm_step():
     env = detect(SRUN)
-    assert env == LaunchEnv("slurm", 9, 11, 1, 3, "gpu012", 29500 + 123456 % 20000)
+    assert env == LaunchEnv("slurm", 9, 11, 1, 3, "gpu012", 29500 + 123456 % 20000, "slurm:123456.0")
 
 
 @pytest.mark.parametrize(("node", "tasks"), [("0", 4), ("1", 4), ("2", 3)])
@@ -265,3 +265,24 @@ def test_more_ranks_than_gpus_need_share_gpus(monkeypatch):
         _shares_gpus(many)
     monkeypatch.setenv("TILESCALE_SHARE_GPUS", "1")
     assert _shares_gpus(many)
+
+
+# --- the launch id (checked by the ranks at rendezvous, see tilescale.launch.rendezvous) ----
+
+
+@pytest.mark.parametrize(
+    ("env", "launch_id"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2", "TILESCALE_LAUNCH_ID": "5d0c2a9e71b4", "TORCHELASTIC_RUN_ID": "x"},
+         "5d0c2a9e71b4"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "2"},
+         "torchrun:none:2"),
+        (SRUN, "slurm:123456.0"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "PMIX_NAMESPACE": "prterun-host-1234@1"}, "openmpi:prterun-host-1234@1"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ""),  # MPICH's hydra names no job
+        ({"RANK": "0", "WORLD_SIZE": "2"}, ""),  # no launcher's marks: maybe stale variables
+    ],
+)  # fmt: skip
+def test_launch_id_comes_from_what_the_launcher_gives(env, launch_id):
+    assert detect(env).launch_id == launch_id

@@ -30,10 +30,8 @@ semantics say; thread-level code (``T.get_thread_binding``) sees thread 0 only.
 from __future__ import annotations
 
 import collections
-import fcntl
 import math
 import operator
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -772,7 +770,7 @@ class CpuKernel:
 
     def atomic(self):
         """A job-wide lock: read-modify-writes of shared memory from several ranks."""
-        return _JobLock()
+        return runtime.current().backend.job_lock()  # host_shm: the CPU path's backend
 
     def spin(self, done: Callable[[], bool], observe: Callable[[], int], what: str, launch: _Launch) -> None:
         """Wait until ``done()``; on timeout raise with every rank's pending wait."""
@@ -890,17 +888,3 @@ def _solve(dim: Any, size: int, env: dict) -> None:
             raise ValueError(f"size {size} is not a multiple of {int(dim.b.value)} as the kernel requires")
         env.setdefault(dim.a, size // int(dim.b.value))
 
-
-class _JobLock:
-    """An exclusive lock shared by every rank of the job (a file lock in /dev/shm)."""
-
-    def __enter__(self) -> _JobLock:
-        rt = runtime.current()
-        path = f"/dev/shm/tilescale-{rt.group.job_id}.lock"
-        self.fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)

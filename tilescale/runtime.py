@@ -23,8 +23,10 @@ mean nothing.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from tilescale import comm
 from tilescale.errors import WAIT_STATUS_FIELDS, WaitTimeoutError, describe_timeout
+from tilescale.launch import rendezvous
 from tilescale.launch.environment import LaunchEnv, detect
 
 
@@ -70,8 +73,14 @@ class Runtime:
 
 _runtime: Runtime | None = None
 # Counts init() calls: each session's store keys get their own prefix, so a re-init that
-# meets the previous session's store (torch may reuse its server) never reads stale keys.
+# meets the previous session's store (tilescale run's lives as long as the job) never reads stale keys.
 _session = 0
+# Start-up deadline when RANK/WORLD_SIZE/MASTER_* come with no launcher's marks (maybe stale).
+UNMARKED_TIMEOUT_S = 30.0
+# Whether this process hosts the job's store (rank 0 under launchers other than tilescale run),
+# and how long it keeps it up at exit for peers to read that it exited.
+_hosts_store = False
+HOST_LINGER_S = 1.0
 
 # int32 words of the barrier workspace: three counters, each on its own 128-byte line.
 SYNC_WORKSPACE_WORDS = 96
@@ -115,8 +124,8 @@ def _bind_gpu(env: LaunchEnv) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int]:
-    # mpirun gives no rendezvous address: rank 0 picks one and broadcasts it over MPI.
+def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int, str]:
+    # mpirun gives no rendezvous address: rank 0 picks one, and a launch id, and broadcasts them over MPI.
     try:
         from mpi4py import MPI
     except ImportError:
@@ -124,37 +133,124 @@ def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int]:
             f"started by {env.launcher} without MASTER_ADDR/MASTER_PORT: export them, or "
             'install mpi4py (pip install "tilescale[mpi]") so ranks can agree on one'
         ) from None
-    addr = port = None
+    chosen = None
     if env.rank == 0:
         addr = socket.gethostbyname(socket.gethostname()) if env.local_world_size < env.world_size else "127.0.0.1"
         with socket.socket() as s:
             s.bind(("", 0))
-            port = s.getsockname()[1]
-    return MPI.COMM_WORLD.bcast((addr, port), root=0)
+            chosen = (addr, s.getsockname()[1], env.launch_id or f"mpi:{uuid.uuid4().hex[:12]}")
+    return MPI.COMM_WORLD.bcast(chosen, root=0)
 
 
-def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, gpus_shared: bool) -> None:
+def _restart() -> str:
+    # torchrun restarts the ranks of a failed attempt against the same store: keep attempts apart.
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _rendezvous(env: LaunchEnv, timeout_s: float, timeout_given: bool) -> dist.Store:
+    """Join the job's store (rank 0 hosts it when no launcher does), after checking it is this
+    launch's, and wait until every rank has joined; returns the store."""
+    global _hosts_store
+    launch_id = env.launch_id
+    addr, port = env.master_addr, env.master_port
+    if addr is None or port is None:
+        if env.launcher == "torchrun":
+            raise RuntimeError(
+                f"RANK={env.rank} and WORLD_SIZE={env.world_size} are set but MASTER_ADDR/MASTER_PORT are not: "
+                "stale variables of another job? Unset RANK and WORLD_SIZE to run as one process, or start the "
+                "program with tilescale run / torchrun"
+            )
+        addr, port, launch_id = _mpi_rendezvous(env)
+    where = f"{addr}:{port}"
+    # RANK/WORLD_SIZE and MASTER_* with no launcher's marks may be left over from another job:
+    # say so early, and give up long before the usual start-up deadline.
+    unmarked = env.launcher == "torchrun" and not launch_id
+    hint = ""
+    if unmarked:
+        hint = (f" (RANK={env.rank}, WORLD_SIZE={env.world_size}, MASTER_ADDR and MASTER_PORT come from the "
+                "environment with no launcher's marks: if they are left over from another job, unset them)")
+        if not timeout_given:
+            timeout_s = min(timeout_s, UNMARKED_TIMEOUT_S)
+    every = rendezvous.PROGRESS_S / 3 if unmarked else rendezvous.PROGRESS_S
+
+    def waiting_for(what: str) -> Callable[[float], None]:
+        return lambda s: rendezvous.say(f"rank {env.rank} has waited {s:.0f} s for {what}{hint}")
+
+    hosted = os.environ.get(rendezvous.HOSTED_VAR) == "1"  # by tilescale run
+    agent = not hosted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's
+    if env.rank == 0 and not hosted and not agent:
+        try:
+            store = rendezvous.host_store(port, launch_id, timeout_s)
+        except rendezvous.PortInUseError as err:
+            raise rendezvous.PortInUseError(f"rank 0 cannot host the job's store: {err}") from None
+        _hosts_store = True
+    else:
+        store = rendezvous.connect(addr, port, timeout_s, waiting_for(f"the job's store at {where}"), every)
+        if not agent:  # torchrun's agent holds the port itself, and writes no launch id
+            rendezvous.verify_launch(store, launch_id, where, timeout_s, waiting_for(f"the store at {where}"), every)
+    _join(store, env, where, timeout_s, waiting_for, every)
+    return store
+
+
+def _join(store: dist.Store, env: LaunchEnv, where: str, timeout_s: float,
+          waiting_for: Callable[[str], Callable[[float], None]], every: float) -> None:
+    # Each rank claims its number: a second process given the same RANK (stale variables, or
+    # another job's rank on this port) is refused instead of standing in for it.
+    keys = [f"tilescale/join/{_restart()}.{_session}/{r}" for r in range(env.world_size)]
+    me = f"{socket.gethostname()} pid {os.getpid()}"
+    claimed = store.compare_set(keys[env.rank], "", me).decode()
+    if claimed != me:
+        raise RuntimeError(
+            f"rank {env.rank}: another process ({claimed}) already joined the store at {where} as rank {env.rank}: "
+            "two processes were given the same RANK (stale variables, or two jobs on one MASTER_PORT?)"
+        )
+    progress = rendezvous.Progress(every)
+    while not store.check(keys):
+        if progress.elapsed() >= timeout_s:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise TimeoutError(f"rank {env.rank}: ranks {missing} did not join the job at {where} within "
+                               f"{timeout_s:g} s (did they start, with the same MASTER_ADDR/MASTER_PORT?)")
+        progress.tick(lambda s: waiting_for(
+            f"ranks {[r for r, k in enumerate(keys) if not store.check([k])]} to join at {where}")(s))
+        time.sleep(0.01)
+
+
+def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, timeout_given: bool,
+                        gpus_shared: bool) -> dist.Store:
+    """Create the default process group; returns the job's store."""
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo stages CUDA tensors on the host.
     backend = "gloo" if device.type == "cpu" or gpus_shared else "cpu:gloo,cuda:nccl"
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda" and not gpus_shared:
         kwargs["device_id"] = device
     if env.world_size == 1 and env.master_addr is None:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        return
-    addr, port = env.master_addr, env.master_port
-    if addr is None or port is None:
-        addr, port = _mpi_rendezvous(env)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size, **kwargs
-    )
+        store = dist.HashStore()
+    else:
+        store = _rendezvous(env, timeout_s, timeout_given)
+    # Its own prefix per session: a re-init meets the store the previous session wrote into.
+    pg_store = dist.PrefixStore(f"tilescale/pg/{_restart()}.{_session}", store)
+    dist.init_process_group(backend, store=pg_store, rank=env.rank, world_size=env.world_size, **kwargs)
+    return store
 
 
 def _job_id(group_store: dist.Store, rank: int, timeout_s: float) -> str:
+    # Prefixed by the key of tilescale run's node launcher, which removes the job's /dev/shm names by it.
     if rank == 0:
-        group_store.set("tilescale/job_id", uuid.uuid4().hex[:12])
+        group_store.set("tilescale/job_id", os.environ.get(rendezvous.JOB_KEY_VAR, "") + uuid.uuid4().hex[:12])
     group_store.wait(["tilescale/job_id"], timedelta(seconds=timeout_s))
     return group_store.get("tilescale/job_id").decode()
+
+
+def _publish_exit() -> None:
+    # At interpreter exit without finalize(): tell ranks still waiting for this one (the
+    # launcher adds the exit code later, or says it first if this process is killed).
+    rt = _runtime
+    if rt is None or rt.group.exits is None:
+        return
+    rendezvous.publish_exit(rt.group.exits, rt.env.rank, None)
+    if _hosts_store:  # the store ends with this process: let waiting peers read the exit first
+        others = [r for r in range(rt.env.world_size) if r != rt.env.rank]
+        rendezvous.linger(rt.group.exits, others, HOST_LINGER_S)
 
 
 def init(backend: str | None = None, *, device: str | None = None, timeout_s: float | None = None) -> Runtime:
@@ -179,6 +275,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
                 f"{_runtime.device}; call finalize() before init() with other settings"
             )
         return _runtime
+    timeout_given = timeout_s is not None or "TILESCALE_INIT_TIMEOUT_S" in os.environ
     timeout_s = float(os.environ.get("TILESCALE_INIT_TIMEOUT_S", "300")) if timeout_s is None else timeout_s
     env = detect()
     dev = _choose_device(device)
@@ -188,16 +285,20 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     if dev.type == "cuda":
         dev = _bind_gpu(env)
     owns = not dist.is_initialized()
+    _session += 1
     if owns:
-        _init_process_group(env, dev, timeout_s, gpus_shared)
+        store = _init_process_group(env, dev, timeout_s, timeout_given, gpus_shared)
+    else:  # the user's process group: its store, under the prefix torch gave it
+        store = dist.distributed_c10d._get_default_store()
+        if isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
     try:
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
-                            env.local_world_size, env.master_addr, env.master_port)
-        _session += 1
-        store = dist.PrefixStore(f"tilescale/{_session}", dist.distributed_c10d._get_default_store())
-        group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, store,
-                           _job_id(store, env.rank, timeout_s))
+                            env.local_world_size, env.master_addr, env.master_port, env.launch_id)
+        group_store = dist.PrefixStore(f"tilescale/{_restart()}.{_session}", store)
+        group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, group_store,
+                           _job_id(group_store, env.rank, timeout_s), exits=store)
         # Host memory the kernels write a timed-out wait into (pinned on GPUs), whatever the default device.
         status = torch.zeros(8, dtype=torch.int64, device="cpu", pin_memory=dev.type == "cuda")
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
@@ -324,3 +425,6 @@ def finalize() -> None:
         rt.group.store = None  # a runtime object kept by the caller must not keep the store alive
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+atexit.register(_publish_exit)

@@ -1,0 +1,181 @@
+"""The job's store: who hosts it, how ranks join it, and how a rank's exit reaches the others.
+
+Every rank meets the others through one c10d ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
+``tilescale run`` hosts it itself on the node of rank 0 (``TILESCALE_STORE_HOSTED=1`` tells the
+ranks so): the port is taken before any rank starts, so a second job given the same port is
+refused at once, the store outlives a crashed rank 0, and the launcher publishes every rank's
+exit in it. Under other launchers rank 0 hosts it (torchrun's agent hosts its own).
+
+The host writes the job's *launch id* (``TILESCALE_LAUNCH_ID``, or what the launcher gives,
+see :func:`tilescale.launch.environment.detect`) under :data:`LAUNCH_KEY`; a rank that finds
+another id there has met a foreign job's store and raises :class:`ForeignJobError` naming
+the port, before writing anything into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LAUNCH_ID_VAR = "TILESCALE_LAUNCH_ID"
+HOSTED_VAR = "TILESCALE_STORE_HOSTED"
+# This node's launcher: the prefix of the job's files in /dev/shm, so that it can remove them.
+JOB_KEY_VAR = "TILESCALE_JOB_KEY"
+LAUNCH_KEY = "tilescale/launch_id"
+# How often a rank that waits for others says so, and the slice of one connection attempt.
+PROGRESS_S = 5.0
+_CONNECT_SLICE_S = 2.0
+
+
+class PortInUseError(RuntimeError):
+    """The rendezvous port is taken on this node (by another job, or any other program)."""
+
+
+class ForeignJobError(RuntimeError):
+    """The store at the rendezvous address belongs to another launch."""
+
+
+def port_in_use_message(port: int) -> str:
+    return (
+        f"port {port} is already in use on this node (another job's store?); give another --master-port / "
+        "MASTER_PORT, or leave --master-port out for a free one"
+    )
+
+
+def host_store(port: int, launch_id: str, timeout_s: float) -> dist.TCPStore:
+    """Host the job's store on ``port`` of every local interface (0: a free port, see ``.port``).
+
+    Example::
+
+        store = host_store(0, "3f2a9c0e1b7d", 300)   # store.port is the port taken
+
+    Raises :class:`PortInUseError` naming the port when it is taken.
+    """
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" in str(err) or "address already in use" in str(err):
+            raise PortInUseError(port_in_use_message(port)) from None
+        raise
+    store.set(LAUNCH_KEY, launch_id)
+    return store
+
+
+class Progress:
+    """Calls ``say(seconds waited)`` at most every ``every`` seconds of a wait.
+
+    Example::
+
+        progress = Progress(5.0)
+        while not ready():
+            progress.tick(lambda s: print(f"waited {s:.0f} s"))
+    """
+
+    def __init__(self, every: float):
+        self.every = every
+        self.start = time.monotonic()
+        self.said = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def tick(self, say_it: Callable[[float], None] | None) -> None:
+        """Call ``say_it(seconds waited)`` if ``every`` seconds passed since it was last called."""
+        elapsed = self.elapsed()
+        if elapsed - self.said >= self.every:
+            if say_it is not None:
+                say_it(elapsed)
+            self.said = elapsed
+
+
+def connect(addr: str, port: int, timeout_s: float, say_it: Callable[[float], None] | None = None,
+            every: float = PROGRESS_S) -> dist.TCPStore:
+    """A client of the store at ``addr:port``, retrying until ``timeout_s``; ``say_it(seconds)``
+    is called every ``every`` seconds of waiting (to tell the user who is being waited for).
+
+    Example::
+
+        store = connect("10.0.0.1", 29500, 300, lambda s: print(f"waited {s:.0f} s"))
+    """
+    progress = Progress(every)
+    while True:
+        attempt = max(0.1, min(_CONNECT_SLICE_S, every, timeout_s - progress.elapsed()))
+        try:
+            store = dist.TCPStore(addr, port, None, False, timedelta(seconds=attempt))
+        except dist.DistNetworkError:
+            if progress.elapsed() >= timeout_s:
+                raise TimeoutError(
+                    f"no store answered at {addr}:{port} within {timeout_s:g} s (is rank 0, or the launcher "
+                    "of its node, running, and MASTER_ADDR/MASTER_PORT right?)"
+                ) from None
+            progress.tick(say_it)
+            continue
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
+
+
+def verify_launch(store: dist.Store, launch_id: str, where: str, timeout_s: float,
+                  say_it: Callable[[float], None] | None = None, every: float = PROGRESS_S) -> None:
+    """Raise :class:`ForeignJobError` unless the store's launch id is ``launch_id`` (waiting for
+    the host to write it). Reads only, so a rank of another job leaves nothing behind.
+
+    Example::
+
+        verify_launch(store, "3f2a9c0e1b7d", "127.0.0.1:29500", 300)
+    """
+    progress = Progress(every)
+    while not store.check([LAUNCH_KEY]):
+        if progress.elapsed() >= timeout_s:
+            raise TimeoutError(f"the store at {where} never received its job's launch id within {timeout_s:g} s")
+        progress.tick(say_it)
+        time.sleep(0.01)
+    found = store.get(LAUNCH_KEY).decode()
+    if found != launch_id:
+        raise ForeignJobError(
+            f"the store at {where} belongs to another job (launch id {found!r}, this rank's {launch_id!r}): "
+            f"two jobs were given port {where.rsplit(':', 1)[1]}; give each job its own --master-port / MASTER_PORT"
+        )
+
+
+def exit_key(rank: int) -> str:
+    """The store key under which rank ``rank``'s exit is published."""
+    return f"tilescale/exited/{rank}"
+
+
+def publish_exit(store: dist.Store, rank: int, code: int | None) -> None:
+    """Record in ``store`` that ``rank`` has exited (``code`` None: not known yet, e.g. at exit).
+
+    Best effort: a store that is gone (its host has exited) is ignored.
+    """
+    with contextlib.suppress(Exception):  # c10d raises its own error types, by version
+        store.set(exit_key(rank), "" if code is None else str(code))
+
+
+def linger(store: dist.Store, ranks: list[int], seconds: float) -> None:
+    """Wait until each of ``ranks`` has published its exit, at most ``seconds``: what a rank
+    that hosts the store does at exit, so that peers waiting for it read that it exited
+    rather than lose the store."""
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(Exception):  # c10d raises its own error types, by version
+        while time.monotonic() < deadline and not store.check([exit_key(r) for r in ranks]):
+            time.sleep(0.02)
+
+
+def describe_exit(value: str) -> str:
+    """What a published exit value says, e.g. ``exited with code 0``."""
+    if not value:
+        return "exited"
+    code = int(value)
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def say(message: str) -> None:
+    """One line on stderr, flushed (the progress of a wait)."""
+    print(f"tilescale: {message}", file=sys.stderr, flush=True)
