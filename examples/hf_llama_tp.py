@@ -59,7 +59,7 @@ def load(path: str | None, dtype: torch.dtype) -> nn.Module:
     return LlamaForCausalLM(config).to(dtype)
 
 
-def main(path: str | None = None, new_tokens: int = 6) -> None:
+def main(path: str | None = None, new_tokens: int = 4) -> None:
     ts.init()
     rank, world, dev = ts.rank(), ts.world_size(), ts.device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
