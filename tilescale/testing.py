@@ -61,3 +61,33 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: t
                 h = torch.nn.functional.gelu(x[rows] @ w1[e].T)
                 out = out.index_add(0, rows, weights[rows, k, None] * (h @ w2[e].T))
     return out
+
+
+def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor, atol: float) -> int:
+    """Check greedy-decoded ``tokens`` (batch, length) against a reference model's ``ref_tokens``.
+
+    Example::
+
+        ties = check_greedy(tp_model.generate(...), ref_tokens, ref_model(ref_tokens).logits, atol=1e-4)
+
+    Each sequence must equal its reference, except that it may part from it where the
+    reference's choice was a near-tie: at the first position where they differ, the
+    reference's logit of its own token (``ref_logits``: the reference's logits over
+    ``ref_tokens``) may exceed that of ``tokens``' choice by at most ``atol``, the logits'
+    tolerance (bf16 rounding can flip such a choice; everything after it differs).
+
+    Returns:
+        The number of sequences that parted at a near-tie. Raises AssertionError otherwise.
+    """
+    assert tokens.shape == ref_tokens.shape, f"token shapes {tuple(tokens.shape)} != {tuple(ref_tokens.shape)}"
+    differs = tokens != ref_tokens
+    ties = 0
+    for b in differs.any(1).nonzero()[:, 0].tolist():
+        p = int(differs[b].int().argmax())  # the first position where they part
+        assert p > 0, f"sequence {b}: the prompts differ"
+        ours, theirs = int(tokens[b, p]), int(ref_tokens[b, p])
+        margin = float(ref_logits[b, p - 1, theirs] - ref_logits[b, p - 1, ours])
+        assert margin <= atol, (f"sequence {b} parts from the reference at position {p}: token {ours} instead of "
+                                f"{theirs}, whose reference logit is {margin:.3g} higher (tolerance {atol:g})")
+        ties += 1
+    return ties

@@ -4,6 +4,9 @@ Example::
 
     moe = ts.nn.ExpertParallelMoE(hidden=1024, ffn_hidden=2048, num_experts=16, topk=2)
     y = moe(x)               # x, y: this rank's (tokens, hidden); experts live on their ranks
+    # a Hugging Face Mixtral block (transformers 5 layout), each rank keeping its experts:
+    moe = ts.nn.ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
+                                               block.experts.down_proj, topk=block.top_k)
 
 Trainable: dispatch, the grouped GEMMs and combine have backwards built from the same
 operations (the backward of dispatch is a combine, that of combine a re-dispatch along the
@@ -13,10 +16,14 @@ single-process MoE with the same weights, forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tilescale import ops, runtime
+from tilescale.nn._group import group_kwargs, world_and_rank
 
 
 def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -35,43 +42,131 @@ def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tu
     return router, w1, w2
 
 
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(h.float())
+
+
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Mixtral, Qwen-MoE, DeepSeek): each row's first half is the gate, its second the up projection."""
+    gate, up = h.chunk(2, -1)
+    return nn.functional.silu(gate.float()) * up.float()
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": _gelu, "silu_and_mul": _silu_and_mul}
+
+
 class ExpertParallelMoE(nn.Module):
-    """Top-k routed MoE with ``num_experts // world`` experts on each rank (GELU FFN experts).
+    """Top-k routed MoE with ``num_experts // world`` experts on each rank.
+
+    The constructor draws GELU FFN experts from ``seed`` (:func:`moe_weights`);
+    :meth:`from_weights` takes a model's router and expert weights (SwiGLU by default).
+    Inputs: this rank's tokens, any leading dimensions (``(..., hidden)``), the same number
+    of tokens on every rank.
 
     ``low_latency=True``: dispatch in low-latency mode (decode batches, see
     ``ts.ops.moe_dispatch``). The forward has no host synchronisation, so a decode step can
-    be captured in a CUDA graph (``examples/moe_decode_graph.py``).
+    be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
+    experts are split over (None: the job).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False,
+                 group: dist.ProcessGroup | None = None):
         super().__init__()
-        world, rank = runtime.world_size(), runtime.rank()
+        # Every rank draws the same full weights and keeps its experts: no broadcast needed.
+        router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
+        self._setup(router, w1.to(dtype), w2.to(dtype), topk, activation="gelu", normalize_topk=True,
+                    device=device, low_latency=low_latency, group=group)
+
+    @classmethod
+    def from_weights(cls, router: torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     gate_up: torch.Tensor, down: torch.Tensor, topk: int, *, activation: str = "silu_and_mul",
+                     normalize_topk: bool = True, group: dist.ProcessGroup | None = None,
+                     low_latency: bool = False, device: torch.device | None = None) -> ExpertParallelMoE:
+        """The layer of a model's router and experts, in Hugging Face Mixtral's / Qwen-MoE's layout.
+
+        Example::
+
+            block = model.model.layers[i].mlp                  # transformers 5: MixtralSparseMoeBlock
+            moe = ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
+                                                 block.experts.down_proj, topk=block.top_k)
+
+        Args:
+            router: the router weight (experts, hidden): softmax over ``x @ router.T``
+                (computed in the router's dtype, softmax in fp32), top-k, renormalised over
+                the top k when ``normalize_topk`` (Mixtral's routing). Or a callable
+                ``router(x) -> (topk_idx, topk_weights)``, each (tokens, topk), for other
+                schemes (e.g. DeepSeek's grouped sigmoid routing); an ``nn.Module`` becomes
+                a submodule (its parameters train with the layer).
+            gate_up: (experts, 2 * ffn, hidden) for ``"silu_and_mul"`` (rows ``:ffn`` the
+                gate projection, ``ffn:`` the up projection, as ``.chunk(2, -1)`` splits the
+                product), (experts, ffn, hidden) for ``"gelu"``.
+            down: (experts, hidden, ffn).
+            topk: experts per token.
+            activation: ``"silu_and_mul"`` (SwiGLU) or ``"gelu"``.
+            normalize_topk: renormalise the top-k routing weights to sum to 1.
+            group, low_latency: as the constructor's.
+            device: where the layer lives (default: this rank's device).
+
+        Every rank may pass the full weights: each keeps (copies) its experts' slices. The
+        experts keep the weights' dtype, the router its own.
+
+        Returns:
+            The layer; its forward takes this rank's tokens ``(..., hidden)``.
+        """
+        moe = cls.__new__(cls)
+        nn.Module.__init__(moe)
+        moe._setup(router, gate_up, down, topk, activation=activation, normalize_topk=normalize_topk, device=device,
+                   low_latency=low_latency, group=group)
+        return moe
+
+    def _setup(self, router: torch.Tensor | Callable, w1: torch.Tensor, w2: torch.Tensor, topk: int, *,
+               activation: str, normalize_topk: bool, device: torch.device | None, low_latency: bool,
+               group: dist.ProcessGroup | None) -> None:
+        world, rank = world_and_rank(group)
+        num_experts, hidden = w2.shape[0], w2.shape[1]
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        gated = 2 if activation.endswith("_and_mul") else 1
+        if w1.dim() != 3 or w2.dim() != 3 or tuple(w1.shape) != (num_experts, gated * w2.shape[2], hidden):
+            raise ValueError(f"expert weights must be (experts, {gated} x ffn, hidden) and (experts, hidden, ffn) "
+                             f"for {activation!r}; got {tuple(w1.shape)} and {tuple(w2.shape)}")
+        if w1.dtype != w2.dtype:
+            raise TypeError(f"expert weights differ in dtype: {w1.dtype} and {w2.dtype}")
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size {world}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
-        self.num_experts, self.topk, self.low_latency = num_experts, topk, low_latency
+        self.num_experts, self.topk, self.low_latency, self.group = num_experts, topk, low_latency, group
+        self.activation, self.normalize_topk = activation, normalize_topk
         device = device or runtime.device()
-        # Every rank draws the same full weights and keeps its experts: no broadcast needed.
-        router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
+        if isinstance(router, torch.Tensor):
+            if tuple(router.shape) != (num_experts, hidden):
+                raise ValueError(f"router must be (experts={num_experts}, hidden={hidden}), got {tuple(router.shape)}")
+            self.router = nn.Parameter(router.detach().to(device=device, copy=True))
+            self.router_fn = None
+        else:
+            self.router, self.router_fn = None, router
         mine = slice(rank * (num_experts // world), (rank + 1) * (num_experts // world))
-        self.router = nn.Parameter(router.to(device=device, dtype=torch.float32))
-        self.w1 = nn.Parameter(w1[mine].to(device=device, dtype=dtype).contiguous())
-        self.w2 = nn.Parameter(w2[mine].to(device=device, dtype=dtype).contiguous())
+        # Copies: the layer does not keep the full tensors alive.
+        self.w1 = nn.Parameter(w1.detach()[mine].to(device=device, copy=True).contiguous())
+        self.w2 = nn.Parameter(w2.detach()[mine].to(device=device, copy=True).contiguous())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts of each token and their softmax weights (renormalised over the top k)."""
-        probs = torch.softmax(x.float() @ self.router.T, dim=-1)
+        """Top-k experts of each token (rows of ``x``) and their routing weights."""
+        if self.router_fn is not None:
+            return self.router_fn(x)
+        probs = torch.softmax(nn.functional.linear(x.to(self.router.dtype), self.router).float(), dim=-1)
         weights, experts = probs.topk(self.topk, dim=-1)
-        return experts, weights / weights.sum(-1, keepdim=True)
+        return experts, (weights / weights.sum(-1, keepdim=True) if self.normalize_topk else weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
-        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency)
-        h = nn.functional.gelu(_GroupedGemm.apply(recv_x, self.w1, handle).float()).to(x.dtype)
+        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency, self.group)
+        h = _ACTIVATIONS[self.activation](_GroupedGemm.apply(recv_x, self.w1, handle)).to(x.dtype)
         out = _GroupedGemm.apply(h, self.w2, handle)
-        return _Combine.apply(out, recv_w, handle)
+        return _Combine.apply(out, recv_w, handle, self.group).reshape(*lead, out.shape[-1])
 
 
 def _valid_rows(handle: ops.moe.DispatchHandle) -> torch.Tensor:
@@ -84,9 +179,10 @@ class _Dispatch(torch.autograd.Function):
     combine), and each routing weight's gradient sent back from the row that carried it."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, num_experts, low_latency):  # noqa: ANN001, ANN205 - autograd signature
-        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
-        ctx.handle = handle
+    def forward(ctx, x, weights, experts, num_experts, low_latency, group):  # noqa: ANN001, ANN205 - autograd signature
+        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
+                                                     **group_kwargs(group))
+        ctx.handle, ctx.group = handle, group
         return recv_x, recv_w, handle
 
     @staticmethod
@@ -95,34 +191,35 @@ class _Dispatch(torch.autograd.Function):
         valid = _valid_rows(handle)
         rows, topk = valid.shape[0], handle.position.shape[1]
         ones = valid[:, 0].float()
-        d_x = ops.moe_combine(torch.where(valid, d_recv_x, 0).contiguous(), ones, handle)
+        d_x = ops.moe_combine(torch.where(valid, d_recv_x, 0).contiguous(), ones, handle, **group_kwargs(ctx.group))
         # Grouped row p carries the weight of one (token, k): put its gradient in column k,
         # and the same combine brings each token its topk gradients.
         target = torch.where(handle.position >= 0, handle.position, rows).long()
         padded = torch.cat([torch.where(valid[:, 0], d_recv_w, 0), d_recv_w.new_zeros(1)])
         by_k = torch.zeros(rows + 1, topk, dtype=torch.float32, device=d_recv_w.device)
         by_k[target, torch.arange(topk, device=target.device).expand_as(target)] = padded[target]
-        d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle)
-        return d_x, d_weights, None, None, None
+        d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle, **group_kwargs(ctx.group))
+        return d_x, d_weights, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """``moe_combine``; backward: the output gradient re-dispatched to the experts' rows."""
 
     @staticmethod
-    def forward(ctx, expert_out, recv_w, handle):  # noqa: ANN001, ANN205
+    def forward(ctx, expert_out, recv_w, handle, group):  # noqa: ANN001, ANN205
         ctx.save_for_backward(expert_out, recv_w)
-        ctx.handle = handle
-        return ops.moe_combine(expert_out, recv_w, handle)
+        ctx.handle, ctx.group = handle, group
+        return ops.moe_combine(expert_out, recv_w, handle, **group_kwargs(group))
 
     @staticmethod
     def backward(ctx, d_y):  # noqa: ANN001, ANN205
         expert_out, recv_w = ctx.saved_tensors
         valid = _valid_rows(ctx.handle)
-        d_rows = torch.where(valid, ops.moe_redispatch(d_y.contiguous(), ctx.handle).float(), 0)
+        d_rows = torch.where(valid, ops.moe_redispatch(d_y.contiguous(), ctx.handle, **group_kwargs(ctx.group)).float(),
+                             0)
         d_out = (d_rows * recv_w[:, None]).to(expert_out.dtype)
         d_w = torch.where(valid[:, 0], (d_rows * expert_out.float()).sum(-1), 0)
-        return d_out, d_w, None
+        return d_out, d_w, None, None
 
 
 class _GroupedGemm(torch.autograd.Function):

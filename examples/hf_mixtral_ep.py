@@ -1,0 +1,110 @@
+"""Expert-parallel Hugging Face Mixtral: its sparse MoE blocks on ``ts.nn.ExpertParallelMoE``.
+
+A Mixtral MoE block routes each token to its top-k experts (softmax over the router's logits,
+top-k, renormalised) and sums their SwiGLU outputs with the routing weights. Expert
+parallelism puts ``num_experts / world`` experts on each rank: tokens travel to their experts'
+ranks (``moe_dispatch``), the experts run as one grouped GEMM, and the results travel back
+(``moe_combine``). ``ExpertParallelMoE.from_weights`` builds the layer from the block's own
+weights, every rank keeping its experts' slices::
+
+    moe = ts.nn.ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
+                                               block.experts.down_proj, topk=block.top_k)
+
+Attention stays replicated, so every rank holds the whole batch: each rank routes its own
+share of the tokens (the experts see every token once) and the outputs are gathered back.
+
+Every rank loads the same model (a random tiny Mixtral, or a local checkpoint given as the
+argument), computes the original model's logits and greedy tokens, swaps the MoE blocks, and
+checks that the expert-parallel model gives the same logits and tokens.
+
+    tilescale run -n 2 --cpu examples/hf_mixtral_ep.py
+    tilescale run -n 2 examples/hf_mixtral_ep.py [path/to/mixtral-checkpoint]
+
+Needs ``transformers`` (``pip install -e ".[models]"``). Written against transformers 5's
+layout: ``MixtralSparseMoeBlock`` at ``layer.mlp``, with ``gate`` (a router holding ``weight``,
+(experts, hidden)) and ``experts`` holding ``gate_up_proj`` (experts, 2 x ffn, hidden) and
+``down_proj`` (experts, hidden, ffn). transformers 4 kept the block at
+``layer.block_sparse_moe`` with one ``nn.Linear`` per expert projection (``w1`` gate, ``w3``
+up, ``w2`` down): stack those to use this example there. fp32 on the CPU path, bf16 on GPUs.
+"""
+
+import sys
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+import tilescale as ts
+from tilescale.testing import check_greedy, do_bench
+
+
+class ExpertParallelBlock(nn.Module):
+    """A Mixtral sparse MoE block with this rank's experts; input and output replicated."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.moe = ts.nn.ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
+                                                        block.experts.down_proj, topk=block.top_k)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rank, world = ts.rank(), ts.world_size()
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = x.shape[0]
+        share = -(-tokens // world)  # every rank passes the same number of tokens: pad the last share
+        x = nn.functional.pad(x, (0, 0, 0, share * world - tokens))
+        y = ts.ops.all_gather(self.moe(x[rank * share:(rank + 1) * share]))
+        return y[:tokens].reshape(hidden_states.shape)
+
+
+def load(path: str | None, dtype: torch.dtype) -> nn.Module:
+    """The checkpoint at ``path``, or a random tiny Mixtral (the same on every rank: seeded)."""
+    if path:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=128)
+    return MixtralForCausalLM(config).to(dtype)
+
+
+def main(path: str | None = None, new_tokens: int = 4) -> None:
+    ts.init()
+    rank, world, dev = ts.rank(), ts.world_size(), ts.device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    atol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # logits
+    bench = dict(warmup=5, iters=20) if dev.type == "cuda" else dict(warmup=1, iters=2)  # the CPU path interprets
+    model = load(path, dtype).to(dev).eval()
+    if model.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"the experts' activation is {model.config.hidden_act!r}, not SiLU (SwiGLU)")
+    prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
+
+    def generate() -> torch.Tensor:  # greedy, exactly new_tokens (no stop at an end-of-sequence token)
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+        ref_tokens = generate()
+        ref_token_logits = model(ref_tokens).logits  # where a choice was a near-tie (see check_greedy)
+        ref_ms = do_bench(lambda: model(prompt), **bench)
+
+        for layer in model.model.layers:
+            layer.mlp = ExpertParallelBlock(layer.mlp)
+        logits = model(prompt).logits
+        tokens = generate()
+        ms = do_bench(lambda: model(prompt), **bench)
+
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol)
+    ties = check_greedy(tokens, ref_tokens, ref_token_logits, atol)
+    experts = model.model.layers[0].mlp.moe.w1.shape[0]
+    if rank == 0:
+        print(f"greedy tokens: {tokens[:, prompt.shape[1]:].tolist()}"
+              + (f" ({ties} sequences part from the reference at a near-tie)" if ties else ""))
+    print(f"rank {rank}: expert-parallel Mixtral over {world} ranks correct: logits and {new_tokens} greedy tokens "
+          f"match the original model ({experts} of {model.config.num_local_experts} experts per layer on this "
+          f"rank); prefill of {tuple(prompt.shape)} tokens {ms:.2f} ms (original {ref_ms:.2f} ms)")
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
