@@ -243,3 +243,9 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert tp_gemm._fused_wins(2 * 8192 * 8192 * 14336, [1792, 1792], 4096 * 8192 * 2)
     # AG 1024 rows: 4 x 56 tiles per kernel leave most of a wave idle twice; 8 MB gather is cheaper.
     assert not tp_gemm._fused_wins(2 * 1024 * 8192 * 14336, [224, 224], 512 * 8192 * 2)
+
+
+@pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),
+                                                        (40, 1024, 20)])
+def test_copy_engine_chunks_are_about_8_mb_and_at_least_two(m_tiles, k, expected):
+    assert tp_gemm.chunk_tiles(m_tiles, k, 128, 2) == expected
