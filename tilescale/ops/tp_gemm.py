@@ -45,9 +45,9 @@ from tilescale.ops._common import check_input, check_same_across_ranks, sm_count
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import peer_ptrs, peer_view, zeros
 
-# Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
-# on 2x H200, 32 beat 8 and 16 at three of the four benchmark shapes
-# (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
+# Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
+# rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
+# benchmark shapes (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
 PUSH_BLOCKS = 32
 # The CPU path's default: fused from this many output rows on (GPUs decide by _fused_wins).
 FUSED_MIN_ROWS = 1024
