@@ -68,7 +68,7 @@ QUICK_SHAPES = ["8k-cube", "ag-4k"]
 class Variant:
     """A tile config and how the kernel around it finds its tile.
 
-    ``grid="1d"``: as ``ag_gemm_kernel`` (linear block index in a register, tile from
+    ``grid="1d"``: as ``ag_own_gemm_kernel`` (linear block index in a register, tile from
     ``tile_coords(..., cfg.panel)``); ``"2d"``: as ``gemm_push_kernel`` (``(N tiles, M tiles)``
     grid, ``T.use_swizzle(cfg.panel)`` when the panel is non-zero). ``ws=False``: compiled
     with warp specialisation off, as kernels linked with NVSHMEM are.
@@ -129,7 +129,7 @@ def build(v: Variant, M: int, N: int, K: int):
         @T.prim_func
         def gemm_1d(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
             with T.Kernel(m_tiles * n_tiles, threads=cfg.threads) as b:
-                tile = T.alloc_local((1,), "int32")  # as ag_gemm_kernel holds it
+                tile = T.alloc_local((1,), "int32")  # as ag_own_gemm_kernel holds it
                 tile[0] = b
                 by, bx = tile_coords(tile[0], m_tiles, n_tiles, cfg.panel)
                 gemm_tile(A, by * bm, W, bx * bn, C, by * bm, bx * bn, K, dtype, cfg.stages, cfg)

@@ -375,8 +375,9 @@ def _op_kernels():
         "moe_dispatch": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False), None),
         "moe_dispatch_low_latency": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
         "moe_combine": (moe.combine_kernel, (2, 64, 256, 4, 1024, "bfloat16", 132), None),
-        "ag_gemm": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
-        "ag_gemm_wide": (tp_gemm.ag_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
+        "ag_gemm": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
+        "ag_gemm_wide": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
+        "gemm_rs_in_gemm": (tp_gemm.gemm_reduce_scatter_kernel, (2, "bfloat16", 512, 512, 512, DEFAULT, 1), no_ws),
         # As link_module builds it: no warp specialisation under this lowering.
         "gemm_rs": (tp_gemm.gemm_push_kernel, (2, "bfloat16", 512, 512, 512, 2, DEFAULT, 1),
                     no_ws),

@@ -43,7 +43,7 @@ def test_all_gather_gemm_pushers_stay_in_their_row_tile():
     # K = 1024: a 128-row tile is 8 chunks of 16 rows, shared by 32 pushers; pushers 8..31 have
     # none of it, and unguarded they pushed rows of the next tiles as well.
     with build_options(world_size=2):
-        func = tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 1024, 32, WIDE)
+        func = tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 4096, 1024, 1024, 32, WIDE)
     assert "if (((int)blockIdx.x) < 8)" in lower_cuda(guard_unit_loops(func))
 
 

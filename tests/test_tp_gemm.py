@@ -231,3 +231,21 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
     assert "tilescale::block_wait(" not in src and "tilescale::grid_barrier(" not in src
     proc = nvcc(src, tmp_path / "all_reduce_gemm.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
+    """The floor's misses follow the waves of one 128x256 tile; the GPU default weighs them
+    against the collective that the unfused plan waits for."""
+    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
+    assert tp_gemm.wave_efficiency([448], 132) == pytest.approx(448 / 528)  # 1024 x 14336: 3.4 waves
+    assert tp_gemm.wave_efficiency([132, 132], 132) == 1.0
+    # AG 8192 x 8192 x 14336 on 2 ranks: 2 x 1792 tiles, 14 full waves each; 64 MB to gather.
+    assert tp_gemm._fused_wins(2 * 8192 * 8192 * 14336, [1792, 1792], 4096 * 8192 * 2)
+    # AG 1024 rows: 4 x 56 tiles per kernel leave most of a wave idle twice; 8 MB gather is cheaper.
+    assert not tp_gemm._fused_wins(2 * 1024 * 8192 * 14336, [224, 224], 512 * 8192 * 2)
+
+
+@pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),
+                                                        (40, 1024, 20)])
+def test_copy_engine_chunks_are_about_8_mb_and_at_least_two(m_tiles, k, expected):
+    assert tp_gemm.chunk_tiles(m_tiles, k, 128, 2) == expected

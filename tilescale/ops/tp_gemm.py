@@ -1,29 +1,30 @@
 """Tensor-parallel GEMMs with communication overlapped tile by tile.
 
 ``all_gather_gemm(a_shard, weight)``: ``all_gather(a_shard) @ weight.T`` (column parallel).
-The first blocks of one kernel push this rank's rows, row tile by row tile, into every
-rank's gather buffer (its own first, then ``rank - 1, rank - 2, ...``, the order in which
-the others reach this rank's segment) and add to that rank's arrival flag for the row tile;
-the other blocks compute output tiles, this rank's own segment first and then each peer's
-segment in ``rank + 1, rank + 2, ...`` order, each waiting for its row tile's flag before
-its first K step. Segments are padded to whole row tiles, so a tile never reads rows that
-have not arrived.
+A first kernel computes this rank's own row segment straight from ``a_shard`` while its rows
+go to the peers, by the copy engines (copies on a side stream, each chunk followed by a
+stream-ordered write of the call's epoch to the chunk's flag at the peer) or by pusher blocks
+at the head of that kernel; a second kernel computes the peers' segments (``rank + 1, rank +
+2, ...``), each tile waiting for the chunk of rows it reads. Segments are padded to whole row
+tiles, so a tile never reads rows that have not arrived.
 
-``gemm_reduce_scatter(a, weight)`` and ``gemm_all_reduce(a, weight)``: each rank's GEMM
-kernel writes every finished output tile straight into the receive buffer of the rank(s)
-that need it (the tile's row owner, or every rank) and signals it there; a reduction kernel
-sums the received partial tiles once its flags say they have all landed. Tiles are visited
-so that ranks send to different peers first. At decode sizes, where every output tile has
-an SM of its own, ``gemm_all_reduce`` is one kernel: each tile's block exchanges partials
-with the same block of the other ranks and sums them itself.
+``gemm_reduce_scatter(a, weight)``: one kernel. A tile of a peer's row segment goes, as a
+partial, into that peer's receive buffer with a signal; the tiles of this rank's own segment
+come last and add the peers' partials to their accumulators before the one store.
+``gemm_all_reduce(a, weight)``, decode sizes: one kernel in which each tile's blocks exchange
+partials with every rank and sum them (K split across blocks where the tiles are few). Where
+that does not fit (K split for the reduce-scatter, large M for the all-reduce), a GEMM kernel
+pushes partial tiles and a reduction kernel sums them once its flags say they have landed.
 
 Flags only grow: each call adds one "epoch" of arrivals, and waits compare against the
-running total, so no flag is ever reset between calls (which would race with a fast peer).
+running total, so no flag is ever reset between calls (which would race with a fast peer);
+flags are per sender, so a peer already in its next call cannot stand in for a slow one.
 The call count and that total live on the device, advanced in stream order before each
-call's kernels, so a call captured in a CUDA graph advances them on every replay.
+call's kernels, so a call captured in a CUDA graph advances them on every replay (the
+copy-engine all-gather counts on the host, so captures take the pushers' plan).
 Each op picks ``plan="fused"`` or the non-overlapped ``plan="unfused"`` (torch.distributed
-collective + torch matmul): on GPUs the measured faster one, unfused (see ``_choose``),
-elsewhere from the shape; pass ``plan`` to force one.
+collective + torch matmul): on GPUs by the GEMM's waves against the collective's bytes
+(``_fused_wins``), elsewhere from the shape; pass ``plan`` to force one.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -38,21 +39,25 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
-from tilescale.jit import jit
+from tilescale.jit import jit, kernel_lowering
+from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import peer_ptrs, peer_view, zeros
 
-# Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
-# on 2x H200, 32 beat 8 and 16 at three of the four benchmark shapes
-# (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
+# Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
+# rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
+# benchmark shapes (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
 PUSH_BLOCKS = 32
-# Below this many output rows, overlapping cannot hide anything worth its synchronisation
-# (the CPU path's threshold; GPUs use FUSED_MIN_ROWS_GPU, measured).
+# The CPU path's default: fused from this many output rows on (GPUs decide by _fused_wins).
 FUSED_MIN_ROWS = 1024
-# On H200 the fused AG-GEMM and GEMM-RS beat NCCL + cuBLAS from 4096 output rows on and
-# lose below (TileLang's GEMM is ~0.9x cuBLAS's there, the overlap cannot make it up).
-FUSED_MIN_ROWS_GPU = 4096
+# The link arithmetic of the GPU default (_fused_wins): what the unfused plan's NCCL collective
+# moves per rank per second and its fixed cost (all_gather 225 GB/s on 2x H200 NV18, DESIGN.md),
+# a GEMM's rate, and what a fused call pays besides its GEMM (its first chunk or last tiles).
+NCCL_GBPS = 225.0
+NCCL_US = 20.0
+GEMM_TFLOPS = 750.0
+FUSED_US = 10.0
 
 
 @jit
@@ -626,19 +631,40 @@ def choose_tile(rows: int, n: int, split_k: bool = False) -> TileConfig:
     return DEFAULT
 
 
-def _choose(plan: str | None, rows: int) -> str:
-    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else the measured better one for ``rows``
-    output rows.
+def wave_efficiency(tiles: list[int], sms: int) -> float:
+    """Share of the SMs' time that kernels of ``tiles[i]`` one-SM blocks each, run one after
+    another, keep busy: each kernel's last, partial wave leaves SMs idle.
 
-    On GPUs fused from ``FUSED_MIN_ROWS_GPU`` rows on (2x H200, ``benchmarks/tp_gemm.py``:
-    0.95-1.11x NCCL + cuBLAS there over two runs, 0.91-0.95x below); elsewhere (the CPU path) from
-    ``FUSED_MIN_ROWS``.
+    The fused kernels' one-rank floor follows it (one H100, 20261124-191930): 1024 x 14336
+    outputs in 128x256 tiles are 448 tiles, 3.4 waves of 132 SMs, 0.85 busy: 1.21x cuBLAS.
+
+    Example::
+
+        wave_efficiency([448], 132)     # 0.848
+    """
+    return sum(tiles) / (sum(-(-t // sms) for t in tiles) * sms)
+
+
+def _fused_wins(flops: float, tiles: list[int], collective_bytes: float) -> bool:
+    """Whether the fused plan should beat NCCL + cuBLAS on GPUs: the fused GEMM loses its
+    waves' idle share (:func:`wave_efficiency`) plus ``FUSED_US``; the unfused plan waits for
+    a collective of ``collective_bytes`` per rank after a GEMM at full rate."""
+    gemm_us = flops / (GEMM_TFLOPS * 1e6)
+    fused = gemm_us / wave_efficiency(tiles, sm_count()) + FUSED_US
+    return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
+
+
+def _choose(plan: str | None, rows: int, fused_wins: bool) -> str:
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else on GPUs ``fused_wins`` (the op's
+    :func:`_fused_wins`, NVLink's arithmetic: where ranks talk through NVSHMEM calls, across
+    nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
-    threshold = FUSED_MIN_ROWS_GPU if runtime.device().type == "cuda" else FUSED_MIN_ROWS
-    return plan or ("fused" if rows >= threshold else "unfused")
+    if runtime.device().type == "cuda":
+        return plan or ("fused" if fused_wins and kernel_lowering() in (None, ADDRESS) else "unfused")
+    return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
 
 
 PRODUCERS = ("copy_engine", "sm")
@@ -668,18 +694,26 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     world = runtime.world_size()
     (m, k), n = a_shard.shape, weight.shape[0]
     check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
-    if _choose(plan, world * m) == "unfused":
+    tile = tile or choose_tile(world * m, n)
+    padded = -(-m // tile.block_M) * tile.block_M
+    seg_tiles = padded // tile.block_M * -(-n // tile.block_N)  # own segment, then the peers' in a second kernel
+    wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
+                       (world - 1) * m * k * a_shard.element_size())
+    if _choose(plan, world * m, wins) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
         dist.all_gather_into_tensor(gathered, a_shard)
         return gathered @ weight.T
-    tile = tile or choose_tile(world * m, n)
-    padded = -(-m // tile.block_M) * tile.block_M
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
+    # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
+    mapped = kernel_lowering() in (None, ADDRESS)
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    if (producer or ("sm" if capturing else "copy_engine")) == "copy_engine":
+    if (producer or ("sm" if capturing or not mapped else "copy_engine")) == "copy_engine":
         if capturing:
             raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "
                                "values are counted on the host; capture producer='sm' (the default in a capture)")
+        if not mapped:
+            raise ValueError("all_gather_gemm(producer='copy_engine') needs every peer's memory mapped in this "
+                             "process; with NVSHMEM calls between the ranks use producer='sm' (the default there)")
         if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
             _sm_gather(a_shard, weight, None, tile, push_blocks)
         _copy_engine_gather(a_shard, weight, out, tile)
@@ -753,15 +787,15 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     if m % world:
         raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the world size {world}")
     check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)])
-    if _choose(plan, m) == "unfused":
+    tile = tile or choose_tile(m, n, split_k=True)
+    padded, tiles, splits = reduce_plan(m, k, n, world, tile)
+    wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
+    if _choose(plan, m, wins) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(out, a @ weight.T)
         return out
-    tile = tile or choose_tile(m, n, split_k=True)
-    plan = reduce_plan(m, k, n, world, tile)
-    padded, tiles, splits = plan
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return _gemm_then_reduce(a, weight, world, tile, plan)
+        return _gemm_then_reduce(a, weight, world, tile, (padded, tiles, splits))
     ex = _exchange(("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
@@ -788,16 +822,16 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     _check_pair(a, weight)
     (m, k), n = a.shape, weight.shape[0]
     check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
-    # Unless asked, fused on the CPU path only: on 2x H200 the fused all-reduce lost to cuBLAS +
-    # NCCL at M = 128 and 1024 (0.73x, 0.93x), the rows it is for (one row count for both).
-    # That was the two-kernel plan with K split; the one-kernel plan below has run on one GPU
-    # only (1.15x cuBLAS alone as a graph replay, no link traffic).
-    if _choose(plan, FUSED_MIN_ROWS) == "unfused":
+    tile = tile or choose_tile(m, n, split_k=True)
+    padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
+    # On GPUs fused where the one-kernel plan applies (decode): as graph replays its floor is
+    # 4-20 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100),
+    # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200).
+    # Above, NCCL + cuBLAS (the two-kernel plan adds a pass over world x M x N partials).
+    if _choose(plan, FUSED_MIN_ROWS, tiles * splits <= sm_count()) == "unfused":
         out = a @ weight.T
         dist.all_reduce(out)
         return out
-    tile = tile or choose_tile(m, n, split_k=True)
-    padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
     if tiles * splits > sm_count():  # one kernel needs every block resident
         return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
     world = runtime.world_size()
