@@ -37,7 +37,10 @@ PYTHON=${PYTHON:-$(command -v python3)}
 # The first host of the file, without ":slots" (MPICH) or " slots=N" (Open MPI).
 MASTER_ADDR=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ { sub(/:.*/, "", $1); print $1; exit }' "$hostfile")}
 MASTER_PORT=${MASTER_PORT:-29500}
-export MASTER_ADDR MASTER_PORT PYTHONUNBUFFERED=1
+# One id for this launch, checked by every rank at rendezvous: ranks of another job given the
+# same port are refused instead of joining this one.
+TILESCALE_LAUNCH_ID=${TILESCALE_LAUNCH_ID:-mpirun:$(hostname):$$:$(date +%s%N)}
+export MASTER_ADDR MASTER_PORT TILESCALE_LAUNCH_ID PYTHONUNBUFFERED=1
 # Installed with tilescale (package data), so every node finds the same file.
 env_file=$("$PYTHON" -c 'import os, tilescale.launch as l; print(os.path.join(os.path.dirname(l.__file__), "nvshmem_env.sh"))')
 

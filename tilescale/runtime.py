@@ -75,8 +75,9 @@ _runtime: Runtime | None = None
 # Counts init() calls: each session's store keys get their own prefix, so a re-init that
 # meets the previous session's store (tilescale run's lives as long as the job) never reads stale keys.
 _session = 0
-# Start-up deadline when RANK/WORLD_SIZE/MASTER_* come with no launcher's marks (maybe stale).
-UNMARKED_TIMEOUT_S = 30.0
+# Start-up deadline, and how often a wait is reported, when RANK/WORLD_SIZE/MASTER_* come with
+# no launcher's marks (maybe stale).
+UNMARKED_TIMEOUT_S, UNMARKED_PROGRESS_S = 30.0, 2.0
 # Whether this process hosts the job's store (rank 0 under launchers other than tilescale run),
 # and how long it keeps it up at exit for peers to read that it exited.
 _hosts_store = False
@@ -171,7 +172,7 @@ def _rendezvous(env: LaunchEnv, timeout_s: float, timeout_given: bool) -> dist.S
                 "environment with no launcher's marks: if they are left over from another job, unset them)")
         if not timeout_given:
             timeout_s = min(timeout_s, UNMARKED_TIMEOUT_S)
-    every = rendezvous.PROGRESS_S / 3 if unmarked else rendezvous.PROGRESS_S
+    every = UNMARKED_PROGRESS_S if unmarked else rendezvous.PROGRESS_S
 
     def waiting_for(what: str) -> Callable[[float], None]:
         return lambda s: rendezvous.say(f"rank {env.rank} has waited {s:.0f} s for {what}{hint}")
