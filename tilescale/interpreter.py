@@ -45,7 +45,7 @@ from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
 from tilescale import runtime
-from tilescale.errors import COMPARISON_TEXT, WaitTimeoutError
+from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.symmetric import host_regions
 
@@ -354,18 +354,44 @@ class _Block:
             leader = self._block_barrier() == 0
         if leader:
             kernel = launch.kernel
-            peers = [launch.memory_at(int(a), 4 * 96, "barrier workspace", "")[0] for a in table.tolist()]
-            mine = peers[kernel.rank].data.view(torch.int32)
+            words = self._sync_words(table)
+            mine = words[kernel.rank]
             epoch = int(mine[32])
             with kernel.atomic():
-                for m in peers:
-                    m.data.view(torch.int32)[64] += 1
+                for w in words:
+                    w[64] += 1
             target = world * (epoch + 1)
             kernel.spin(lambda: int(mine[64]) >= target, lambda: int(mine[64]),
                         f"T.barrier() #{epoch + 1} (arrivals >= {target})", launch)
             mine[32] = epoch + 1
         if launch.block_barrier is not None:
             self._block_barrier()
+
+    def _sync_words(self, table: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's barrier workspace (int32 words), from the kernel's table of them."""
+        nbytes = 4 * runtime.SYNC_WORKSPACE_WORDS
+        areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
+        return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
+
+    def agree(self, table: torch.Tensor, world: int, signature: int) -> int:
+        """``T.agree``: as ``tilescale::grid_agree``, a barrier, then every rank's call signature
+        compared with this one's; a difference is recorded in the wait-status record."""
+        words = self._sync_words(table)
+        slot = 96 + int(words[self.rank][32]) % 2  # before the barrier: the same epoch in every block
+        words[self.rank][slot] = signature
+        self.barrier(table, world)
+        status = runtime.current().wait_status
+        with self.launch.lock:
+            if int(status[0]) != 0:
+                return 0
+            for peer, w in enumerate(words):
+                theirs = int(w[slot])
+                if theirs != signature:
+                    record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0,
+                                  expected=signature, observed=theirs, kind=MISMATCH)
+                    status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+                    return 0
+        return 1
 
     def _block_barrier(self) -> int:
         # No timeout here: a timed-out threading.Barrier breaks for every thread. The bounded
@@ -610,6 +636,8 @@ class _Block:
             return self.cta_rank
         if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
             return self.cluster_address(e.args[1], e.args[2])
+        if name == "tirx.call_extern" and e.args[0].value == "tilescale::grid_agree":
+            return self.agree(self.env[e.args[1]], int(self.eval(e.args[3])), int(self.eval(e.args[6])))
         if name == "tirx.pow":
             return self.eval(e.args[0]) ** self.eval(e.args[1])
         raise self.unsupported(f"call to '{name}'")
@@ -689,7 +717,8 @@ class CpuKernel:
         self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
-        self.threaded = any(f"tilescale::{sync}" in script for sync in ("grid_barrier", "block_wait", "warp_wait"))
+        self.threaded = any(f"tilescale::{sync}" in script
+                            for sync in ("grid_barrier", "grid_agree", "block_wait", "warp_wait"))
         self._refuse_thread_level_code()
         self.warps = self._threads() // 32
 
@@ -828,6 +857,12 @@ class CpuKernel:
             with torch.no_grad():  # kernels are not differentiable; their arguments may be (parameters)
                 _Block(launch, local, block_id, cluster, cta_rank).run(self.body)
 
+        self._run(launch, blocks, place, run_block)
+        # Blocks ran to completion here, so a difference T.agree recorded is known now: raise it
+        # at the call, not at the next launch as on a GPU.
+        runtime.check_device_waits()
+
+    def _run(self, launch: _Launch, blocks: int, place: Callable, run_block: Callable[[int], None]) -> None:
         if launch.block_barrier:
             groups = [list(range(blocks))]
         elif self.clustered:

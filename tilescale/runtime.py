@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 from tilescale import comm
-from tilescale.errors import WAIT_STATUS_FIELDS, WaitTimeoutError, describe_timeout
+from tilescale.errors import (
+    MISMATCH,
+    WAIT_STATUS_FIELDS,
+    ShapeMismatchError,
+    WaitTimeoutError,
+    describe_mismatch,
+    describe_timeout,
+)
 from tilescale.launch.environment import LaunchEnv, detect
 
 
@@ -73,8 +80,9 @@ _runtime: Runtime | None = None
 # meets the previous session's store (torch may reuse its server) never reads stale keys.
 _session = 0
 
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line.
-SYNC_WORKSPACE_WORDS = 96
+# int32 words of the barrier workspace: three counters, each on its own 128-byte line, and
+# on a fourth the two call-signature slots of T.agree (tilescale.language.sync).
+SYNC_WORKSPACE_WORDS = 128
 
 
 def _choose_device(device: str | None) -> torch.device:
@@ -254,7 +262,8 @@ def backend_name() -> str:
 
 
 def check_device_waits(name_address: Callable[[int], str | None] | None = None) -> None:
-    """Raise :class:`WaitTimeoutError` if a device-side wait of this rank has timed out.
+    """Raise :class:`WaitTimeoutError` if a device-side wait of this rank has timed out, or
+    :class:`ShapeMismatchError` if a ``T.agree`` found that ranks called with different shapes.
 
     Kernels launched through ``tilescale.jit`` call this before every launch (reading host
     memory only, never synchronising), passing ``name_address`` to name the flag.
@@ -263,6 +272,8 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     if rt.wait_status_view[0] == 1:  # a plain host-memory read: this runs before every launch
         values = rt.wait_status.tolist()
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
+        if record["kind"] == MISMATCH:
+            raise ShapeMismatchError(describe_mismatch(record))
         name = (name_address or _name_in_last_kernel)(record["address"])
         raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9))
 

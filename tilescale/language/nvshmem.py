@@ -15,6 +15,7 @@ tilescale operation         NVSHMEM device calls
 ``T.wait(f, cmp, v)``       ``nvshmem_int_test`` polled under tilescale's timeout
 ``T.fence()``               ``nvshmem_quiet``
 ``T.barrier()`` (device)    grid arrival, then ``nvshmem_int_atomic_add`` to every rank's counter
+``T.agree(sig)``            that barrier, then ``nvshmem_int_g`` of every rank's signature
 ``put_signal`` helper       ``nvshmemx_putmem_signal_nbi_block`` (uint64 signal, for callers
                             that fuse a put with its flag)
 ==========================  =====================================================================
@@ -174,6 +175,14 @@ __device__ void nvshmem_grid_barrier(const void* peer_table, int rank, int world
   after_acquire();
 }
 
+// T.agree, as tilescale::grid_agree, reading the peers' signatures with nvshmem_int_g.
+__device__ __forceinline__ int nvshmem_grid_agree(const void* peer_table, int rank, int world,
+                                                  long long status_addr, long long timeout_ns, int signature) {
+  int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
+  return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, nvshmem_grid_barrier,
+                    [&](int word, int p) { return nvshmem_int_g(ws + word, p); });
+}
+
 }  // namespace tilescale
 """
 
@@ -229,6 +238,7 @@ NVSHMEM_LOWERING = DeviceLowering(
     warp_wait="tilescale::nvshmem_warp_wait",
     fence="tilescale::nvshmem_block_fence",
     barrier="tilescale::nvshmem_grid_barrier",
+    agree="tilescale::nvshmem_grid_agree",
     compile_flags=nvshmem_compile_flags,
     link=nvshmem_link_flags,
 )

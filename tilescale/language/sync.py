@@ -1,4 +1,5 @@
-"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``.
+"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``,
+``T.agree``.
 
 Example (a producer block announces a tile it put into its peer's buffer)::
 
@@ -91,19 +92,25 @@ __device__ __forceinline__ bool compare(int cmp, int observed, int expected) {
   }
 }
 
-// The first wait of the job to time out records what it waited for; the host reads it.
-__device__ __forceinline__ void report_timeout(long long status_addr, const int* addr, int cmp, int expected,
+// The first failure of the job (a wait timing out, ranks disagreeing) records what happened;
+// the host reads it (tilescale.errors.WAIT_STATUS_FIELDS).
+__device__ __forceinline__ void report_failure(long long status_addr, long long addr, int cmp, int expected,
                                                int observed, int rank, int kind) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
   if (atomicCAS(state, 0ull, 2ull) == 0ull) {
-    status[1] = rank; status[2] = block_id(); status[3] = (long long)addr;
+    status[1] = rank; status[2] = block_id(); status[3] = addr;
     status[4] = cmp; status[5] = expected; status[6] = observed; status[7] = kind;
     __threadfence_system();
     status[0] = 1;
     __threadfence_system();
     // No printf here: a device-side call would serialise wgmma pipelines in GEMM kernels.
   }
+}
+
+__device__ __forceinline__ void report_timeout(long long status_addr, const int* addr, int cmp, int expected,
+                                               int observed, int rank, int kind) {
+  report_failure(status_addr, (long long)addr, cmp, expected, observed, rank, kind);
 }
 
 // Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
@@ -209,6 +216,45 @@ __device__ void grid_barrier(const void* peer_table, int rank, int world, long l
   }
   __syncthreads();
   after_acquire();
+}
+
+// T.agree: every rank publishes its call's signature in its barrier workspace, all blocks of
+// all ranks meet in a barrier, then the leader of each block compares every rank's signature
+// with its own. 1 on every block of every rank when all agree; else 0 (the first difference
+// seen is reported, the caller moves no data). Slots [96 + epoch % 2]: a rank writes a slot
+// again two barriers later, when every rank has passed the barrier after these reads.
+template <typename Barrier, typename PeerLoad>
+__device__ __forceinline__ int agree_with(const void* peer_table, int rank, int world, long long status_addr,
+                                          long long timeout_ns, int signature, Barrier barrier, PeerLoad load) {
+  __shared__ int agreed;
+  int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
+  int slot = 0;
+  if (is_leader()) {
+    slot = 96 + (poll<false>(ws + 32) & 1);  // the barrier's epoch, the same in every block here
+    ws[slot] = signature;                    // released by the barrier's arrival
+  }
+  barrier(peer_table, rank, world, status_addr, timeout_ns);
+  if (is_leader()) {
+    volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
+    int ok = status[0] == 0;  // after a failure the barrier may not have met the peers
+    for (int p = 0; ok && p < world; ++p) {
+      int theirs = load(slot, p);
+      if (theirs != signature) {
+        report_failure(status_addr, p, 0, signature, theirs, rank, 2);
+        ok = 0;
+      }
+    }
+    agreed = ok;
+  }
+  __syncthreads();
+  return agreed;
+}
+
+__device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int world, long long status_addr,
+                                          long long timeout_ns, int signature) {
+  const long long* peers = reinterpret_cast<const long long*>(peer_table);
+  return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, grid_barrier,
+                    [&](int word, int p) { return poll<true>(reinterpret_cast<const int*>(peers[p]) + word); });
 }
 
 // Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
@@ -318,6 +364,33 @@ def fence() -> tirx.PrimExpr:
     """Order this block's earlier global writes (local, remote, TMA) before its later ones, system-wide."""
     lowering = current_context().lowering
     return tl.call_extern("handle", lowering.fence if lowering is not None else "tilescale::block_fence")
+
+
+def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """A device-scope ``T.barrier()`` at which the ranks also check that they run the same call:
+    1 (int32, the same in every block of every rank) when every rank passed the same
+    ``signature``, else 0, and the host raises :class:`tilescale.ShapeMismatchError` on every
+    rank (at the next launch, ``ts.synchronize()`` or ``ts.barrier()``; on the CPU path when the
+    kernel returns).
+
+    Example::
+
+        ok = T.alloc_local((1,), "int32")
+        ok[0] = T.agree(sig)          # sig: a kernel argument, e.g. a hash of the op and its shapes
+        if ok[0] == 1:
+            ...                       # read and write peers' data
+        T.barrier()
+
+    The signature is a scalar argument, so a CUDA graph replays it with the call. Cost: one
+    int32 store per block before the barrier and ``world`` loads per block after it.
+    """
+    ctx = current_context()
+    if ctx.scales[-1:] != ["device"]:
+        raise RuntimeError('T.agree() must be inside a T.Scale("device") scope: it checks the ranks of the job')
+    table = ctx.sync_table()
+    status, rank, timeout = _status_args()
+    name = ctx.lowering.agree if ctx.lowering is not None else "tilescale::grid_agree"
+    return tl.call_extern("int32", name, table.data, rank, ctx.world, status, timeout, signature)
 
 
 def barrier() -> tirx.PrimExpr:

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from tilescale import runtime
+from tilescale.errors import call_signature
 from tilescale.symmetric import empty, is_symmetric
 
 TORCH_TO_TL = {
@@ -20,6 +21,7 @@ TORCH_TO_TL = {
 
 _workspaces: dict[tuple, torch.Tensor] = {}
 _verified: set[tuple] = set()
+_signatures: dict[tuple, int] = {}
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -77,14 +79,33 @@ def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
     return staged
 
 
-def check_same_across_ranks(what: str, value: list) -> None:
-    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip).
+def signature(op: str, t: torch.Tensor, *details: object) -> int:
+    """The call signature of ``op`` on ``t`` (its shape and dtype) and ``details``, for ``T.agree``
+    (see ``tilescale.language.sync``): kernels compare it across ranks on every call.
 
-    A later call in which one rank alone switches to a new shape is still caught, by the
-    bounded waits (TimeoutError naming the rank, or WaitTimeoutError), not by this check.
+    Example::
+
+        sig = signature("all_reduce", x, "one_shot")    # a kernel's scalar argument
+    """
+    key = (op, tuple(t.shape), t.dtype, details)
+    sig = _signatures.get(key)
+    if sig is None:  # once per distinct call: later calls cost a dict lookup
+        text = " ".join([op, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), *map(str, details)])
+        sig = _signatures[key] = call_signature(text)
+    return sig
+
+
+def check_same_across_ranks(what: str, value: list, every_call: bool = False) -> None:
+    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip), or
+    at ``every_call`` (for calls that launch no kernel, which would compare them on the device).
+
+    The collectives compare shapes on the device at every call (``T.agree``). In the fused TP
+    GEMMs and MoE ops, a later call in which one rank alone switches to another shape is still
+    caught, by the bounded waits (WaitTimeoutError): each shape has its own buffers and flags,
+    so the ranks' kernels never read what a kernel of another shape wrote.
     """
     key = (what, *value)
-    if key in _verified:
+    if key in _verified and not every_call:
         return
     rt = runtime.current()
     values = rt.group.exchange(rt.group.next_tag(what), value)
