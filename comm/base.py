@@ -87,6 +87,9 @@ class DeviceLowering:
     * ``barrier(workspace, rank, world, status, timeout_ns)``: every block of every rank.
     * ``agree(workspace, rank, world, status, timeout_ns, signature)``: ``T.agree``, that
       barrier with the ranks' call signatures compared (``tilescale::agree_with`` does it).
+    * ``announce(board, rank, world, ident)``: ``T.announce``, int64 ``ident`` into slot
+      ``rank`` of every rank's ``board`` (this rank's address); ``wait`` and ``warp_wait`` take
+      ``(board, world, ident)`` after their arguments for ``T.wait(..., agree=)``.
 
     ``compile_flags()`` are nvcc flags for the device compile (include paths, ``-rdc=true``),
     ``link()`` the device-link inputs (``-L... -lnvshmem_device``).
@@ -103,6 +106,7 @@ class DeviceLowering:
     fence: str
     barrier: str
     agree: str
+    announce: str
     compile_flags: Callable[[], list[str]]
     link: Callable[[], list[str]]
 

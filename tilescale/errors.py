@@ -16,9 +16,10 @@ class WaitTimeoutError(RuntimeError):
 class ShapeMismatchError(ValueError):
     """Ranks called a collective operation with different shapes, dtypes or operations.
 
-    Found on the device, in the call itself (``T.agree``): the call moved no data. Raised on
-    every rank, naming this rank's call and the first peer whose call differs. The job's
-    synchronisation state is undefined afterwards: end the job.
+    Found on the device, in the call itself (``T.agree``, or ``T.wait(..., agree=)``), before
+    the call reads what peers sent. Raised on every rank, naming this rank's call and the first
+    peer whose call differs; that call's output is not a result. The job's synchronisation
+    state is undefined afterwards: end the job.
     """
 
 
@@ -68,4 +69,4 @@ def describe_mismatch(record: dict[str, int]) -> str:
     passed = f"{peer}: {other}" if other is not None else \
         f"{peer} passed a different shape, dtype or operation (signature {theirs:#x}, not a call this rank has made)"
     return (f"ranks called a collective with different arguments (rank {record['rank']}: {own}; {passed}); "
-            "the call moved no data and its output holds no result")
+            "that call's output is not a result")

@@ -342,10 +342,41 @@ class _Block:
             else:
                 ptr.flat[0] += value
 
-    def wait(self, ptr: _Pointer, cmp: int, expected: int) -> None:
+    def wait(self, ptr: _Pointer, cmp: int, expected: int, agree: tuple[torch.Tensor, int] | None = None) -> None:
         what = f"T.wait({ptr.label} {COMPARISON_TEXT[cmp]} {expected}) in block {self.block_id}"
-        self.launch.kernel.spin(lambda: _COMPARE[cmp](int(ptr.flat[0]), expected),
-                                lambda: int(ptr.flat[0]), what, self.launch)
+
+        def done() -> bool:  # a disagreement ends the wait, as on the GPU; the host raises it
+            holds = _COMPARE[cmp](int(ptr.flat[0]), expected)
+            return (agree is not None and self.disagrees(*agree)) or holds
+
+        self.launch.kernel.spin(done, lambda: int(ptr.flat[0]), what, self.launch)
+
+    def disagrees(self, board: torch.Tensor, ident: int) -> bool:
+        """As ``tilescale::disagrees``: a rank announced this call number with another signature
+        (recorded in the wait-status record, which ends every wait of the job)."""
+        status = runtime.current().wait_status
+        with self.launch.lock:
+            if int(status[0]) != 0:
+                return True
+            world = board.numel() // 2
+            row = board[(ident >> 32) % 2 * world:][:world]
+            for peer, theirs in enumerate(row.tolist()):
+                if theirs >> 32 == ident >> 32 and theirs != ident:
+                    self._record_mismatch(peer, ident & 0x7FFFFFFF, theirs & 0x7FFFFFFF)
+                    return True
+        return False
+
+    def _record_mismatch(self, peer: int, mine: int, theirs: int) -> None:
+        record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0, expected=mine,
+                      observed=theirs, kind=MISMATCH)
+        runtime.current().wait_status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+
+    def announce(self, table: torch.Tensor, ident: int) -> None:
+        """``T.announce``: ``ident`` into this rank's slot of every rank's board (row: call number % 2)."""
+        world = len(table)
+        for address in table.tolist():
+            memory, offset = self.launch.memory_at(int(address), 16 * world, "board", self._where())
+            memory.data[offset:offset + 16 * world].view(torch.int64)[(ident >> 32) % 2 * world + self.rank] = ident
 
     def barrier(self, table: torch.Tensor, world: int) -> None:
         launch = self.launch
@@ -387,9 +418,7 @@ class _Block:
             for peer, w in enumerate(words):
                 theirs = int(w[slot])
                 if theirs != signature:
-                    record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0,
-                                  expected=signature, observed=theirs, kind=MISMATCH)
-                    status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+                    self._record_mismatch(peer, signature, theirs)
                     return 0
         return 1
 
@@ -409,7 +438,12 @@ class _Block:
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)
         elif name in ("tilescale::block_wait", "tilescale::warp_wait"):  # one pass per block runs all warps
-            self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
+            agree = None
+            if len(args) > 6:  # T.wait(..., agree=(board, ident)): the whole board, and the identity
+                agree = (self.tensor(args[6].args[0].buffer), int(self.eval(args[8])))
+            self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])), agree)
+        elif name == "tilescale::announce":
+            self.announce(self.env[args[0]], int(self.eval(args[3])))
         elif name == "tilescale::block_fence":
             pass  # host memory through one coherent address space: program order is enough
         elif name == "tilescale::grid_barrier":

@@ -1,5 +1,5 @@
-"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``,
-``T.agree``.
+"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``;
+and the ranks' agreement on what they call: ``T.agree``, ``T.announce``.
 
 Example (a producer block announces a tile it put into its peer's buffer)::
 
@@ -113,6 +113,25 @@ __device__ __forceinline__ void report_timeout(long long status_addr, const int*
   report_failure(status_addr, (long long)addr, cmp, expected, observed, rank, kind);
 }
 
+// A call's identity on a board (T.announce): the call number in the high 32 bits, the call's
+// signature (tilescale.errors.call_signature) in the low 32; row (call number % 2) of the
+// board holds every rank's latest announce of a call of that parity. True, after reporting
+// it, when a rank announced this call number with another signature: it runs a different call.
+__device__ __forceinline__ bool disagrees(const long long* board, int world, long long ident,
+                                          long long status_addr, int rank) {
+  if (board == nullptr) return false;
+  const long long* row = board + ((ident >> 32) & 1) * world;
+  for (int p = 0; p < world; ++p) {
+    long long theirs;
+    asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(theirs) : "l"(row + p) : "memory");
+    if ((theirs >> 32) == (ident >> 32) && theirs != ident) {
+      report_failure(status_addr, p, 0, (int)ident, (int)theirs, rank, 2);
+      return true;
+    }
+  }
+  return false;
+}
+
 // Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
 // the job has already timed out (then the status record tells the host what happened).
 template <bool kSystem>
@@ -126,15 +145,17 @@ __device__ __forceinline__ int poll(const int* p) {
 // kSystem: the flag is written by other GPUs (acquire at system scope); otherwise only by
 // blocks of this GPU (acquire at GPU scope, which stays in L2).
 template <bool kSystem>
+// With a board (T.wait(..., agree=)), a peer announcing a different call ends the wait too.
 __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
-                     long long timeout_ns, int kind) {
+                     long long timeout_ns, int kind, const long long* board = nullptr, int world = 0,
+                     long long ident = 0) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
   int observed = poll<kSystem>(addr);
   for (unsigned int i = 1; !compare(cmp, observed, expected); ++i) {
     // The status record lives in host memory: look at it, and at the clock, rarely.
     if ((i & 1023u) == 0) {
-      if (status[0] != 0) return false;
+      if (status[0] != 0 || disagrees(board, world, ident, status_addr, rank)) return false;
       if ((long long)(now_ns() - start) > timeout_ns) {
         report_timeout(status_addr, addr, cmp, expected, observed, rank, kind);
         return false;
@@ -142,7 +163,8 @@ __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, lon
     }
     observed = poll<kSystem>(addr);
   }
-  return true;
+  // The flag's signallers announced before signalling (acquired with it): check them too.
+  return !disagrees(board, world, ident, status_addr, rank);
 }
 
 __device__ __forceinline__ void block_signal(int* addr, int value, int op) {
@@ -167,8 +189,9 @@ __device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
 }
 
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                           int rank, long long timeout_ns) {
-  if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                           int rank, long long timeout_ns, const long long* board = nullptr,
+                                           int world = 0, long long ident = 0) {
+  if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncthreads();
   after_acquire();
 }
@@ -176,8 +199,9 @@ __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expecte
 // T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders the
 // acquire before the warp's later reads (it orders memory among the warp's threads).
 __device__ __forceinline__ void warp_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                          int rank, long long timeout_ns) {
-  if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                          int rank, long long timeout_ns, const long long* board = nullptr,
+                                          int world = 0, long long ident = 0) {
+  if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncwarp();
   after_acquire();
 }
@@ -257,6 +281,17 @@ __device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int 
                     [&](int word, int p) { return poll<true>(reinterpret_cast<const int*>(peers[p]) + word); });
 }
 
+// T.announce: the leader stores this call's identity in slot `rank` of every rank's board.
+__device__ __forceinline__ void announce(const void* board_table, int rank, int world, long long ident) {
+  if (is_leader()) {
+    const long long* peers = reinterpret_cast<const long long*>(board_table);
+    for (int p = 0; p < world; ++p) {
+      long long* slot = reinterpret_cast<long long*>(peers[p]) + ((ident >> 32) & 1) * world + rank;
+      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" :: "l"(slot), "l"(ident) : "memory");
+    }
+  }
+}
+
 // Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
 // block `rank` of this cluster; ordinary loads and stores through it reach that block.
 __device__ __forceinline__ long long cluster_map(const void* p, int rank) {
@@ -331,7 +366,8 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     return tl.call_extern("handle", f"tilescale::{scope}_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
 
 
-def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block") -> tirx.PrimExpr:
+def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block",
+         agree: tuple[tirx.Buffer, tirx.PrimExpr] | None = None) -> tirx.PrimExpr:
     """Block until this rank's ``flag`` compares ``cmp`` to ``value``, with acquire semantics.
 
     Example::
@@ -345,6 +381,12 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
     warp-specialised GEMM (its consumer warps), which then reads what the flag announced::
 
         T.wait(flags[tile], "ge", target, scope="warp")
+
+    ``agree=(board, ident)``: the wait also ends when a peer announced (``T.announce``) the
+    same call number as ``ident`` with another signature, and the host raises
+    :class:`tilescale.ShapeMismatchError`, instead of a timeout: for kernels whose ranks meet
+    in flags rather than in a ``T.agree`` barrier. The board is checked again once the flag
+    holds, so every block that signals the flag must announce before it signals.
     """
     if cmp not in COMPARISONS:
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
@@ -356,8 +398,46 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
         name = lowering.wait if scope == "block" else lowering.warp_wait
     else:
         name = f"tilescale::{scope}_wait"
+    check = []
+    if agree is not None:
+        board, ident = agree
+        _check_board(board, "T.wait's agree")
+        check = [tl.address_of(tirx.BufferLoad(board, [0])), current_context().world, ident]
     return tl.call_extern("handle", name, tl.address_of(flag), COMPARISONS[cmp], value,
-                          *_status_args())
+                          *_status_args(), *check)
+
+
+def _check_board(board: tirx.Buffer, what: str) -> None:
+    if not isinstance(board, tirx.Buffer) or str(board.dtype) != "int64" or len(board.shape) != 1:
+        raise TypeError(f"{what}: the board must be a 1-D int64 tensor argument (two slots per rank)")
+    check_remote(board, 0, what)
+
+
+def announce(board: tirx.Buffer, ident: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """Store this call's identity in this rank's slot of every rank's ``board``, for the peers'
+    ``T.wait(..., agree=(board, ident))``.
+
+    Example::
+
+        T.announce(board, ident)   # ident: (call number << 32) | signature, a kernel argument
+        ...                        # this block's puts
+        T.signal(flags[i], 1, pe=peer)
+        ...
+        T.wait(flags[i], "ge", target, agree=(board, ident))
+
+    ``board`` is a symmetric int64 tensor of ``2 * world`` slots (row ``call number % 2``,
+    slot ``rank``): the call number, the same on every rank for the same call, tells a waiting
+    peer this call's identity from an earlier one's, and a rank announces call c + 2 only after
+    its peers have finished call c. Every block that signals a flag checked with ``agree``
+    announces before signalling (the signal releases it); it does not synchronise.
+    """
+    _check_board(board, "T.announce")
+    ctx = current_context()
+    if ctx.lowering is not None:
+        return tl.call_extern("handle", ctx.lowering.announce, tl.address_of(tirx.BufferLoad(board, [0])), ctx.rank,
+                              ctx.world, ident)
+    table = ctx.peer_table(board)
+    return tl.call_extern("handle", "tilescale::announce", table.data, ctx.rank, ctx.world, ident)
 
 
 def fence() -> tirx.PrimExpr:

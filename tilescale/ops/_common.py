@@ -8,7 +8,7 @@ import torch
 
 from tilescale import runtime
 from tilescale.errors import call_signature
-from tilescale.symmetric import empty, is_symmetric
+from tilescale.symmetric import empty, is_symmetric, zeros
 
 TORCH_TO_TL = {
     torch.float32: "float32",
@@ -22,6 +22,9 @@ TORCH_TO_TL = {
 _workspaces: dict[tuple, torch.Tensor] = {}
 _verified: set[tuple] = set()
 _signatures: dict[tuple, int] = {}
+# Calls of kernels that announce themselves on the call board (see call_identity), numbered
+# alike on every rank that makes the same calls.
+_announced_calls = 0
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -93,6 +96,28 @@ def signature(op: str, t: torch.Tensor, *details: object) -> int:
         text = " ".join([op, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), *map(str, details)])
         sig = _signatures[key] = call_signature(text)
     return sig
+
+
+def call_identity(sig: int) -> tuple[torch.Tensor, int]:
+    """The job's call board and this call's identity on it, for kernels whose ranks meet in
+    flags: they ``T.announce`` the identity and wait with ``agree=(board, identity)``, so a
+    rank whose call differs ends the waits with a ShapeMismatchError instead of a timeout.
+
+    Example::
+
+        board, ident = call_identity(signature("gemm_all_reduce", a, n))   # kernel arguments
+
+    The identity is ``(call number << 32) | sig``; the call number counts this process's calls
+    through here, so it is the same on every rank for the same call. A CUDA graph replays the
+    number it captured, which every rank's graph replays alike.
+    """
+    global _announced_calls
+    key = ("call board",)
+    if key not in _workspaces:
+        runtime.check_not_capturing("the job's call board")
+        _workspaces[key] = zeros((2 * runtime.world_size(),), dtype=torch.int64)  # 0: no call announced
+    _announced_calls = _announced_calls % 0x7FFFFFFF + 1
+    return _workspaces[key], (_announced_calls << 32) | sig
 
 
 def check_same_across_ranks(what: str, value: list, every_call: bool = False) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
+from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
 from tilescale.symmetric import zeros
 
@@ -85,10 +85,12 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
     @T.prim_func
     def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
              W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-             flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32")):
+             flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(push_blocks + world * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 if b < push_blocks:
+                    T.announce(board, ident)  # before this block's signals, which release it
                     for p in T.serial(ranks):
                         # Own copy first: the GEMM starts on it. Rank r - p consumes this rank's
                         # segment p-th (its order is r - p, r - p + 1, ...): it gets it p-th.
@@ -115,7 +117,7 @@ def ag_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, 
                         by, bx = tile[0] // n_tiles, tile[0] % n_tiles
                         segment = (rank + by // m_tiles) % ranks
                         by = by % m_tiles
-                    T.wait(flags[segment * m_tiles + by], "ge", state[1])
+                    T.wait(flags[segment * m_tiles + by], "ge", state[1], agree=(board, ident))
                     row = segment * padded_rows + by * bm
                     col = bx * tile_cfg.block_N
                     gemm_tile(gathered, _buffer_of(state) * world * padded_rows + row, W, col, C, row, col, K, dtype,
@@ -145,10 +147,11 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((2 * world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32"),
-             state: T.Tensor((2,), "int32")):
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
+                T.announce(board, ident)  # before this block's signal: the reduction kernel's waits check it
                 tile_row, part = by // splits, by % splits
                 seg = (rank + 1 + tile_row // m_tiles) % owners
                 a = T.alloc_shared((bm, bk), dtype)
@@ -194,9 +197,10 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * world * padded, N), dtype),
              out: T.Tensor((M, N), dtype), flags: T.Tensor((m_tiles * n_tiles,), "int32"),
-             state: T.Tensor((2,), "int32")):
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, m_tiles, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
+                T.announce(board, ident)  # before this block's signals, which release it
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
@@ -212,7 +216,7 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
                     dst = (rank + 1 + p) % ranks
                     T.copy(mine, recv[(_buffer_of(state) * world + rank) * padded + by * bm, bx * bn], dst_pe=dst)
                     T.signal(flags[by * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
-                T.wait(flags[by * n_tiles + bx], "ge", state[1], scope="warp")
+                T.wait(flags[by * n_tiles + bx], "ge", state[1], scope="warp", agree=(board, ident))
                 T.clear(acc)
                 for p in T.serial(ranks):
                     if p == rank:
@@ -235,13 +239,14 @@ def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, e
 
     @T.prim_func
     def main(recv: T.Tensor((2 * slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
-             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32")):
+             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"),
+             ident: T.int64):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, tile), "float32")
                 part = T.alloc_fragment((1, tile), dtype)
                 for p in T.serial(ranks):
-                    T.wait(flags[p], "ge", state[1])
+                    T.wait(flags[p], "ge", state[1], agree=(board, ident))
                 for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
                     base = (bx + t * grid) * tile
                     T.clear(acc)
@@ -367,7 +372,9 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
     world = runtime.world_size()
     (m, k), n = a_shard.shape, weight.shape[0]
-    check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
+    check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)], every_call=m == 0)
+    if m == 0:
+        return a_shard.new_empty(0, n)
     if _choose(plan, world * m) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
         dist.all_gather_into_tensor(gathered, a_shard)
@@ -379,7 +386,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile)
     ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
+    board, ident = call_identity(signature("all_gather_gemm", a_shard, f"N={n}", tile, f"push_blocks={push_blocks}"))
+    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state, board, ident)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -412,8 +420,9 @@ def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[
 
 
 def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
-                      plan: tuple[int, int, int]) -> torch.Tensor:
-    """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s."""
+                      plan: tuple[int, int, int], ident: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s,
+    ``ident`` the call's board and identity (:func:`call_identity`)."""
     world = runtime.world_size()
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
@@ -422,11 +431,11 @@ def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: 
     ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
     ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state)
+    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state, *ident)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident)
     return out
 
 
@@ -447,13 +456,16 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     (m, k), n = a.shape, weight.shape[0]
     if m % world:
         raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the world size {world}")
-    check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)])
+    check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
     if _choose(plan, m) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(out, a @ weight.T)
         return out
     tile = tile or choose_tile(m, n, split_k=True)
-    return _gemm_then_reduce(a, weight, world, tile, reduce_plan(m, k, n, world, tile))
+    ident = call_identity(signature("gemm_reduce_scatter", a, f"N={n}", tile))
+    return _gemm_then_reduce(a, weight, world, tile, reduce_plan(m, k, n, world, tile), ident)
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -471,7 +483,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     """
     _check_pair(a, weight)
     (m, k), n = a.shape, weight.shape[0]
-    check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
+    check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
     # Unless asked, fused on the CPU path only: on 2x H200 the fused all-reduce lost to cuBLAS +
     # NCCL at M = 128 and 1024 (0.73x, 0.93x), the rows it is for (one row count for both).
     # That was the two-kernel plan with K split; the one-kernel plan below has run on one GPU
@@ -482,12 +496,13 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         return out
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
+    ident = call_identity(signature("gemm_all_reduce", a, f"N={n}", tile))
     if splits > 1 or tiles > sm_count():  # one kernel needs whole K per tile and every tile resident
-        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
+        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits), ident)
     world = runtime.world_size()
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
     ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles), (world * padded, n), a.dtype, tiles)
     ex.advance((world - 1) * (tile.threads // 32))  # each peer's consumer warps signal each tile once per call
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
+    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state, *ident)
     return out
