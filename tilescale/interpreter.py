@@ -835,7 +835,8 @@ class CpuKernel:
         return _JobLock()
 
     def spin(self, done: Callable[[], bool], observe: Callable[[], int], what: str, launch: _Launch) -> None:
-        """Wait until ``done()``; on timeout raise with every rank's pending wait."""
+        """Wait until ``done()``; on timeout raise with every rank's pending wait. As on a GPU, a
+        failure already in the wait-status record (ranks disagreeing) ends the wait at once."""
         if done():
             return
         rt = runtime.current()
@@ -848,6 +849,8 @@ class CpuKernel:
             while not done():
                 if launch.failed.is_set():
                     raise _Abort()
+                if rt.wait_status_view[0] != 0:
+                    return  # the kernel runs on, as on a GPU; the host raises the record's error
                 if time.monotonic() - start > timeout:
                     with launch.lock:
                         pending = [store.get(f"cpu-waits/{r}").decode() if store.check([f"cpu-waits/{r}"]) else ""

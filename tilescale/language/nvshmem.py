@@ -110,7 +110,7 @@ __device__ __forceinline__ int nvshmem_cmp(int cmp) {
 
 // nvshmem_int_test polled under tilescale's timeout (a timeout is reported like block_wait's).
 __device__ __forceinline__ bool nvshmem_spin(int* addr, int cmp, int expected, long long status_addr, int rank,
-                                             long long timeout_ns, int kind, const long long* board = nullptr,
+                                             long long timeout_ns, int kind, const void* board = nullptr,
                                              int world = 0, long long ident = 0) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
@@ -128,7 +128,7 @@ __device__ __forceinline__ bool nvshmem_spin(int* addr, int cmp, int expected, l
 }
 
 __device__ __forceinline__ void nvshmem_block_wait(int* addr, int cmp, int expected, long long status_addr,
-                                                   int rank, long long timeout_ns, const long long* board = nullptr,
+                                                   int rank, long long timeout_ns, const void* board = nullptr,
                                                    int world = 0, long long ident = 0) {
   if (is_leader()) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncthreads();
@@ -138,7 +138,7 @@ __device__ __forceinline__ void nvshmem_block_wait(int* addr, int cmp, int expec
 // T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders
 // the acquire before the warp's later reads.
 __device__ __forceinline__ void nvshmem_warp_wait(int* addr, int cmp, int expected, long long status_addr,
-                                                  int rank, long long timeout_ns, const long long* board = nullptr,
+                                                  int rank, long long timeout_ns, const void* board = nullptr,
                                                   int world = 0, long long ident = 0) {
   if ((threadIdx.x & 31) == 0) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncwarp();
@@ -180,9 +180,9 @@ __device__ void nvshmem_grid_barrier(const void* peer_table, int rank, int world
 }
 
 // T.announce: the leader sets this rank's slot of every rank's board (its own address: board).
-__device__ __forceinline__ void nvshmem_announce(long long* board, int rank, int world, long long ident) {
+__device__ __forceinline__ void nvshmem_announce(void* board, int rank, int world, long long ident) {
   if (is_leader()) {
-    long long* slot = board + ((ident >> 32) & 1) * world + rank;
+    long long* slot = reinterpret_cast<long long*>(board) + ((ident >> 32) & 1) * world + rank;
     for (int p = 0; p < world; ++p) nvshmem_longlong_atomic_set(slot, ident, p);
   }
 }

@@ -117,10 +117,10 @@ __device__ __forceinline__ void report_timeout(long long status_addr, const int*
 // signature (tilescale.errors.call_signature) in the low 32; row (call number % 2) of the
 // board holds every rank's latest announce of a call of that parity. True, after reporting
 // it, when a rank announced this call number with another signature: it runs a different call.
-__device__ __forceinline__ bool disagrees(const long long* board, int world, long long ident,
+__device__ __forceinline__ bool disagrees(const void* board, int world, long long ident,
                                           long long status_addr, int rank) {
   if (board == nullptr) return false;
-  const long long* row = board + ((ident >> 32) & 1) * world;
+  const long long* row = reinterpret_cast<const long long*>(board) + ((ident >> 32) & 1) * world;
   for (int p = 0; p < world; ++p) {
     long long theirs;
     asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(theirs) : "l"(row + p) : "memory");
@@ -147,7 +147,7 @@ __device__ __forceinline__ int poll(const int* p) {
 template <bool kSystem>
 // With a board (T.wait(..., agree=)), a peer announcing a different call ends the wait too.
 __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
-                     long long timeout_ns, int kind, const long long* board = nullptr, int world = 0,
+                     long long timeout_ns, int kind, const void* board = nullptr, int world = 0,
                      long long ident = 0) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
@@ -189,7 +189,7 @@ __device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
 }
 
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                           int rank, long long timeout_ns, const long long* board = nullptr,
+                                           int rank, long long timeout_ns, const void* board = nullptr,
                                            int world = 0, long long ident = 0) {
   if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncthreads();
@@ -199,7 +199,7 @@ __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expecte
 // T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders the
 // acquire before the warp's later reads (it orders memory among the warp's threads).
 __device__ __forceinline__ void warp_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                          int rank, long long timeout_ns, const long long* board = nullptr,
+                                          int rank, long long timeout_ns, const void* board = nullptr,
                                           int world = 0, long long ident = 0) {
   if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncwarp();

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 
+import tilelang  # noqa: F401 - makes TileLang's TVM importable as tvm
 import torch
+from tvm import tirx
 
 from tilescale import runtime
 from tilescale.errors import call_signature
@@ -43,6 +45,12 @@ def check_input(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def poison_value(dtype: str) -> tirx.PrimExpr:
+    """What a kernel fills its output with when its ranks disagreed on the call (``T.agree``),
+    so that it cannot pass for a result: NaN, or an integer dtype's minimum."""
+    return tirx.min_value(dtype) if dtype.startswith(("int", "uint")) else tirx.const(float("nan"), dtype)
 
 
 def vector_width(numel: int, like: torch.Tensor) -> int:

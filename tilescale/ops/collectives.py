@@ -23,15 +23,14 @@ spilling into the next rank's row.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
-import tilelang  # noqa: F401 - makes TileLang's TVM importable as tvm
 import torch
-from tvm import tirx
 
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import (
     check_input,
+    poison_value,
     signature,
     sm_count,
     symmetric_or_staged,
@@ -54,12 +53,6 @@ ONE_SHOT_MAX_BYTES = 256 * 1024
 def accumulator(dtype: str) -> str:
     """The type a reduction of ``dtype`` sums in: integers in their own (exact), floats in fp32."""
     return dtype if dtype.startswith(("int", "uint")) else "float32"
-
-
-def poison_value(dtype: str) -> tirx.PrimExpr:
-    """What fills the output of a call whose ranks disagreed, so that it cannot pass for a
-    result: NaN, or an integer dtype's minimum."""
-    return tirx.min_value(dtype) if dtype.startswith(("int", "uint")) else tirx.const(float("nan"), dtype)
 
 
 @T.macro
