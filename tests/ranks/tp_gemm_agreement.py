@@ -14,6 +14,7 @@ count has been seen, and with zero rows.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 
@@ -60,6 +61,10 @@ def main() -> None:
         except (TimeoutError, ts.WaitTimeoutError, ts.ShapeMismatchError) as err:
             msg = str(err).replace("\n", " ")
             print(f"ZERO-ROWS-ERROR rank={rank} type={type(err).__name__} msg={msg}", flush=True)
+            # Rank 0 serves the job's store, which rank 1's wait uses until it times out.
+            store = ts.current().group.store
+            store.set(f"test/error-{rank}", "1")
+            store.wait([f"test/error-{1 - rank}"], timedelta(seconds=60))
             os._exit(0)  # the job's state is undefined after the error: end without finalize
         raise AssertionError(f"rank {rank}: zero rows on rank 0 only returned without an error")
     ts.finalize()
