@@ -752,16 +752,19 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     last); rows past an expert's count are not written (their contents are undefined).
     Within a segment, rows come in (source rank, token, k) order. ``ts.ops.grouped_gemm``
     consumes this layout. Every rank passes the same number of tokens (pad with tokens
-    weighted 0).
+    weighted 0); zero tokens (on every rank) give that layout with no token in it.
 
     ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) announces
     every row to its receiver as soon as it is out, instead of every few rows (see the
     module notes); both modes give the same result. Every rank must pick the same mode
     (checked at a shape's first call).
 
-    No host synchronisation: the ranks agree on shapes through the job's store at a shape's
-    first call, and expert ids are checked on the device. An id outside [0, num_experts)
-    is routed nowhere (no copy can land outside a buffer), and ``moe_dispatch`` raises
+    No host synchronisation: the ranks compare shapes through the job's store at a shape's
+    first call, and the dispatch kernel compares every call's shapes on the device (a
+    difference raises ``ts.ShapeMismatchError`` on every rank; see README "When ranks
+    disagree"). ``topk_idx`` holds integer ids (TypeError otherwise), checked on the device
+    without a cast that could wrap one into range. An id outside [0, num_experts) is routed
+    nowhere (no copy can land outside a buffer), and ``moe_dispatch`` raises
     ValueError naming the rank and the ids' range at its end, once its exchange has run on
     every rank: on the CPU path in the call that passed the id; on GPUs, where the host does
     not wait for the device, in the first dispatch or combine on this rank that finds the

@@ -21,6 +21,10 @@ Flags only grow: each call adds one "epoch" of arrivals, and waits compare again
 running total, so no flag is ever reset between calls (which would race with a fast peer).
 The call count and that total live on the device, advanced in stream order before each
 call's kernels, so a call captured in a CUDA graph advances them on every replay.
+Every fused call announces itself (op, shapes, tile: its signature, and a call number) on
+the job's call board before signalling, and its waits check the peers' announcements: ranks
+whose calls differ get ``ts.ShapeMismatchError``, not each other's data (README "When ranks
+disagree"). Zero rows on every rank give an empty result without a kernel.
 Each op picks ``plan="fused"`` or the non-overlapped ``plan="unfused"`` (torch.distributed
 collective + torch matmul): on GPUs the measured faster one, unfused (see ``_choose``),
 elsewhere from the shape; pass ``plan`` to force one.
