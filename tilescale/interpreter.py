@@ -400,23 +400,26 @@ class _Block:
 
     def _sync_words(self, table: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's barrier workspace (int32 words), from the kernel's table of them."""
-        nbytes = 4 * runtime.SYNC_WORKSPACE_WORDS
+        nbytes = 4 * (runtime.SYNC_WORKSPACE_WORDS + 2 * len(table))
         areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
         return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
 
     def agree(self, table: torch.Tensor, world: int, signature: int) -> int:
-        """``T.agree``: as ``tilescale::grid_agree``, a barrier, then every rank's call signature
-        compared with this one's; a difference is recorded in the wait-status record."""
+        """``T.agree``: as ``tilescale::grid_agree``, block 0 puts the call's signature into every
+        rank's workspace, a barrier, then the signatures received compared with this one; a
+        difference is recorded in the wait-status record."""
         words = self._sync_words(table)
-        slot = 96 + int(words[self.rank][32]) % 2  # before the barrier: the same epoch in every block
-        words[self.rank][slot] = signature
+        mine = words[self.rank]
+        slots = runtime.SYNC_WORKSPACE_WORDS + int(mine[32]) % 2 * world  # before the barrier: one epoch
+        if self.block_id == 0:
+            for w in words:
+                w[slots + self.rank] = signature
         self.barrier(table, world)
         status = runtime.current().wait_status
         with self.launch.lock:
             if int(status[0]) != 0:
                 return 0
-            for peer, w in enumerate(words):
-                theirs = int(w[slot])
+            for peer, theirs in enumerate(mine[slots:slots + world].tolist()):
                 if theirs != signature:
                     self._record_mismatch(peer, signature, theirs)
                     return 0

@@ -80,9 +80,9 @@ _runtime: Runtime | None = None
 # meets the previous session's store (torch may reuse its server) never reads stale keys.
 _session = 0
 
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line, and
-# on a fourth the two call-signature slots of T.agree (tilescale.language.sync).
-SYNC_WORKSPACE_WORDS = 128
+# int32 words of the barrier workspace: three counters, each on its own 128-byte line; after
+# them T.agree's call signatures, two slots per rank (tilescale.language.sync).
+SYNC_WORKSPACE_WORDS = 96
 
 
 def _choose_device(device: str | None) -> torch.device:
@@ -215,7 +215,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         # the first barrier kernel's launch, where a rank that failed earlier would stall it.
         from tilescale.symmetric import zeros
 
-        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS,), dtype=torch.int32)
+        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS + 2 * env.world_size,), dtype=torch.int32)
     except BaseException:
         _runtime = None
         if owns and dist.is_initialized():

@@ -15,7 +15,7 @@ tilescale operation         NVSHMEM device calls
 ``T.wait(f, cmp, v)``       ``nvshmem_int_test`` polled under tilescale's timeout
 ``T.fence()``               ``nvshmem_quiet``
 ``T.barrier()`` (device)    grid arrival, then ``nvshmem_int_atomic_add`` to every rank's counter
-``T.agree(sig)``            that barrier, then ``nvshmem_int_g`` of every rank's signature
+``T.agree(sig)``            ``nvshmem_int_p`` of the signature to every rank, then that barrier
 ``T.announce(board, id)``   ``nvshmem_longlong_atomic_set`` into every rank's board
 ``put_signal`` helper       ``nvshmemx_putmem_signal_nbi_block`` (uint64 signal, for callers
                             that fuse a put with its flag)
@@ -187,12 +187,13 @@ __device__ __forceinline__ void nvshmem_announce(void* board, int rank, int worl
   }
 }
 
-// T.agree, as tilescale::grid_agree, reading the peers' signatures with nvshmem_int_g.
+// T.agree, as tilescale::grid_agree, the signatures put with nvshmem_int_p (the barrier's
+// nvshmem_quiet completes them).
 __device__ __forceinline__ int nvshmem_grid_agree(const void* peer_table, int rank, int world,
                                                   long long status_addr, long long timeout_ns, int signature) {
   int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
   return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, nvshmem_grid_barrier,
-                    [&](int word, int p) { return nvshmem_int_g(ws + word, p); });
+                    [&](int word, int value, int p) { nvshmem_int_p(ws + word, value, p); });
 }
 
 }  // namespace tilescale

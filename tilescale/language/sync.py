@@ -242,27 +242,31 @@ __device__ void grid_barrier(const void* peer_table, int rank, int world, long l
   after_acquire();
 }
 
-// T.agree: every rank publishes its call's signature in its barrier workspace, all blocks of
-// all ranks meet in a barrier, then the leader of each block compares every rank's signature
-// with its own. 1 on every block of every rank when all agree; else 0 (the first difference
-// seen is reported, the caller moves no data). Slots [96 + epoch % 2]: a rank writes a slot
-// again two barriers later, when every rank has passed the barrier after these reads.
-template <typename Barrier, typename PeerLoad>
+// T.agree: block 0 of every rank puts its call's signature into every rank's barrier
+// workspace (slot 96 + parity * world + rank, released by the barrier like any write before
+// it), all blocks of all ranks meet in the barrier, then the leader of each block compares
+// the world signatures it received (local loads) with its own. 1 on every block of every
+// rank when all agree; else 0 (the first difference is reported, the caller moves no data).
+// parity = the barrier's epoch % 2: a rank writes a slot set again two barriers later, when
+// every rank has passed the barrier after these reads.
+template <typename Barrier, typename Put>
 __device__ __forceinline__ int agree_with(const void* peer_table, int rank, int world, long long status_addr,
-                                          long long timeout_ns, int signature, Barrier barrier, PeerLoad load) {
+                                          long long timeout_ns, int signature, Barrier barrier, Put put) {
   __shared__ int agreed;
   int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
-  int slot = 0;
+  int slots = 0;
   if (is_leader()) {
-    slot = 96 + (poll<false>(ws + 32) & 1);  // the barrier's epoch, the same in every block here
-    ws[slot] = signature;                    // released by the barrier's arrival
+    slots = 96 + (poll<false>(ws + 32) & 1) * world;  // the barrier's epoch: the same in every block
+    if (block_id() == 0) {
+      for (int p = 0; p < world; ++p) put(slots + rank, signature, p);
+    }
   }
   barrier(peer_table, rank, world, status_addr, timeout_ns);
   if (is_leader()) {
     volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
     int ok = status[0] == 0;  // after a failure the barrier may not have met the peers
     for (int p = 0; ok && p < world; ++p) {
-      int theirs = load(slot, p);
+      int theirs = poll<false>(ws + slots + p);
       if (theirs != signature) {
         report_failure(status_addr, p, 0, signature, theirs, rank, 2);
         ok = 0;
@@ -278,18 +282,7 @@ __device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int 
                                           long long timeout_ns, int signature) {
   const long long* peers = reinterpret_cast<const long long*>(peer_table);
   return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, grid_barrier,
-                    [&](int word, int p) { return poll<true>(reinterpret_cast<const int*>(peers[p]) + word); });
-}
-
-// T.announce: the leader stores this call's identity in slot `rank` of every rank's board.
-__device__ __forceinline__ void announce(const void* board_table, int rank, int world, long long ident) {
-  if (is_leader()) {
-    const long long* peers = reinterpret_cast<const long long*>(board_table);
-    for (int p = 0; p < world; ++p) {
-      long long* slot = reinterpret_cast<long long*>(peers[p]) + ((ident >> 32) & 1) * world + rank;
-      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" :: "l"(slot), "l"(ident) : "memory");
-    }
-  }
+                    [&](int word, int value, int p) { reinterpret_cast<volatile int*>(peers[p])[word] = value; });
 }
 
 // Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
@@ -461,8 +454,9 @@ def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
             ...                       # read and write peers' data
         T.barrier()
 
-    The signature is a scalar argument, so a CUDA graph replays it with the call. Cost: one
-    int32 store per block before the barrier and ``world`` loads per block after it.
+    The signature is a scalar argument, so a CUDA graph replays it with the call. Cost:
+    ``world`` int32 stores (block 0, before the barrier, which releases them) and ``world``
+    local loads per block after it.
     """
     ctx = current_context()
     if ctx.scales[-1:] != ["device"]:

@@ -129,13 +129,11 @@ def call_identity(sig: int) -> tuple[torch.Tensor, int]:
 
 
 def check_same_across_ranks(what: str, value: list, every_call: bool = False) -> None:
-    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip), or
-    at ``every_call`` (for calls that launch no kernel, which would compare them on the device).
+    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip,
+    before its buffers are allocated), or at ``every_call`` (for calls that launch no kernel).
 
-    The collectives compare shapes on the device at every call (``T.agree``). In the fused TP
-    GEMMs and MoE ops, a later call in which one rank alone switches to another shape is still
-    caught, by the bounded waits (WaitTimeoutError): each shape has its own buffers and flags,
-    so the ranks' kernels never read what a kernel of another shape wrote.
+    Every later call is compared on the device by the op's kernels (``T.agree``, or the call
+    board: :func:`call_identity`), which raise ShapeMismatchError on every rank.
     """
     key = (what, *value)
     if key in _verified and not every_call:
