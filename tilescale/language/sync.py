@@ -8,7 +8,7 @@ Example (a producer block announces a tile it put into its peer's buffer)::
     ...
     T.wait(flags[bx], "ge", 1)                       # acquire, on the consumer
 
-All four are *block-level* operations, like ``T.copy``: every thread of the block must
+All of them are *block-level* operations, like ``T.copy``: every thread of the block must
 reach them (they synchronise the block), and one thread talks to the other devices.
 
 Memory ordering, and why it holds (PTX memory model):
@@ -27,6 +27,13 @@ Every wait is bounded by ``TILESCALE_WAIT_TIMEOUT_S`` (a kernel argument, no rec
 The first wait to expire records rank, block, flag address, expected and observed values
 in a status record the host reads; all other waits of the job then give up at once, the
 kernel ends, and the host raises :class:`tilescale.WaitTimeoutError`.
+
+Agreement: a kernel whose ranks must run the same call (an op at the same shapes) passes
+each call's signature as a kernel argument and checks it at the point where ranks meet:
+``T.agree(sig)`` is a ``T.barrier()`` that also compares the ranks' signatures and
+returns 0 on a difference; ``T.announce`` + ``T.wait(..., agree=)`` do the same for ranks
+that meet in flags. A difference is recorded in the same status record (one per job, like
+a timeout, ending every wait) and the host raises :class:`tilescale.ShapeMismatchError`.
 """
 
 from __future__ import annotations
