@@ -292,6 +292,18 @@ __device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int 
                     [&](int word, int value, int p) { reinterpret_cast<volatile int*>(peers[p])[word] = value; });
 }
 
+// T.announce: the leader stores this call's identity in slot `rank` of row (call number % 2)
+// of every rank's board.
+__device__ __forceinline__ void announce(const void* board_table, int rank, int world, long long ident) {
+  if (is_leader()) {
+    const long long* peers = reinterpret_cast<const long long*>(board_table);
+    for (int p = 0; p < world; ++p) {
+      long long* slot = reinterpret_cast<long long*>(peers[p]) + ((ident >> 32) & 1) * world + rank;
+      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" :: "l"(slot), "l"(ident) : "memory");
+    }
+  }
+}
+
 // Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
 // block `rank` of this cluster; ordinary loads and stores through it reach that block.
 __device__ __forceinline__ long long cluster_map(const void* p, int rank) {

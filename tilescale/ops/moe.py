@@ -671,13 +671,14 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
 
 def _expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The routing kernel's int32 expert ids. It counts and drops ids outside [0, num_experts)
-    (the one check of id values); ids that int32 cannot hold become -1 first, so that no cast
-    wraps one into range (2**32 + 1 would become expert 1)."""
+    (the one check of id values); ids of wider types are clamped to [-1, num_experts] first,
+    which keeps every bad id bad, so that no cast wraps one into range (2**32 + 1 would
+    become expert 1)."""
     if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
         raise TypeError(f"moe_dispatch: topk_idx must hold integer expert ids, got {topk_idx.dtype}")
     info = torch.iinfo(topk_idx.dtype)
     if info.min < torch.iinfo(torch.int32).min or info.max > torch.iinfo(torch.int32).max:
-        topk_idx = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1)
+        topk_idx = topk_idx.to(torch.int64).clamp(-1, num_experts)  # uint64 ids past 2**63 turn negative: bad
     return topk_idx.to(torch.int32).contiguous()
 
 
