@@ -85,6 +85,11 @@ class DeviceLowering:
       ``T.wait(..., scope="warp")`` only: lane 0 of each spins, the warp acquires.
     * ``fence()``: this block's earlier puts are complete.
     * ``barrier(workspace, rank, world, status, timeout_ns)``: every block of every rank.
+    * ``agree(workspace, rank, world, status, timeout_ns, signature)``: ``T.agree``, that
+      barrier with the ranks' call signatures compared (``tilescale::agree_with`` does it).
+    * ``announce(board, rank, world, ident)``: ``T.announce``, int64 ``ident`` into slot
+      ``rank`` of every rank's ``board`` (this rank's address); ``wait`` and ``warp_wait`` take
+      ``(board, world, ident)`` after their arguments for ``T.wait(..., agree=)``.
 
     ``compile_flags()`` are nvcc flags for the device compile (include paths, ``-rdc=true``),
     ``link()`` the device-link inputs (``-L... -lnvshmem_device``).
@@ -100,6 +105,8 @@ class DeviceLowering:
     warp_wait: str
     fence: str
     barrier: str
+    agree: str
+    announce: str
     compile_flags: Callable[[], list[str]]
     link: Callable[[], list[str]]
 

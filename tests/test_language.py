@@ -112,9 +112,11 @@ class Spec:
     visits: tuple  # per peer-table load, in source order: (table, peer(rank, p, world)) or (table, "peer")
     writes: bool  # stores through a peer's pointer
     reads: bool  # loads through a peer's pointer
+    agrees: int = 0  # T.agree calls (a barrier that also compares the ranks' call signatures)
 
 
-COLLECTIVE = dict(sync=True, scalars=SCALARS, barriers=2, signals=0, waits=0)
+# Each collective opens with T.agree and closes with T.barrier().
+COLLECTIVE = dict(sync=True, scalars=SCALARS, barriers=1, signals=0, waits=0, agrees=1)
 
 KERNELS = {
     "ring_shift": Spec(
@@ -271,6 +273,8 @@ def test_source_signature_calls_and_no_placeholders(name, world):
     body = kernel_body(src)
     barrier = f"tilescale::grid_barrier(ts_sync_peers, ts_rank, {world}, ts_status, ts_timeout_ns);"
     assert body.count("tilescale::grid_barrier(") == body.count(barrier) == spec.barriers
+    agree = f"tilescale::grid_agree(ts_sync_peers, ts_rank, {world}, ts_status, ts_timeout_ns, sig);"
+    assert body.count("tilescale::grid_agree(") == body.count(agree) == spec.agrees
     assert body.count("tilescale::block_signal(") == spec.signals
     assert body.count("tilescale::block_wait(") == spec.waits
     for leftover in ("call_extern", "tirx", "T.", "address_of", "tvm_", "None", "<undefined>"):

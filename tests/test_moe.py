@@ -180,10 +180,11 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, tmp_path):
         src = lower_cuda(func)
     # One closing barrier, no opening one: flag targets and the combine's buffer set come from
     # a device-side count, read before the barrier and advanced after it (no host value, so
-    # a CUDA graph can replay it).
-    assert src.count("tilescale::grid_barrier(") == 1
+    # a CUDA graph can replay it). The combine's barrier also compares the ranks' calls (T.agree).
+    call = "tilescale::grid_barrier(" if name == "dispatch" else "tilescale::grid_agree("
+    assert src.count("tilescale::grid_barrier(") + src.count("tilescale::grid_agree(") == src.count(call) == 1
     counter = "sends[0]" if name == "dispatch" else "combines[0]"
-    barrier, advance = src.index("tilescale::grid_barrier("), src.index(f"{counter} = ")
+    barrier, advance = src.index(call), src.index(f"{counter} = ")
     assert src.index(counter) < barrier < advance
     assert "uint4" in src  # rows move as 16-byte vectors
     if name == "dispatch":

@@ -20,7 +20,7 @@ if (_Path(__file__).parent.parent / "comm" / "group.py").is_file():
     __path__.append(str(_Path(__file__).parent.parent))
 
 from tilescale import nn, ops  # noqa: E402
-from tilescale.errors import WaitTimeoutError
+from tilescale.errors import ShapeMismatchError, WaitTimeoutError
 from tilescale.jit import jit
 from tilescale.runtime import (
     backend_name,
@@ -41,6 +41,7 @@ from tilescale.symmetric import empty, is_symmetric, peer_ptrs, peer_view, zeros
 __version__ = "0.1.0"
 
 __all__ = [
+    "ShapeMismatchError",
     "WaitTimeoutError",
     "backend_name",
     "barrier",

@@ -1,6 +1,8 @@
-"""Exceptions tilescale raises for failures that happen on the device."""
+"""Exceptions tilescale raises for failures that happen on the device, and how they are described."""
 
 from __future__ import annotations
+
+import zlib
 
 
 class WaitTimeoutError(RuntimeError):
@@ -11,15 +13,44 @@ class WaitTimeoutError(RuntimeError):
     """
 
 
-# Layout of the int64 record a timed-out device wait fills in (see tilescale.language.sync).
+class ShapeMismatchError(ValueError):
+    """Ranks called a collective operation with different shapes, dtypes or operations.
+
+    Found on the device, in the call itself (``T.agree``, or ``T.wait(..., agree=)``), before
+    the call reads what peers sent. Raised on every rank, naming this rank's call and the first
+    peer whose call differs; that call's output is not a result. The job's synchronisation
+    state is undefined afterwards: end the job.
+    """
+
+
+# Layout of the int64 record a failed device wait or agreement fills in (see tilescale.language.sync).
 WAIT_STATUS_FIELDS = ("state", "rank", "block", "address", "comparison", "expected", "observed", "kind")
+# ``kind`` of a record: T.wait, T.barrier(), T.agree (then ``address`` is the peer rank and
+# ``expected``/``observed`` are this rank's and the peer's call signatures).
+WAIT, BARRIER, MISMATCH = 0, 1, 2
 # T.wait comparison codes (tilescale.language.sync.COMPARISONS) as text.
 COMPARISON_TEXT = ("==", "!=", ">=", ">", "<=", "<")
+
+# What each call signature this process computed stands for, to name a peer's call in messages.
+_described: dict[int, str] = {}
+
+
+def call_signature(description: str) -> int:
+    """A positive 31-bit number standing for ``description`` (an operation and its shapes),
+    remembered so that a :class:`ShapeMismatchError` can print it.
+
+    Example::
+
+        sig = call_signature("all_reduce (8,) float32 one_shot")   # pass to the kernel, for T.agree
+    """
+    sig = zlib.crc32(description.encode()) & 0x7FFFFFFF
+    _described[sig] = description
+    return sig
 
 
 def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeout_s: float | None = None) -> str:
     """The message of a :class:`WaitTimeoutError` for one status record."""
-    what = "T.barrier()" if record["kind"] == 1 else "T.wait"
+    what = "T.barrier()" if record["kind"] == BARRIER else "T.wait"
     flag = flag_name or f"flag at {record['address']:#x}"
     after = f" after {timeout_s:g} s" if timeout_s is not None else ""
     return (
@@ -27,3 +58,15 @@ def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeo
         f"{flag} {COMPARISON_TEXT[record['comparison']]} {record['expected']} (observed {record['observed']}). "
         "A peer never signalled: did a rank skip a signal, crash, or run a different kernel sequence?"
     )
+
+
+def describe_mismatch(record: dict[str, int]) -> str:
+    """The message of a :class:`ShapeMismatchError` for one status record."""
+    mine, theirs = record["expected"], record["observed"]
+    own = _described.get(mine, f"a call with signature {mine:#x}")
+    other = _described.get(theirs)
+    peer = f"rank {record['address']}"
+    passed = f"{peer}: {other}" if other is not None else \
+        f"{peer} passed a different shape, dtype or operation (signature {theirs:#x}, not a call this rank has made)"
+    return (f"ranks called a collective with different arguments (rank {record['rank']}: {own}; {passed}); "
+            "that call's output is not a result")

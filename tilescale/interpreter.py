@@ -43,7 +43,7 @@ from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
 from tilescale import runtime
-from tilescale.errors import COMPARISON_TEXT, WaitTimeoutError
+from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.symmetric import host_regions
 
@@ -340,10 +340,41 @@ class _Block:
             else:
                 ptr.flat[0] += value
 
-    def wait(self, ptr: _Pointer, cmp: int, expected: int) -> None:
+    def wait(self, ptr: _Pointer, cmp: int, expected: int, agree: tuple[torch.Tensor, int] | None = None) -> None:
         what = f"T.wait({ptr.label} {COMPARISON_TEXT[cmp]} {expected}) in block {self.block_id}"
-        self.launch.kernel.spin(lambda: _COMPARE[cmp](int(ptr.flat[0]), expected),
-                                lambda: int(ptr.flat[0]), what, self.launch)
+
+        def done() -> bool:  # a disagreement ends the wait, as on the GPU; the host raises it
+            holds = _COMPARE[cmp](int(ptr.flat[0]), expected)
+            return (agree is not None and self.disagrees(*agree)) or holds
+
+        self.launch.kernel.spin(done, lambda: int(ptr.flat[0]), what, self.launch)
+
+    def disagrees(self, board: torch.Tensor, ident: int) -> bool:
+        """As ``tilescale::disagrees``: a rank announced this call number with another signature
+        (recorded in the wait-status record, which ends every wait of the job)."""
+        status = runtime.current().wait_status
+        with self.launch.lock:
+            if int(status[0]) != 0:
+                return True
+            world = board.numel() // 2
+            row = board[(ident >> 32) % 2 * world:][:world]
+            for peer, theirs in enumerate(row.tolist()):
+                if theirs >> 32 == ident >> 32 and theirs != ident:
+                    self._record_mismatch(peer, ident & 0x7FFFFFFF, theirs & 0x7FFFFFFF)
+                    return True
+        return False
+
+    def _record_mismatch(self, peer: int, mine: int, theirs: int) -> None:
+        record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0, expected=mine,
+                      observed=theirs, kind=MISMATCH)
+        runtime.current().wait_status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+
+    def announce(self, table: torch.Tensor, ident: int) -> None:
+        """``T.announce``: ``ident`` into this rank's slot of every rank's board (row: call number % 2)."""
+        world = len(table)
+        for address in table.tolist():
+            memory, offset = self.launch.memory_at(int(address), 16 * world, "board", self._where())
+            memory.data[offset:offset + 16 * world].view(torch.int64)[(ident >> 32) % 2 * world + self.rank] = ident
 
     def barrier(self, table: torch.Tensor, world: int) -> None:
         launch = self.launch
@@ -352,18 +383,45 @@ class _Block:
             leader = self._block_barrier() == 0
         if leader:
             kernel = launch.kernel
-            peers = [launch.memory_at(int(a), 4 * 96, "barrier workspace", "")[0] for a in table.tolist()]
-            mine = peers[kernel.rank].data.view(torch.int32)
+            words = self._sync_words(table)
+            mine = words[kernel.rank]
             epoch = int(mine[32])
             with kernel.atomic():
-                for m in peers:
-                    m.data.view(torch.int32)[64] += 1
+                for w in words:
+                    w[64] += 1
             target = world * (epoch + 1)
             kernel.spin(lambda: int(mine[64]) >= target, lambda: int(mine[64]),
                         f"T.barrier() #{epoch + 1} (arrivals >= {target})", launch)
             mine[32] = epoch + 1
         if launch.block_barrier is not None:
             self._block_barrier()
+
+    def _sync_words(self, table: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's barrier workspace (int32 words), from the kernel's table of them."""
+        nbytes = 4 * (runtime.SYNC_WORKSPACE_WORDS + 2 * len(table))
+        areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
+        return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
+
+    def agree(self, table: torch.Tensor, world: int, signature: int) -> int:
+        """``T.agree``: as ``tilescale::grid_agree``, block 0 puts the call's signature into every
+        rank's workspace, a barrier, then the signatures received compared with this one; a
+        difference is recorded in the wait-status record."""
+        words = self._sync_words(table)
+        mine = words[self.rank]
+        slots = runtime.SYNC_WORKSPACE_WORDS + int(mine[32]) % 2 * world  # before the barrier: one epoch
+        if self.block_id == 0:
+            for w in words:
+                w[slots + self.rank] = signature
+        self.barrier(table, world)
+        status = runtime.current().wait_status
+        with self.launch.lock:
+            if int(status[0]) != 0:
+                return 0
+            for peer, theirs in enumerate(mine[slots:slots + world].tolist()):
+                if theirs != signature:
+                    self._record_mismatch(peer, signature, theirs)
+                    return 0
+        return 1
 
     def _block_barrier(self) -> int:
         # No timeout here: a timed-out threading.Barrier breaks for every thread. The bounded
@@ -381,7 +439,12 @@ class _Block:
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)
         elif name in ("tilescale::block_wait", "tilescale::warp_wait"):  # one pass per block runs all warps
-            self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
+            agree = None
+            if len(args) > 6:  # T.wait(..., agree=(board, ident)): the whole board, and the identity
+                agree = (self.tensor(args[6].args[0].buffer), int(self.eval(args[8])))
+            self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])), agree)
+        elif name == "tilescale::announce":
+            self.announce(self.env[args[0]], int(self.eval(args[3])))
         elif name == "tilescale::block_fence":
             pass  # host memory through one coherent address space: program order is enough
         elif name == "tilescale::grid_barrier":
@@ -608,6 +671,8 @@ class _Block:
             return self.cta_rank
         if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
             return self.cluster_address(e.args[1], e.args[2])
+        if name == "tirx.call_extern" and e.args[0].value == "tilescale::grid_agree":
+            return self.agree(self.env[e.args[1]], int(self.eval(e.args[3])), int(self.eval(e.args[6])))
         if name == "tirx.pow":
             return self.eval(e.args[0]) ** self.eval(e.args[1])
         raise self.unsupported(f"call to '{name}'")
@@ -690,7 +755,8 @@ class CpuKernel:
         self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
-        self.threaded = any(f"tilescale::{sync}" in script for sync in ("grid_barrier", "block_wait", "warp_wait"))
+        self.threaded = any(f"tilescale::{sync}" in script
+                            for sync in ("grid_barrier", "grid_agree", "block_wait", "warp_wait"))
         self._refuse_thread_level_code()
         self.warps = self._threads() // 32
 
@@ -773,7 +839,8 @@ class CpuKernel:
         return runtime.current().backend.job_lock()  # host_shm: the CPU path's backend
 
     def spin(self, done: Callable[[], bool], observe: Callable[[], int], what: str, launch: _Launch) -> None:
-        """Wait until ``done()``; on timeout raise with every rank's pending wait."""
+        """Wait until ``done()``; on timeout raise with every rank's pending wait. As on a GPU, a
+        failure already in the wait-status record (ranks disagreeing) ends the wait at once."""
         if done():
             return
         rt = runtime.current()
@@ -786,6 +853,8 @@ class CpuKernel:
             while not done():
                 if launch.failed.is_set():
                     raise _Abort()
+                if rt.wait_status_view[0] != 0:
+                    return  # the kernel runs on, as on a GPU; the host raises the record's error
                 if time.monotonic() - start > timeout:
                     with launch.lock:
                         pending = [store.get(f"cpu-waits/{r}").decode() if store.check([f"cpu-waits/{r}"]) else ""
@@ -829,6 +898,12 @@ class CpuKernel:
             with torch.no_grad():  # kernels are not differentiable; their arguments may be (parameters)
                 _Block(launch, local, block_id, cluster, cta_rank).run(self.body)
 
+        self._run(launch, blocks, place, run_block)
+        # Blocks ran to completion here, so a difference T.agree recorded is known now: raise it
+        # at the call, not at the next launch as on a GPU.
+        runtime.check_device_waits()
+
+    def _run(self, launch: _Launch, blocks: int, place: Callable, run_block: Callable[[int], None]) -> None:
         if launch.block_barrier:
             groups = [list(range(blocks))]
         elif self.clustered:

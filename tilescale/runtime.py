@@ -36,7 +36,14 @@ import torch
 import torch.distributed as dist
 
 from tilescale import comm
-from tilescale.errors import WAIT_STATUS_FIELDS, WaitTimeoutError, describe_timeout
+from tilescale.errors import (
+    MISMATCH,
+    WAIT_STATUS_FIELDS,
+    ShapeMismatchError,
+    WaitTimeoutError,
+    describe_mismatch,
+    describe_timeout,
+)
 from tilescale.launch import rendezvous
 from tilescale.launch.environment import LaunchEnv, detect
 
@@ -83,7 +90,8 @@ UNMARKED_TIMEOUT_S, UNMARKED_PROGRESS_S = 30.0, 2.0
 _hosts_store = False
 HOST_LINGER_S = 1.0
 
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line.
+# int32 words of the barrier workspace: three counters, each on its own 128-byte line; after
+# them T.agree's call signatures, two slots per rank (tilescale.language.sync).
 SYNC_WORKSPACE_WORDS = 96
 
 
@@ -309,7 +317,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         # the first barrier kernel's launch, where a rank that failed earlier would stall it.
         from tilescale.symmetric import zeros
 
-        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS,), dtype=torch.int32)
+        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS + 2 * env.world_size,), dtype=torch.int32)
     except BaseException:
         _runtime = None
         if owns and dist.is_initialized():
@@ -356,7 +364,8 @@ def backend_name() -> str:
 
 
 def check_device_waits(name_address: Callable[[int], str | None] | None = None) -> None:
-    """Raise :class:`WaitTimeoutError` if a device-side wait of this rank has timed out.
+    """Raise :class:`WaitTimeoutError` if a device-side wait of this rank has timed out, or
+    :class:`ShapeMismatchError` if a ``T.agree`` found that ranks called with different shapes.
 
     Kernels launched through ``tilescale.jit`` call this before every launch (reading host
     memory only, never synchronising), passing ``name_address`` to name the flag.
@@ -365,6 +374,8 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     if rt.wait_status_view[0] == 1:  # a plain host-memory read: this runs before every launch
         values = rt.wait_status.tolist()
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
+        if record["kind"] == MISMATCH:
+            raise ShapeMismatchError(describe_mismatch(record))
         name = (name_address or _name_in_last_kernel)(record["address"])
         raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9))
 

@@ -10,6 +10,9 @@ helpers in the prelude.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +40,21 @@ def Kernel(*blocks: int | tirx.PrimExpr, threads: int | list[int] | tuple[int, .
 
 
 Kernel.__dict__.update(tl.Kernel.__dict__)  # keep TileLang's launch-factory mark
+
+
+class _DumpForTileLangErrorsOnly(logging.Filter):
+    """Drops TileLang's dump of its generated builder source (``Failed to build prim_func``,
+    ~165 lines for an op's kernel) when the build failed on one of tilescale's own checks,
+    such as a constant peer index out of range: their messages say what is wrong and where."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        tb = sys.exc_info()[2]  # logged while TileLang handles the build's exception
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return tb is None or not tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(__file__))
+
+
+logging.getLogger("tilelang.language.eager.builder").addFilter(_DumpForTileLangErrorsOnly())
 
 
 def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc:

@@ -15,6 +15,8 @@ tilescale operation         NVSHMEM device calls
 ``T.wait(f, cmp, v)``       ``nvshmem_int_test`` polled under tilescale's timeout
 ``T.fence()``               ``nvshmem_quiet``
 ``T.barrier()`` (device)    grid arrival, then ``nvshmem_int_atomic_add`` to every rank's counter
+``T.agree(sig)``            ``nvshmem_int_p`` of the signature to every rank, then that barrier
+``T.announce(board, id)``   ``nvshmem_longlong_atomic_set`` into every rank's board
 ``put_signal`` helper       ``nvshmemx_putmem_signal_nbi_block`` (uint64 signal, for callers
                             that fuse a put with its flag)
 ==========================  =====================================================================
@@ -108,25 +110,27 @@ __device__ __forceinline__ int nvshmem_cmp(int cmp) {
 
 // nvshmem_int_test polled under tilescale's timeout (a timeout is reported like block_wait's).
 __device__ __forceinline__ bool nvshmem_spin(int* addr, int cmp, int expected, long long status_addr, int rank,
-                                             long long timeout_ns, int kind) {
+                                             long long timeout_ns, int kind, const void* board = nullptr,
+                                             int world = 0, long long ident = 0) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
   int op = nvshmem_cmp(cmp);
   for (unsigned int i = 1; !nvshmem_int_test(addr, op, expected); ++i) {
     if ((i & 1023u) == 0) {
-      if (status[0] != 0) return false;
+      if (status[0] != 0 || disagrees(board, world, ident, status_addr, rank)) return false;
       if ((long long)(now_ns() - start) > timeout_ns) {
         report_timeout(status_addr, addr, cmp, expected, *reinterpret_cast<volatile int*>(addr), rank, kind);
         return false;
       }
     }
   }
-  return true;
+  return !disagrees(board, world, ident, status_addr, rank);
 }
 
 __device__ __forceinline__ void nvshmem_block_wait(int* addr, int cmp, int expected, long long status_addr,
-                                                   int rank, long long timeout_ns) {
-  if (is_leader()) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                                   int rank, long long timeout_ns, const void* board = nullptr,
+                                                   int world = 0, long long ident = 0) {
+  if (is_leader()) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncthreads();
   after_acquire();
 }
@@ -134,8 +138,9 @@ __device__ __forceinline__ void nvshmem_block_wait(int* addr, int cmp, int expec
 // T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders
 // the acquire before the warp's later reads.
 __device__ __forceinline__ void nvshmem_warp_wait(int* addr, int cmp, int expected, long long status_addr,
-                                                  int rank, long long timeout_ns) {
-  if ((threadIdx.x & 31) == 0) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                                  int rank, long long timeout_ns, const void* board = nullptr,
+                                                  int world = 0, long long ident = 0) {
+  if ((threadIdx.x & 31) == 0) nvshmem_spin(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncwarp();
   after_acquire();
 }
@@ -172,6 +177,23 @@ __device__ void nvshmem_grid_barrier(const void* peer_table, int rank, int world
   }
   __syncthreads();
   after_acquire();
+}
+
+// T.announce: the leader sets this rank's slot of every rank's board (its own address: board).
+__device__ __forceinline__ void nvshmem_announce(void* board, int rank, int world, long long ident) {
+  if (is_leader()) {
+    long long* slot = reinterpret_cast<long long*>(board) + ((ident >> 32) & 1) * world + rank;
+    for (int p = 0; p < world; ++p) nvshmem_longlong_atomic_set(slot, ident, p);
+  }
+}
+
+// T.agree, as tilescale::grid_agree, the signatures put with nvshmem_int_p (the barrier's
+// nvshmem_quiet completes them).
+__device__ __forceinline__ int nvshmem_grid_agree(const void* peer_table, int rank, int world,
+                                                  long long status_addr, long long timeout_ns, int signature) {
+  int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
+  return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, nvshmem_grid_barrier,
+                    [&](int word, int value, int p) { nvshmem_int_p(ws + word, value, p); });
 }
 
 }  // namespace tilescale
@@ -229,6 +251,8 @@ NVSHMEM_LOWERING = DeviceLowering(
     warp_wait="tilescale::nvshmem_warp_wait",
     fence="tilescale::nvshmem_block_fence",
     barrier="tilescale::nvshmem_grid_barrier",
+    agree="tilescale::nvshmem_grid_agree",
+    announce="tilescale::nvshmem_announce",
     compile_flags=nvshmem_compile_flags,
     link=nvshmem_link_flags,
 )

@@ -1,4 +1,5 @@
-"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``.
+"""Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``;
+and the ranks' agreement on what they call: ``T.agree``, ``T.announce``.
 
 Example (a producer block announces a tile it put into its peer's buffer)::
 
@@ -7,7 +8,7 @@ Example (a producer block announces a tile it put into its peer's buffer)::
     ...
     T.wait(flags[bx], "ge", 1)                       # acquire, on the consumer
 
-All four are *block-level* operations, like ``T.copy``: every thread of the block must
+All of them are *block-level* operations, like ``T.copy``: every thread of the block must
 reach them (they synchronise the block), and one thread talks to the other devices.
 
 Memory ordering, and why it holds (PTX memory model):
@@ -26,6 +27,13 @@ Every wait is bounded by ``TILESCALE_WAIT_TIMEOUT_S`` (a kernel argument, no rec
 The first wait to expire records rank, block, flag address, expected and observed values
 in a status record the host reads; all other waits of the job then give up at once, the
 kernel ends, and the host raises :class:`tilescale.WaitTimeoutError`.
+
+Agreement: a kernel whose ranks must run the same call (an op at the same shapes) passes
+each call's signature as a kernel argument and checks it at the point where ranks meet:
+``T.agree(sig)`` is a ``T.barrier()`` that also compares the ranks' signatures and
+returns 0 on a difference; ``T.announce`` + ``T.wait(..., agree=)`` do the same for ranks
+that meet in flags. A difference is recorded in the same status record (one per job, like
+a timeout, ending every wait) and the host raises :class:`tilescale.ShapeMismatchError`.
 """
 
 from __future__ import annotations
@@ -91,19 +99,44 @@ __device__ __forceinline__ bool compare(int cmp, int observed, int expected) {
   }
 }
 
-// The first wait of the job to time out records what it waited for; the host reads it.
-__device__ __forceinline__ void report_timeout(long long status_addr, const int* addr, int cmp, int expected,
+// The first failure of the job (a wait timing out, ranks disagreeing) records what happened;
+// the host reads it (tilescale.errors.WAIT_STATUS_FIELDS).
+__device__ __forceinline__ void report_failure(long long status_addr, long long addr, int cmp, int expected,
                                                int observed, int rank, int kind) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long* state = reinterpret_cast<unsigned long long*>(status_addr);
   if (atomicCAS(state, 0ull, 2ull) == 0ull) {
-    status[1] = rank; status[2] = block_id(); status[3] = (long long)addr;
+    status[1] = rank; status[2] = block_id(); status[3] = addr;
     status[4] = cmp; status[5] = expected; status[6] = observed; status[7] = kind;
     __threadfence_system();
     status[0] = 1;
     __threadfence_system();
     // No printf here: a device-side call would serialise wgmma pipelines in GEMM kernels.
   }
+}
+
+__device__ __forceinline__ void report_timeout(long long status_addr, const int* addr, int cmp, int expected,
+                                               int observed, int rank, int kind) {
+  report_failure(status_addr, (long long)addr, cmp, expected, observed, rank, kind);
+}
+
+// A call's identity on a board (T.announce): the call number in the high 32 bits, the call's
+// signature (tilescale.errors.call_signature) in the low 32; row (call number % 2) of the
+// board holds every rank's latest announce of a call of that parity. True, after reporting
+// it, when a rank announced this call number with another signature: it runs a different call.
+__device__ __forceinline__ bool disagrees(const void* board, int world, long long ident,
+                                          long long status_addr, int rank) {
+  if (board == nullptr) return false;
+  const long long* row = reinterpret_cast<const long long*>(board) + ((ident >> 32) & 1) * world;
+  for (int p = 0; p < world; ++p) {
+    long long theirs;
+    asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(theirs) : "l"(row + p) : "memory");
+    if ((theirs >> 32) == (ident >> 32) && theirs != ident) {
+      report_failure(status_addr, p, 0, (int)ident, (int)theirs, rank, 2);
+      return true;
+    }
+  }
+  return false;
 }
 
 // Spin until compare(cmp, *addr, expected) holds; false on timeout or when another wait of
@@ -119,15 +152,17 @@ __device__ __forceinline__ int poll(const int* p) {
 // kSystem: the flag is written by other GPUs (acquire at system scope); otherwise only by
 // blocks of this GPU (acquire at GPU scope, which stays in L2).
 template <bool kSystem>
+// With a board (T.wait(..., agree=)), a peer announcing a different call ends the wait too.
 __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, long long status_addr, int rank,
-                     long long timeout_ns, int kind) {
+                     long long timeout_ns, int kind, const void* board = nullptr, int world = 0,
+                     long long ident = 0) {
   volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
   unsigned long long start = now_ns();
   int observed = poll<kSystem>(addr);
   for (unsigned int i = 1; !compare(cmp, observed, expected); ++i) {
     // The status record lives in host memory: look at it, and at the clock, rarely.
     if ((i & 1023u) == 0) {
-      if (status[0] != 0) return false;
+      if (status[0] != 0 || disagrees(board, world, ident, status_addr, rank)) return false;
       if ((long long)(now_ns() - start) > timeout_ns) {
         report_timeout(status_addr, addr, cmp, expected, observed, rank, kind);
         return false;
@@ -135,7 +170,8 @@ __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, lon
     }
     observed = poll<kSystem>(addr);
   }
-  return true;
+  // The flag's signallers announced before signalling (acquired with it): check them too.
+  return !disagrees(board, world, ident, status_addr, rank);
 }
 
 __device__ __forceinline__ void block_signal(int* addr, int value, int op) {
@@ -160,8 +196,9 @@ __device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
 }
 
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                           int rank, long long timeout_ns) {
-  if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                           int rank, long long timeout_ns, const void* board = nullptr,
+                                           int world = 0, long long ident = 0) {
+  if (is_leader()) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncthreads();
   after_acquire();
 }
@@ -169,8 +206,9 @@ __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expecte
 // T.wait(..., scope="warp"): lane 0 of each warp that runs it spins; __syncwarp orders the
 // acquire before the warp's later reads (it orders memory among the warp's threads).
 __device__ __forceinline__ void warp_wait(const int* addr, int cmp, int expected, long long status_addr,
-                                          int rank, long long timeout_ns) {
-  if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0);
+                                          int rank, long long timeout_ns, const void* board = nullptr,
+                                          int world = 0, long long ident = 0) {
+  if ((threadIdx.x & 31) == 0) spin<true>(addr, cmp, expected, status_addr, rank, timeout_ns, 0, board, world, ident);
   __syncwarp();
   after_acquire();
 }
@@ -209,6 +247,61 @@ __device__ void grid_barrier(const void* peer_table, int rank, int world, long l
   }
   __syncthreads();
   after_acquire();
+}
+
+// T.agree: block 0 of every rank puts its call's signature into every rank's barrier
+// workspace (slot 96 + parity * world + rank, released by the barrier like any write before
+// it), all blocks of all ranks meet in the barrier, then the leader of each block compares
+// the world signatures it received (local loads) with its own. 1 on every block of every
+// rank when all agree; else 0 (the first difference is reported, the caller moves no data).
+// parity = the barrier's epoch % 2: a rank writes a slot set again two barriers later, when
+// every rank has passed the barrier after these reads.
+template <typename Barrier, typename Put>
+__device__ __forceinline__ int agree_with(const void* peer_table, int rank, int world, long long status_addr,
+                                          long long timeout_ns, int signature, Barrier barrier, Put put) {
+  __shared__ int agreed;
+  int* ws = reinterpret_cast<int*>(reinterpret_cast<const long long*>(peer_table)[rank]);
+  int slots = 0;
+  if (is_leader()) {
+    slots = 96 + (poll<false>(ws + 32) & 1) * world;  // the barrier's epoch: the same in every block
+    if (block_id() == 0) {
+      for (int p = 0; p < world; ++p) put(slots + rank, signature, p);
+    }
+  }
+  barrier(peer_table, rank, world, status_addr, timeout_ns);
+  if (is_leader()) {
+    volatile long long* status = reinterpret_cast<volatile long long*>(status_addr);
+    int ok = status[0] == 0;  // after a failure the barrier may not have met the peers
+    for (int p = 0; ok && p < world; ++p) {
+      int theirs = poll<false>(ws + slots + p);
+      if (theirs != signature) {
+        report_failure(status_addr, p, 0, signature, theirs, rank, 2);
+        ok = 0;
+      }
+    }
+    agreed = ok;
+  }
+  __syncthreads();
+  return agreed;
+}
+
+__device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int world, long long status_addr,
+                                          long long timeout_ns, int signature) {
+  const long long* peers = reinterpret_cast<const long long*>(peer_table);
+  return agree_with(peer_table, rank, world, status_addr, timeout_ns, signature, grid_barrier,
+                    [&](int word, int value, int p) { reinterpret_cast<volatile int*>(peers[p])[word] = value; });
+}
+
+// T.announce: the leader stores this call's identity in slot `rank` of row (call number % 2)
+// of every rank's board.
+__device__ __forceinline__ void announce(const void* board_table, int rank, int world, long long ident) {
+  if (is_leader()) {
+    const long long* peers = reinterpret_cast<const long long*>(board_table);
+    for (int p = 0; p < world; ++p) {
+      long long* slot = reinterpret_cast<long long*>(peers[p]) + ((ident >> 32) & 1) * world + rank;
+      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" :: "l"(slot), "l"(ident) : "memory");
+    }
+  }
 }
 
 // Distributed shared memory (sm_90): the generic address of the shared variable at `p` in
@@ -285,7 +378,8 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     return tl.call_extern("handle", f"tilescale::{scope}_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
 
 
-def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block") -> tirx.PrimExpr:
+def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block",
+         agree: tuple[tirx.Buffer, tirx.PrimExpr] | None = None) -> tirx.PrimExpr:
     """Block until this rank's ``flag`` compares ``cmp`` to ``value``, with acquire semantics.
 
     Example::
@@ -299,6 +393,12 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
     warp-specialised GEMM (its consumer warps), which then reads what the flag announced::
 
         T.wait(flags[tile], "ge", target, scope="warp")
+
+    ``agree=(board, ident)``: the wait also ends when a peer announced (``T.announce``) the
+    same call number as ``ident`` with another signature, and the host raises
+    :class:`tilescale.ShapeMismatchError`, instead of a timeout: for kernels whose ranks meet
+    in flags rather than in a ``T.agree`` barrier. The board is checked again once the flag
+    holds, so every block that signals the flag must announce before it signals.
     """
     if cmp not in COMPARISONS:
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
@@ -310,14 +410,80 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
         name = lowering.wait if scope == "block" else lowering.warp_wait
     else:
         name = f"tilescale::{scope}_wait"
+    check = []
+    if agree is not None:
+        board, ident = agree
+        _check_board(board, "T.wait's agree")
+        check = [tl.address_of(tirx.BufferLoad(board, [0])), current_context().world, ident]
     return tl.call_extern("handle", name, tl.address_of(flag), COMPARISONS[cmp], value,
-                          *_status_args())
+                          *_status_args(), *check)
+
+
+def _check_board(board: tirx.Buffer, what: str) -> None:
+    if not isinstance(board, tirx.Buffer) or str(board.dtype) != "int64" or len(board.shape) != 1:
+        raise TypeError(f"{what}: the board must be a 1-D int64 tensor argument (two slots per rank)")
+    check_remote(board, 0, what)
+
+
+def announce(board: tirx.Buffer, ident: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """Store this call's identity in this rank's slot of every rank's ``board``, for the peers'
+    ``T.wait(..., agree=(board, ident))``.
+
+    Example::
+
+        T.announce(board, ident)   # ident: (call number << 32) | signature, a kernel argument
+        ...                        # this block's puts
+        T.signal(flags[i], 1, pe=peer)
+        ...
+        T.wait(flags[i], "ge", target, agree=(board, ident))
+
+    ``board`` is a symmetric int64 tensor of ``2 * world`` slots (row ``call number % 2``,
+    slot ``rank``): the call number, the same on every rank for the same call, tells a waiting
+    peer this call's identity from an earlier one's, and a rank announces call c + 2 only after
+    its peers have finished call c. Every block that signals a flag checked with ``agree``
+    announces before signalling (the signal releases it); it does not synchronise.
+    """
+    _check_board(board, "T.announce")
+    ctx = current_context()
+    if ctx.lowering is not None:
+        return tl.call_extern("handle", ctx.lowering.announce, tl.address_of(tirx.BufferLoad(board, [0])), ctx.rank,
+                              ctx.world, ident)
+    table = ctx.peer_table(board)
+    return tl.call_extern("handle", "tilescale::announce", table.data, ctx.rank, ctx.world, ident)
 
 
 def fence() -> tirx.PrimExpr:
     """Order this block's earlier global writes (local, remote, TMA) before its later ones, system-wide."""
     lowering = current_context().lowering
     return tl.call_extern("handle", lowering.fence if lowering is not None else "tilescale::block_fence")
+
+
+def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """A device-scope ``T.barrier()`` at which the ranks also check that they run the same call:
+    1 (int32, the same in every block of every rank) when every rank passed the same
+    ``signature``, else 0, and the host raises :class:`tilescale.ShapeMismatchError` on every
+    rank (at the next launch, ``ts.synchronize()`` or ``ts.barrier()``; on the CPU path when the
+    kernel returns).
+
+    Example::
+
+        ok = T.alloc_local((1,), "int32")
+        ok[0] = T.agree(sig)          # sig: a kernel argument, e.g. a hash of the op and its shapes
+        if ok[0] == 1:
+            ...                       # read and write peers' data
+        T.barrier()
+
+    The signature is a scalar argument, so a CUDA graph replays it with the call. Cost:
+    ``world`` int32 stores (block 0, before the barrier, which releases them) and ``world``
+    local loads per block after it.
+    """
+    ctx = current_context()
+    if ctx.scales[-1:] != ["device"]:
+        raise RuntimeError('T.agree() must be inside a T.Scale("device") scope: it checks the ranks of the job')
+    table = ctx.sync_table()
+    status, rank, timeout = _status_args()
+    name = ctx.lowering.agree if ctx.lowering is not None else "tilescale::grid_agree"
+    return tl.call_extern("int32", name, table.data, rank, ctx.world, status, timeout, signature)
 
 
 def barrier() -> tirx.PrimExpr:

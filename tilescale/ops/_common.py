@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 
+import tilelang  # noqa: F401 - makes TileLang's TVM importable as tvm
 import torch
+from tvm import tirx
 
 from tilescale import runtime
-from tilescale.symmetric import empty, is_symmetric
+from tilescale.errors import call_signature
+from tilescale.symmetric import empty, is_symmetric, zeros
 
 TORCH_TO_TL = {
     torch.float32: "float32",
@@ -20,6 +23,10 @@ TORCH_TO_TL = {
 
 _workspaces: dict[tuple, torch.Tensor] = {}
 _verified: set[tuple] = set()
+_signatures: dict[tuple, int] = {}
+# Calls of kernels that announce themselves on the call board (see call_identity), numbered
+# alike on every rank that makes the same calls.
+_announced_calls = 0
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -38,6 +45,12 @@ def check_input(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def poison_value(dtype: str) -> tirx.PrimExpr:
+    """What a kernel fills its output with when its ranks disagreed on the call (``T.agree``),
+    so that it cannot pass for a result: NaN, or an integer dtype's minimum."""
+    return tirx.min_value(dtype) if dtype.startswith(("int", "uint")) else tirx.const(float("nan"), dtype)
 
 
 def vector_width(numel: int, like: torch.Tensor) -> int:
@@ -77,14 +90,53 @@ def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
     return staged
 
 
-def check_same_across_ranks(what: str, value: list) -> None:
-    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip).
+def signature(op: str, t: torch.Tensor, *details: object) -> int:
+    """The call signature of ``op`` on ``t`` (its shape and dtype) and ``details``, for ``T.agree``
+    (see ``tilescale.language.sync``): kernels compare it across ranks on every call.
 
-    A later call in which one rank alone switches to a new shape is still caught, by the
-    bounded waits (TimeoutError naming the rank, or WaitTimeoutError), not by this check.
+    Example::
+
+        sig = signature("all_reduce", x, "one_shot")    # a kernel's scalar argument
+    """
+    key = (op, tuple(t.shape), t.dtype, details)
+    sig = _signatures.get(key)
+    if sig is None:  # once per distinct call: later calls cost a dict lookup
+        text = " ".join([op, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), *map(str, details)])
+        sig = _signatures[key] = call_signature(text)
+    return sig
+
+
+def call_identity(sig: int) -> tuple[torch.Tensor, int]:
+    """The job's call board and this call's identity on it, for kernels whose ranks meet in
+    flags: they ``T.announce`` the identity and wait with ``agree=(board, identity)``, so a
+    rank whose call differs ends the waits with a ShapeMismatchError instead of a timeout.
+
+    Example::
+
+        board, ident = call_identity(signature("gemm_all_reduce", a, n))   # kernel arguments
+
+    The identity is ``(call number << 32) | sig``; the call number counts this process's calls
+    through here, so it is the same on every rank for the same call. A CUDA graph replays the
+    number it captured, which every rank's graph replays alike.
+    """
+    global _announced_calls
+    key = ("call board",)
+    if key not in _workspaces:
+        runtime.check_not_capturing("the job's call board")
+        _workspaces[key] = zeros((2 * runtime.world_size(),), dtype=torch.int64)  # 0: no call announced
+    _announced_calls = _announced_calls % 0x7FFFFFFF + 1
+    return _workspaces[key], (_announced_calls << 32) | sig
+
+
+def check_same_across_ranks(what: str, value: list, every_call: bool = False) -> None:
+    """Ranks must agree on the shapes: checked at a shape's first call (a host round trip,
+    before its buffers are allocated), or at ``every_call`` (for calls that launch no kernel).
+
+    Every later call is compared on the device by the op's kernels (``T.agree``, or the call
+    board: :func:`call_identity`), which raise ShapeMismatchError on every rank.
     """
     key = (what, *value)
-    if key in _verified:
+    if key in _verified and not every_call:
         return
     rt = runtime.current()
     values = rt.group.exchange(rt.group.next_tag(what), value)

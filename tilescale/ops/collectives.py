@@ -1,10 +1,19 @@
 """Collectives as tilescale kernels: every byte moves through remote tile copies over NVLink.
 
 ``all_gather`` pushes each rank's shard into every peer's output; ``reduce_scatter`` and
-``all_reduce`` pull peers' data and reduce in fp32. Each kernel brackets its exchange with
-device-scope barriers: the first says every rank's buffers are ready to be written or read,
-the second that every exchange has landed (and that inputs may be reused). Peers are
-visited starting at ``rank + 1`` so that no rank is read or written by everyone at once.
+``all_reduce`` pull peers' data and reduce (floats in fp32, integers in their own type, so
+integer sums are exact, wrapping on overflow as torch's do). Each kernel brackets its
+exchange with device-scope barriers: the first (``T.agree``) says every rank's buffers are
+ready to be written or read and that every rank passed the same call signature (operation,
+shape, dtype, algorithm), the second that every exchange has landed (and that inputs may be
+reused). Peers are visited starting at ``rank + 1`` so that no rank is read or written by
+everyone at once.
+
+Ranks that disagree: no rank reads or writes a peer's data in that call; each fills its
+output with NaN (integer dtypes: the dtype's minimum) and every rank raises
+:class:`tilescale.ShapeMismatchError` naming both calls (on the CPU path at the call; on
+GPUs, which the host does not wait for, at the next tilescale launch, ``ts.synchronize()``
+or ``ts.barrier()``).
 
 Buffers are viewed as ``(rows, cols)`` with one row per rank where ranks own parts: a tile
 that runs past the end of a row is cut there by TileLang's bounds checks instead of
@@ -19,7 +28,16 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, sm_count, symmetric_or_staged, tl_dtype, vector_width, workspace
+from tilescale.ops._common import (
+    check_input,
+    poison_value,
+    signature,
+    sm_count,
+    symmetric_or_staged,
+    tl_dtype,
+    vector_width,
+    workspace,
+)
 from tilescale.symmetric import is_symmetric
 
 # Elements per tile and threads per block (benchmarks/copy_plans.py: direct 16-byte copies
@@ -32,21 +50,39 @@ REDUCE_BLOCK = 8192
 ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
+def accumulator(dtype: str) -> str:
+    """The type a reduction of ``dtype`` sums in: integers in their own (exact), floats in fp32."""
+    return dtype if dtype.startswith(("int", "uint")) else "float32"
+
+
+@T.macro
+def _poison(buf, row, base, extent, cols, value):
+    """``buf[row, base:base + extent]``, cut at ``cols``, set to ``value``."""
+    for j in T.Parallel(extent):
+        if base + j < cols:
+            buf[row, base + j] = value
+
+
 @jit
 def all_gather_kernel(world: int, dtype: str, vec: int, sms: int):
     n = T.dynamic("n_vectors") * vec
     grid = T.min(T.ceildiv(n, BLOCK), sms)
 
     @T.prim_func
-    def main(x: T.Tensor((1, n), dtype), out: T.Tensor((world, n), dtype)):
+    def main(x: T.Tensor((1, n), dtype), out: T.Tensor((world, n), dtype), sig: T.int32):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
-                T.barrier()
+                agreed = T.alloc_local((1,), "int32")
+                agreed[0] = T.agree(sig)
                 for t in T.serial(T.ceildiv(T.ceildiv(n, BLOCK) - bx, grid)):
                     base = (bx + t * grid) * BLOCK
-                    for p in T.serial(ranks):
-                        T.copy(x[0:1, base:base + BLOCK], out[rank:rank + 1, base:base + BLOCK],
-                               dst_pe=(rank + 1 + p) % ranks)
+                    if agreed[0] == 1:
+                        for p in T.serial(ranks):
+                            T.copy(x[0:1, base:base + BLOCK], out[rank:rank + 1, base:base + BLOCK],
+                                   dst_pe=(rank + 1 + p) % ranks)
+                    else:
+                        for r in T.serial(ranks):
+                            _poison(out, r, base, BLOCK, n, poison_value(dtype))
                 T.barrier()
 
     return main
@@ -62,32 +98,43 @@ def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
       place: rank r alone reads and writes row r, so no rank overwrites what another reads);
     * ``"local"`` (one row): every rank sums everything into ``out``, and after a barrier
       (everyone has read ``src``) copies it back into ``src`` (one-shot all-reduce, in place).
+
+    Ranks that disagree (``T.agree``) poison the result (every row of ``src`` when pushing,
+    else ``out``, which ``"local"`` then copies into ``src``).
     """
     cols = T.dynamic("col_vectors") * vec
     grid = T.min(T.ceildiv(cols, REDUCE_BLOCK), sms)
     tiles = T.ceildiv(cols, REDUCE_BLOCK)
+    accum = accumulator(dtype)
 
     @T.prim_func
-    def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((1, cols), dtype)):
+    def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((1, cols), dtype), sig: T.int32):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
-                acc = T.alloc_fragment((1, REDUCE_BLOCK), "float32")
+                acc = T.alloc_fragment((1, REDUCE_BLOCK), accum)
                 part = T.alloc_fragment((1, REDUCE_BLOCK), dtype)
                 row = rank % rows
-                T.barrier()
+                agreed = T.alloc_local((1,), "int32")
+                agreed[0] = T.agree(sig)
                 for t in T.serial(T.ceildiv(tiles - bx, grid)):
                     base = (bx + t * grid) * REDUCE_BLOCK
-                    T.clear(acc)
-                    for p in T.serial(ranks):
-                        T.copy(src[row, base], part, src_pe=(rank + p) % ranks)
-                        for i, j in T.Parallel(1, REDUCE_BLOCK):
-                            acc[i, j] += T.cast(part[i, j], "float32")
-                    T.copy(acc, part)
-                    if mode == "push":
+                    if agreed[0] == 1:
+                        T.clear(acc)
                         for p in T.serial(ranks):
-                            T.copy(part, src[row, base], dst_pe=(rank + 1 + p) % ranks)
+                            T.copy(src[row, base], part, src_pe=(rank + p) % ranks)
+                            for i, j in T.Parallel(1, REDUCE_BLOCK):
+                                acc[i, j] += T.cast(part[i, j], accum)
+                        T.copy(acc, part)
+                        if mode == "push":
+                            for p in T.serial(ranks):
+                                T.copy(part, src[row, base], dst_pe=(rank + 1 + p) % ranks)
+                        else:
+                            T.copy(part, out[0, base])
+                    elif mode == "push":
+                        for r in T.serial(rows):
+                            _poison(src, r, base, REDUCE_BLOCK, cols, poison_value(dtype))
                     else:
-                        T.copy(part, out[0, base])
+                        _poison(out, 0, base, REDUCE_BLOCK, cols, poison_value(dtype))
                 T.barrier()
                 if mode == "local":
                     for t in T.serial(T.ceildiv(tiles - bx, grid)):
@@ -114,7 +161,8 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise ValueError(f"out must be a symmetric {x.dtype} tensor of shape {shape}")
     n = x.numel()
     target = out if out is not None else workspace("all_gather.out", world * n, x.dtype)
-    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count())(x.view(1, n), target.view(world, n))
+    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count())(x.view(1, n), target.view(world, n),
+                                                                          signature("all_gather", x))
     return out if out is not None else target.view(shape).clone()
 
 
@@ -136,12 +184,13 @@ def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     chunk = x.numel() // world
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter")
-    kernel(src.view(world, chunk), out.view(1, chunk))
+    kernel(src.view(world, chunk), out.view(1, chunk), signature("reduce_scatter", x))
     return out
 
 
 def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
-    """Sum ``x`` over ranks in place (fp32 accumulation), like ``dist.all_reduce``; returns ``x``.
+    """Sum ``x`` over ranks in place, like ``dist.all_reduce``; returns ``x``. Floats accumulate
+    in fp32, integers in their own type (exact).
 
     Example::
 
@@ -158,11 +207,12 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
     if algorithm not in ("one_shot", "two_shot"):
         raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
     n = x.numel()
+    sig = signature("all_reduce", x, algorithm)
     if algorithm == "one_shot":
         src = symmetric_or_staged(x, "all_reduce.in")
         scratch = workspace("all_reduce.scratch", n, x.dtype)
         kernel = reduce_kernel(1, tl_dtype(x), vector_width(n, x), sm_count(), "local")
-        kernel(src.view(1, n), scratch.view(1, n))
+        kernel(src.view(1, n), scratch.view(1, n), sig)
     else:
         chunk = -(-n // world)
         if is_symmetric(x) and chunk * world == n:
@@ -171,7 +221,7 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
             src = workspace("all_reduce.in", world * chunk, x.dtype)
             src[:n].copy_(x.reshape(-1))
         kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push")
-        kernel(src.view(world, chunk), src[:chunk].view(1, chunk))  # ``out`` unused when pushing
+        kernel(src.view(world, chunk), src[:chunk].view(1, chunk), sig)  # ``out`` unused when pushing
     if src.data_ptr() != x.data_ptr():
         x.copy_(src[:n].view(x.shape))
     return x

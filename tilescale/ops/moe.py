@@ -66,7 +66,15 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.language.scale import current_context
-from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
+from tilescale.ops._common import (
+    call_identity,
+    check_input,
+    check_same_across_ranks,
+    poison_value,
+    signature,
+    sm_count,
+    tl_dtype,
+)
 from tilescale.symmetric import zeros
 
 # Each expert's segment of the grouped rows is padded to whole GEMM row tiles.
@@ -218,7 +226,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
              received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
              weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
-             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype)):
+             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
             with T.Scale("device") as (rank, ranks):
                 # A group of rows with their entries' expert ids, weights and expert slots: read
@@ -234,6 +243,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 call = T.alloc_local((1,), "int32")
                 call[0] = sends[0]
                 if b < ranks:  # the counts first: a receiver needs every source's to place any row
+                    T.announce(board, ident)  # released by the signal below: the receiver checks it
                     T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
                     T.copy(expert_counts[b * per_rank:b * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
                            dst_pe=b)
@@ -250,7 +260,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                                        _peer(b, j, world), b, g, tokens)
                     if g == 0:
                         for src in T.serial(ranks):
-                            T.wait(arrived[src], "eq", call[0] + 1)
+                            T.wait(arrived[src], "eq", call[0] + 1, agree=(board, ident))
                         _segments(recv_expert_counts, recv_counts, given, got, upto, end, world, per_rank)
                     if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
                         for i in T.Parallel(group):  # this rank's own tokens among them: received rows
@@ -480,7 +490,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
              position: T.Tensor((received, topk), "int32"), counts: T.Tensor((world,), "int32"),
              dest: T.Tensor((received,), "int32"), slot: T.Tensor((received,), "int32"),
              back: T.Tensor((2, world, tokens, hidden), dtype), out: T.Tensor((tokens, hidden), dtype),
-             combines: T.Tensor((1,), "int32")):
+             combines: T.Tensor((1,), "int32"), sig: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, hidden), "float32")
@@ -504,13 +514,14 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                                     acc[i, c] += T.cast(part[i, c], "float32") * weight[position[src * tokens + j, k]]
                         T.copy(acc, row)
                         T.copy(row, back[s, rank, j:j + 1, 0:hidden], dst_pe=src)
-                T.barrier()  # every rank's rows are back
+                agreed = T.alloc_local((1,), "int32")
+                agreed[0] = T.agree(sig)  # every rank's rows are back, if every rank runs this combine
                 if bx == 0:
                     combines[0] = call[0] + 1  # every thread stores the same value
                 # Token t's row from destination rank d is back[s, d, slot[d * tokens + t]].
                 for q in T.serial(T.ceildiv(tokens, blocks)):
                     t = bx + q * blocks
-                    if t < tokens:
+                    if t < tokens and agreed[0] == 1:
                         T.clear(acc)
                         for d in T.serial(ranks):
                             if dest[d * tokens + t] >= 0:
@@ -519,6 +530,9 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                                     acc[i, c] += T.cast(part[i, c], "float32")
                         T.copy(acc, row)
                         T.copy(row, out[t:t + 1, 0:hidden])
+                    elif t < tokens:
+                        for c in T.Parallel(hidden):
+                            out[t, c] = poison_value(dtype)
 
     return main
 
@@ -651,7 +665,41 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     if num_experts % world:
         raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
     check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
-                                             f"low_latency={low_latency}", f"SMs={sm_count()}"])
+                                             f"low_latency={low_latency}", f"SMs={sm_count()}"],
+                            every_call=x.shape[0] == 0)
+
+
+def _expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The routing kernel's int32 expert ids. It counts and drops ids outside [0, num_experts)
+    (the one check of id values); ids of wider types are clamped to [-1, num_experts] first,
+    which keeps every bad id bad, so that no cast wraps one into range (2**32 + 1 would
+    become expert 1)."""
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"moe_dispatch: topk_idx must hold integer expert ids, got {topk_idx.dtype}")
+    info = torch.iinfo(topk_idx.dtype)
+    if info.min < torch.iinfo(torch.int32).min or info.max > torch.iinfo(torch.int32).max:
+        topk_idx = topk_idx.to(torch.int64).clamp(-1, num_experts)  # uint64 ids past 2**63 turn negative: bad
+    return topk_idx.to(torch.int32).contiguous()
+
+
+def _empty_dispatch(x: torch.Tensor, topk: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                           DispatchHandle]:
+    """``moe_dispatch``'s result for zero tokens on every rank: nothing sent or received, the
+    documented layout with every row holding no token."""
+    world = runtime.world_size()
+    per_rank = num_experts // world
+    rows = grouped_rows(0, topk, per_rank)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    none = torch.empty(0, **i32)
+    handle = DispatchHandle(tokens=0, topk_idx=torch.empty(0, topk, **i32),
+                            topk_w=torch.empty(0, topk, dtype=torch.float32, device=x.device),
+                            expert_slot=torch.empty(0, topk, **i32), dest=none, slot=none,
+                            send_counts=torch.zeros(world, **i32), expert_send_counts=torch.zeros(num_experts, **i32),
+                            recv_counts=torch.zeros(world, **i32), position=torch.empty(0, topk, **i32),
+                            counts=torch.zeros(per_rank, **i32), offsets=torch.zeros(per_rank, **i32),
+                            row_expert=torch.full((rows,), -1, **i32), source_row=torch.full((rows,), -1, **i32))
+    recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
+    return recv_x, torch.zeros(rows, dtype=torch.float32, device=x.device), handle.counts, handle
 
 
 def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
@@ -678,10 +726,13 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
     recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency)
+    board, ident = call_identity(signature("moe_dispatch", x, f"topk={topk}", f"experts={per_rank * world}",
+                                           f"low_latency={low_latency}", f"SMs={sms}"))
     kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
            ex.counts, ex.int32("expert counts", (world, per_rank)),
            ex.int32("ranges", (world, blocks, groups, 2)), ex.int32("progress", (world, blocks)),
-           ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x)
+           ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x,
+           board, ident)
     return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
 
@@ -702,16 +753,19 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     last); rows past an expert's count are not written (their contents are undefined).
     Within a segment, rows come in (source rank, token, k) order. ``ts.ops.grouped_gemm``
     consumes this layout. Every rank passes the same number of tokens (pad with tokens
-    weighted 0).
+    weighted 0); zero tokens (on every rank) give that layout with no token in it.
 
     ``low_latency=True`` (decode batches, up to a few hundred tokens per rank) announces
     every row to its receiver as soon as it is out, instead of every few rows (see the
     module notes); both modes give the same result. Every rank must pick the same mode
     (checked at a shape's first call).
 
-    No host synchronisation: the ranks agree on shapes through the job's store at a shape's
-    first call, and expert ids are checked on the device. An id outside [0, num_experts)
-    is routed nowhere (no copy can land outside a buffer), and ``moe_dispatch`` raises
+    No host synchronisation: the ranks compare shapes through the job's store at a shape's
+    first call, and the dispatch kernel compares every call's shapes on the device (a
+    difference raises ``ts.ShapeMismatchError`` on every rank; see README "When ranks
+    disagree"). ``topk_idx`` holds integer ids (TypeError otherwise), checked on the device
+    without a cast that could wrap one into range. An id outside [0, num_experts) is routed
+    nowhere (no copy can land outside a buffer), and ``moe_dispatch`` raises
     ValueError naming the rank and the ids' range at its end, once its exchange has run on
     every rank: on the CPU path in the call that passed the id; on GPUs, where the host does
     not wait for the device, in the first dispatch or combine on this rank that finds the
@@ -726,11 +780,13 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     dev = x.device
+    idx = _expert_ids(topk_idx, num_experts)
+    if tokens == 0:
+        return _empty_dispatch(x, topk, num_experts)
 
     # Routing: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
     # order among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
     # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
-    idx = topk_idx.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
     dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
@@ -740,8 +796,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     capturing = _capturing(x)
     recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _dispatch(
         x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
-    if not capturing:
-        _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
+    if not capturing:  # queued behind the exchange: read at the end of this call or a later one
+        _watch_ids(bad, topk_idx, num_experts)  # the ids as passed, for the message
     handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
                             send_counts=send_counts, expert_send_counts=expert_send_counts, recv_counts=recv_counts,
                             position=position, counts=counts, offsets=offsets, row_expert=row_expert,
@@ -766,7 +822,9 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     check_input(x, "x")
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
-    check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
+    check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)], every_call=handle.tokens == 0)
+    if handle.tokens == 0:
+        return x.new_empty(handle.row_expert.shape[0], x.shape[1])
     return _dispatch(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
                      handle.expert_send_counts, low_latency=False)[0]
 
@@ -794,9 +852,12 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
                          f"({handle.row_expert.shape[0]},), got {tuple(expert_out.shape)} and "
                          f"{tuple(recv_weights.shape)}")
     topk = handle.position.shape[1]
+    out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
+    if tokens == 0:  # zero tokens on every rank (moe_dispatch checked): nothing to bring back
+        return out
     ex = _exchange(tokens, hidden, topk, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
     kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count())
-    out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
-           handle.dest, handle.slot, ex.back, out, ex.combines)
+           handle.dest, handle.slot, ex.back, out, ex.combines,
+           signature("moe_combine", expert_out, f"tokens={tokens}", f"topk={topk}"))
     return out
