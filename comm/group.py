@@ -21,16 +21,26 @@ def default_timeout_s() -> float:
 
 
 class Group:
-    """Rank, world size and a deadline-bounded exchange over a c10d store."""
+    """Rank, world size and a deadline-bounded exchange over a c10d store.
+
+    For a process group smaller than the job, ``rank`` / ``world_size`` / ``local_*`` are
+    this process's place within the group, ``ranks`` the group's global ranks (index = rank
+    within the group), ``store`` a prefix of the job's store that only this group uses, and
+    ``job_id`` unique to the group (it names the group's shared-memory segments).
+    ``process_group_name`` is torch's name of the group (symmetric-memory rendezvous).
+    """
 
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
-                 store: dist.Store, job_id: str):
+                 store: dist.Store, job_id: str, ranks: list[int] | None = None,
+                 process_group_name: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.store = store
         self.job_id = job_id
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
+        self.process_group_name = process_group_name
         self._counts: dict[str, int] = {}
 
     def next_tag(self, kind: str) -> str:
@@ -54,11 +64,12 @@ class Group:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             except Exception:  # the store's host (rank 0) is gone
                 raise RuntimeError(
-                    f"rank {self.rank}: lost the job's store while waiting at '{tag}': rank 0 has exited or crashed"
+                    f"rank {self.ranks[self.rank]}: lost the job's store while waiting at '{tag}': rank 0 has exited "
+                    "or crashed"
                 ) from err
             raise TimeoutError(
-                f"rank {self.rank}: ranks {missing} did not reach '{tag}' within {timeout_s:g} s "
-                f"(did they crash, or call collective operations in a different order?)"
+                f"rank {self.ranks[self.rank]}: ranks {[self.ranks[r] for r in missing]} did not reach '{tag}' "
+                f"within {timeout_s:g} s (did they crash, or call collective operations in a different order?)"
             ) from err
         return [json.loads(self.store.get(k)) for k in keys]
 

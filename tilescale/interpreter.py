@@ -347,7 +347,9 @@ class _Block:
         self.launch.kernel.spin(lambda: _COMPARE[cmp](int(ptr.flat[0]), expected),
                                 lambda: int(ptr.flat[0]), what, self.launch)
 
-    def barrier(self, table: torch.Tensor, world: int) -> None:
+    def barrier(self, table: torch.Tensor, rank: int, world: int) -> None:
+        """``T.barrier()`` of every block of the ``world`` ranks of ``table`` (the kernel's group;
+        ``rank`` is this rank's index in it)."""
         launch = self.launch
         leader = True
         if launch.block_barrier is not None:
@@ -355,7 +357,7 @@ class _Block:
         if leader:
             kernel = launch.kernel
             peers = [launch.memory_at(int(a), 4 * 96, "barrier workspace", "")[0] for a in table.tolist()]
-            mine = peers[kernel.rank].data.view(torch.int32)
+            mine = peers[rank].data.view(torch.int32)
             epoch = int(mine[32])
             with kernel.atomic():
                 for m in peers:
@@ -387,7 +389,7 @@ class _Block:
         elif name == "tilescale::block_fence":
             pass  # host memory through one coherent address space: program order is enough
         elif name == "tilescale::grid_barrier":
-            self.barrier(self.env[args[0]], int(self.eval(args[2])))
+            self.barrier(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == BARRIER_EXTERN:
             self.cluster_barrier()
         else:
@@ -760,8 +762,9 @@ class CpuKernel:
             names.setdefault(storage.data_ptr(), buf.name)
             data = torch.empty(0, dtype=torch.uint8).set_(storage)
             memories.append(_Memory(storage.data_ptr(), storage.nbytes(), data, buf.name))
-        sync = runtime.current().sync_workspace
-        memories.append(_Memory(sync.data_ptr(), sync.nbytes, sync.view(torch.uint8), "the barrier workspace"))
+        for state in runtime.live_groups():  # the kernel's group's barrier workspace is one of them
+            sync = state.sync_workspace
+            memories.append(_Memory(sync.data_ptr(), sync.nbytes, sync.view(torch.uint8), "the barrier workspace"))
         for start, nbytes, data, owner_ptr, peer in host_regions():
             label = f"{names.get(owner_ptr, 'a symmetric tensor')} on rank {peer}"
             memories.append(_Memory(start, nbytes, data, label))

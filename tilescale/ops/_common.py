@@ -1,4 +1,8 @@
-"""What the library kernels share: launch sizing, dtype names, symmetric workspaces."""
+"""What the library kernels share: launch sizing, dtype names, symmetric workspaces.
+
+Workspaces and shape checks belong to a process group: they live in its state
+(``tilescale.groups.GroupState``), which every op resolves from its ``group=`` first.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import functools
 import torch
 
 from tilescale import runtime
-from tilescale.symmetric import empty, is_symmetric
+from tilescale.groups import GroupState
+from tilescale.symmetric import allocate, check_group, lookup
 
 TORCH_TO_TL = {
     torch.float32: "float32",
@@ -17,9 +22,6 @@ TORCH_TO_TL = {
     torch.int64: "int64",
     torch.uint8: "uint8",
 }
-
-_workspaces: dict[tuple, torch.Tensor] = {}
-_verified: set[tuple] = set()
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -60,36 +62,43 @@ def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
-def workspace(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A symmetric scratch tensor reused across calls (allocating it is collective)."""
+def workspace(state: GroupState, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A symmetric scratch tensor of the group, reused across calls (allocating it is collective)."""
     k = (key, numel, dtype)
-    if k not in _workspaces:
-        _workspaces[k] = empty((numel,), dtype=dtype)
-    return _workspaces[k]
+    found = state.workspaces.get(k)
+    if found is None:
+        found = state.workspaces[k] = allocate(state, (numel,), dtype)
+    return found
 
 
-def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
-    """``t`` itself when symmetric, else a symmetric workspace holding a copy of it."""
-    if is_symmetric(t):
+def symmetric_in(t: torch.Tensor, state: GroupState, name: str) -> bool:
+    """Whether ``t`` is symmetric over the group of ``state``; ValueError if it is symmetric over another."""
+    found = lookup(t)
+    if found is not None:
+        check_group(found[0].group, state, name)
+    return found is not None
+
+
+def symmetric_or_staged(state: GroupState, t: torch.Tensor, key: str, name: str = "x") -> torch.Tensor:
+    """``t`` itself when symmetric over the group, else a symmetric workspace holding a copy of it."""
+    if symmetric_in(t, state, name):
         return t.reshape(-1)
-    staged = workspace(key, t.numel(), t.dtype)
+    staged = workspace(state, key, t.numel(), t.dtype)
     staged.copy_(t.reshape(-1))
     return staged
 
 
-def check_same_across_ranks(what: str, value: list) -> None:
+def check_same_across_ranks(state: GroupState, what: str, value: list) -> None:
     """Ranks must agree on the shapes: checked at a shape's first call (a host round trip).
 
     A later call in which one rank alone switches to a new shape is still caught, by the
     bounded waits (TimeoutError naming the rank, or WaitTimeoutError), not by this check.
     """
     key = (what, *value)
-    if key in _verified:
+    if key in state.verified:
         return
-    rt = runtime.current()
-    values = rt.group.exchange(rt.group.next_tag(what), value)
-    _verified.add(key)
+    values = state.comm.exchange(state.comm.next_tag(what), value)
     if any(v != value for v in values):
-        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-        _verified.discard(key)
-        raise ValueError(f"{what}: shapes differ across ranks ({detail})")
+        detail = "; ".join(f"rank {r}: {v}" for r, v in zip(state.ranks, values, strict=True))
+        raise ValueError(f"{what}: shapes differ across the ranks of the {state.describe()} ({detail})")
+    state.verified.add(key)

@@ -61,13 +61,15 @@ which no rank reaches before it has read that set. No opening barrier is needed.
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import jit
 from tilescale.language.scale import current_context
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
-from tilescale.symmetric import zeros
+from tilescale.symmetric import allocate
 
 # Each expert's segment of the grouped rows is padded to whole GEMM row tiles.
 ROW_TILE = 128
@@ -84,10 +86,11 @@ GROUP_ROWS = 4
 FILL = 1024
 
 
-def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
+def grouped_rows(tokens: int, topk: int, experts_per_rank: int, *, group: dist.ProcessGroup | None = None) -> int:
     """Rows of ``moe_dispatch``'s grouped output: every (received row, local expert) hit of
-    the worst case, plus each expert's padding to a whole row tile."""
-    hits = runtime.world_size() * tokens * min(topk, experts_per_rank)
+    the worst case, plus each expert's padding to a whole row tile (``group``: the
+    expert-parallel group, None: the whole job)."""
+    hits = runtime.group_size(group) * tokens * min(topk, experts_per_rank)
     return -(-(hits + experts_per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE
 
 
@@ -541,6 +544,7 @@ class DispatchHandle:
     offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
     row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
     source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
+    group: dist.ProcessGroup | None = None  # the expert-parallel group the dispatch ran over (None: the whole job)
 
 
 @dataclass
@@ -557,6 +561,7 @@ class _Exchange:
     back: torch.Tensor  # (2, world, tokens, hidden) combine's rows coming back, two sets
     sends: torch.Tensor  # (1,) int32, this rank only
     combines: torch.Tensor  # (1,) int32, this rank only
+    group: GroupState  # whose symmetric memory the buffers are
     by_shape: dict[tuple, torch.Tensor] = field(default_factory=dict)  # int32 buffers by (name, shape)
 
     def int32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -565,25 +570,25 @@ class _Exchange:
         key = (name, shape)
         if key not in self.by_shape:
             runtime.check_not_capturing(f"moe_dispatch's {name} buffer of {shape}")
-            self.by_shape[key] = zeros(shape, dtype=torch.int32)
+            self.by_shape[key] = allocate(self.group, shape, torch.int32)
         return self.by_shape[key]
 
 
-_exchanges: dict[tuple, _Exchange] = {}
+def _exchange(state: GroupState, tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
+    """The group's exchange of (tokens, hidden, topk, dtype), allocated (collectively) at first use."""
 
-
-def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
-    key = (tokens, hidden, topk, dtype)
-    if key not in _exchanges:
+    def create() -> _Exchange:
         runtime.check_not_capturing(f"MoE exchange of {tokens} tokens x {hidden} ({dtype}), top-{topk}")
-        world = runtime.world_size()
+        world = state.size
         rows, meta = (world, tokens, hidden), (world, tokens, topk)
-        _exchanges[key] = _Exchange(
-            zeros(rows, dtype=dtype), zeros(meta, dtype=torch.int32), zeros(meta, dtype=torch.float32),
-            zeros(meta, dtype=torch.int32), zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32),
-            zeros((2, *rows), dtype=dtype), torch.zeros(1, dtype=torch.int32, device=runtime.device()),
-            torch.zeros(1, dtype=torch.int32, device=runtime.device()))
-    return _exchanges[key]
+        return _Exchange(
+            allocate(state, rows, dtype), allocate(state, meta, torch.int32), allocate(state, meta, torch.float32),
+            allocate(state, meta, torch.int32), allocate(state, (world,), torch.int32),
+            allocate(state, (world,), torch.int32), allocate(state, (2, *rows), dtype),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()), state)
+
+    return state.exchange(("moe", tokens, hidden, topk, dtype), create)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -634,29 +639,29 @@ def _raise_bad_ids() -> None:
                              f"got {low}..{high} ({found} out of range, not sent)")
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                   low_latency: bool) -> None:
+def _check_routing(state: GroupState, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   num_experts: int, low_latency: bool) -> None:
     """Shapes are checked locally and, at a shape's first call, across ranks, with what the
     dispatch kernel's plan derives from (its blocks and groups must match across ranks).
 
     Expert ids are checked on the device, without a host round trip: see :func:`moe_dispatch`.
     """
     check_input(x, "x")
-    world = runtime.world_size()
+    world = state.size
     if x.dim() != 2:
         raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
     if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_dispatch: topk_idx {tuple(topk_idx.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, topk)")
     if num_experts % world:
-        raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
-    check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
+        raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the group size {world}")
+    check_same_across_ranks(state, "moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
                                              f"low_latency={low_latency}", f"SMs={sm_count()}"])
 
 
-def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
-              slot: torch.Tensor, send_counts: torch.Tensor, expert_send_counts: torch.Tensor,
-              low_latency: bool) -> tuple[torch.Tensor, ...]:
+def _dispatch(state: GroupState, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+              expert_slot: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
+              expert_send_counts: torch.Tensor, low_latency: bool) -> tuple[torch.Tensor, ...]:
     """Every token to its destinations, and what this rank receives grouped by local expert,
     from the routing kernel's outputs; no host round trip.
 
@@ -664,11 +669,11 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
     ``position`` (received rows, topk); and the rows received from each source.
     """
-    world = runtime.world_size()
+    world, group = state.size, state.process_group
     (tokens, hidden), topk = x.shape, idx.shape[1]
     per_rank = expert_send_counts.numel() // world
-    rows = grouped_rows(tokens, topk, per_rank)
-    ex = _exchange(tokens, hidden, topk, x.dtype)
+    rows = grouped_rows(tokens, topk, per_rank, group=group)
+    ex = _exchange(state, tokens, hidden, topk, x.dtype)
     sms = sm_count()
     blocks, _, _, groups = dispatch_plan(world, tokens, sms, low_latency)
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -677,16 +682,18 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     weight = torch.empty(rows, dtype=torch.float32, device=x.device)
     source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
     recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency)
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency, group=group)
     kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
            ex.counts, ex.int32("expert counts", (world, per_rank)),
            ex.int32("ranges", (world, blocks, groups, 2)), ex.int32("progress", (world, blocks)),
-           ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x)
+           ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x,
+           group=group)
     return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                 low_latency: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+                 low_latency: bool = False, *, group: dist.ProcessGroup | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
     Example::
@@ -717,12 +724,16 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     not wait for the device, in the first dispatch or combine on this rank that finds the
     check done (usually the combine of the same step).
 
+    ``group``: the expert-parallel process group (None: the whole job); experts are split
+    over its ranks, and the handle remembers it for ``moe_combine`` / ``moe_redispatch``.
+
     CUDA graphs: a dispatch (and a combine) can be captured once its shapes have run
     eagerly, and replayed; each call's state lives on the device. Calls captured into a
     graph do not check expert ids (out-of-range ids are still routed nowhere).
     """
-    _check_routing(x, topk_idx, topk_weights, num_experts, low_latency)
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    _check_routing(state, x, topk_idx, topk_weights, num_experts, low_latency)
+    world = state.size
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     dev = x.device
@@ -736,16 +747,17 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
     send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
     expert_send_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
-    route_kernel(world, tokens, topk, num_experts)(idx, dest, slot, send_counts, expert_slot, expert_send_counts, bad)
+    route_kernel(world, tokens, topk, num_experts, group=group)(idx, dest, slot, send_counts, expert_slot,
+                                                                expert_send_counts, bad)
     capturing = _capturing(x)
     recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _dispatch(
-        x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
+        state, x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
     if not capturing:
         _watch_ids(bad, idx, num_experts)  # queued behind the exchange: read at the end of this call or a later one
     handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
                             send_counts=send_counts, expert_send_counts=expert_send_counts, recv_counts=recv_counts,
                             position=position, counts=counts, offsets=offsets, row_expert=row_expert,
-                            source_row=source_row)
+                            source_row=source_row, group=group)
     if not capturing:
         _raise_bad_ids()
     return recv_x, recv_w, counts, handle
@@ -766,8 +778,9 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     check_input(x, "x")
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
-    check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)])
-    return _dispatch(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+    state = runtime.group_state(handle.group)
+    check_same_across_ranks(state, "moe_redispatch", [*x.shape, str(x.dtype)])
+    return _dispatch(state, x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
                      handle.expert_send_counts, low_latency=False)[0]
 
 
@@ -786,7 +799,8 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
         _raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
     check_input(expert_out, "expert_out")
     check_input(recv_weights, "recv_weights")
-    world = runtime.world_size()
+    state = runtime.group_state(handle.group)
+    world = state.size
     tokens = handle.tokens
     rows, hidden = expert_out.shape
     if rows != handle.row_expert.shape[0] or recv_weights.shape != (rows,):
@@ -794,9 +808,10 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
                          f"({handle.row_expert.shape[0]},), got {tuple(expert_out.shape)} and "
                          f"{tuple(recv_weights.shape)}")
     topk = handle.position.shape[1]
-    ex = _exchange(tokens, hidden, topk, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
-    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count())
+    # expert_out's hidden size and dtype may differ from x's
+    ex = _exchange(state, tokens, hidden, topk, expert_out.dtype)
+    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count(), group=handle.group)
     out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
-           handle.dest, handle.slot, ex.back, out, ex.combines)
+           handle.dest, handle.slot, ex.back, out, ex.combines, group=handle.group)
     return out

@@ -37,10 +37,11 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
-from tilescale.symmetric import zeros
+from tilescale.symmetric import allocate
 
 # Blocks of the all-gather GEMM kernel that push rows to the peers (the rest compute tiles):
 # on 2x H200, 32 beat 8 and 16 at three of the four benchmark shapes
@@ -286,15 +287,15 @@ class _Exchange:
         self.state += step
 
 
-_exchanges: dict[tuple, _Exchange] = {}
+def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
+    """The group's exchange of ``key`` (its buffers allocated, collectively, at first use)."""
 
-
-def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
-    if key not in _exchanges:
+    def create() -> _Exchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
-                                    torch.zeros(2, dtype=torch.int32, device=runtime.device()))
-    return _exchanges[key]
+        return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
+                         torch.zeros(2, dtype=torch.int32, device=runtime.device()))
+
+    return state.exchange(("tp_gemm", *key), create)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -351,7 +352,8 @@ def _choose(plan: str | None, rows: int) -> str:
 
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS) -> torch.Tensor:
+                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS, *,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -360,26 +362,28 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
     this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`);
-    ``push_blocks``: its blocks that push rows to the peers (the rest compute).
+    ``push_blocks``: its blocks that push rows to the peers (the rest compute). ``group``:
+    the tensor-parallel process group (None: the whole job); ``world`` is its size.
     """
     _check_pair(a_shard, weight)
     if push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a_shard.shape, weight.shape[0]
-    check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
+    check_same_across_ranks(state, "all_gather_gemm", [m, k, n, str(a_shard.dtype)])
     if _choose(plan, world * m) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
-        dist.all_gather_into_tensor(gathered, a_shard)
+        dist.all_gather_into_tensor(gathered, a_shard, group=group)
         return gathered @ weight.T
     tile = tile or choose_tile(world * m, n)
     padded = -(-m // tile.block_M) * tile.block_M
-    ex = _exchange(("ag", padded, k, a_shard.dtype, tile.block_M), (world * padded, k), a_shard.dtype,
+    ex = _exchange(state, ("ag", padded, k, a_shard.dtype, tile.block_M), (world * padded, k), a_shard.dtype,
                    world * padded // tile.block_M)
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile)
+    kernel = ag_gemm_kernel(world, tl_dtype(a_shard), m, padded, k, n, push_blocks, tile, group=group)
     ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
+    kernel(a_shard, ex.buffers, weight, out, ex.flags, ex.state, group=group)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -411,27 +415,29 @@ def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[
     return padded, tiles, k_splits(owners * tiles, k, tile.block_K)
 
 
-def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
+def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
                       plan: tuple[int, int, int]) -> torch.Tensor:
     """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s."""
-    world = runtime.world_size()
+    world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
     padded, tiles, splits = plan
     slots = world * splits
-    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
+    ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
+                   world)
     ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state)
+    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)(a, weight, ex.buffers, ex.flags,
+                                                                                ex.state, group=group)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
-    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state)
+    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, group=group)
     return out
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                        tile: TileConfig | None = None) -> torch.Tensor:
+                        tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce-scatter over rows of ``a @ weight.T`` (row parallel), the sends overlapped with the GEMM.
 
     Example::
@@ -440,24 +446,26 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
     (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`; K is split
-    where its tiles are too few for the SMs, see :func:`k_splits`).
+    where its tiles are too few for the SMs, see :func:`k_splits`). ``group``: the
+    tensor-parallel process group (None: the whole job); ``world`` is its size.
     """
     _check_pair(a, weight)
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a.shape, weight.shape[0]
     if m % world:
-        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the world size {world}")
-    check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)])
+        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the group size {world}")
+    check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)])
     if _choose(plan, m) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        dist.reduce_scatter_tensor(out, a @ weight.T)
+        dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
         return out
     tile = tile or choose_tile(m, n, split_k=True)
-    return _gemm_then_reduce(a, weight, world, tile, reduce_plan(m, k, n, world, tile))
+    return _gemm_then_reduce(state, a, weight, world, tile, reduce_plan(m, k, n, world, tile))
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None) -> torch.Tensor:
+                    tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` for small M (decode): partial tiles are pushed as they finish.
 
     Example::
@@ -467,27 +475,30 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused, where every output tile fits on its own SM with K whole (decode shapes), one
     kernel does it all (:func:`all_reduce_gemm_kernel`); else a GEMM kernel pushes partial
     tiles (K split where the tiles are few) and a second kernel sums them. Every rank gets
-    the same bits: partials are summed in rank order.
+    the same bits: partials are summed in rank order. ``group``: the tensor-parallel
+    process group (None: the whole job).
     """
     _check_pair(a, weight)
+    state = runtime.group_state(group)
     (m, k), n = a.shape, weight.shape[0]
-    check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
+    check_same_across_ranks(state, "gemm_all_reduce", [m, k, n, str(a.dtype)])
     # Unless asked, fused on the CPU path only: on 2x H200 the fused all-reduce lost to cuBLAS +
     # NCCL at M = 128 and 1024 (0.73x, 0.93x), the rows it is for (one row count for both).
     # That was the two-kernel plan with K split; the one-kernel plan below has run on one GPU
     # only (1.15x cuBLAS alone as a graph replay, no link traffic).
     if _choose(plan, FUSED_MIN_ROWS) == "unfused":
         out = a @ weight.T
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
     if splits > 1 or tiles > sm_count():  # one kernel needs whole K per tile and every tile resident
-        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
-    world = runtime.world_size()
+        return _gemm_then_reduce(state, a, weight, 1, tile, (padded, tiles, splits))
+    world = state.size
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles), (world * padded, n), a.dtype, tiles)
+    ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles), (world * padded, n), a.dtype, tiles)
     ex.advance((world - 1) * (tile.threads // 32))  # each peer's consumer warps signal each tile once per call
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile)(a, weight, ex.buffers, out, ex.flags, ex.state)
+    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, group=group)(a, weight, ex.buffers, out, ex.flags,
+                                                                          ex.state, group=group)
     return out
