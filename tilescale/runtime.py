@@ -332,9 +332,11 @@ def _allocate_sync_workspace(state: GroupState) -> None:
 def _group_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks of ``group`` by rank within it; ValueError where this rank is not one."""
     me = current().group.rank
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"rank {me} called a tilescale operation on a process group it is not a member of "
-                         "(torch.distributed gave this rank GroupMember.NON_GROUP_MEMBER for it)")
+    if not isinstance(group, dist.ProcessGroup):
+        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"rank {me} called a tilescale operation on a process group it is not a member of "
+                             "(torch.distributed gave this rank GroupMember.NON_GROUP_MEMBER for it)")
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     ranks = dist.get_process_group_ranks(group)
     if me not in ranks:
         raise ValueError(f"rank {me} called a tilescale operation on the process group of ranks {ranks}, "
@@ -371,7 +373,7 @@ def group_state(group: dist.ProcessGroup | None = None) -> GroupState:
     rt = current()
     if _is_job(group):
         return rt.groups[None]
-    state = rt.groups.get(group.group_name)
+    state = rt.groups.get(group.group_name) if isinstance(group, dist.ProcessGroup) else None
     if state is not None and state.process_group is group:
         return state
     return _create_group_state(rt, group)
@@ -399,7 +401,8 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
     if any(name != group.group_name for name, _ in seen):
         detail = "; ".join(f"rank {r}: '{name}'" for r, (name, _) in zip(ranks, seen, strict=True))
         raise ValueError(f"the process group of ranks {ranks} has different torch names on its ranks ({detail}): "
-                         "process groups were created in different orders on different ranks")
+                         "process groups were created in different orders on different ranks, or ranks passed "
+                         "different groups of the same ranks")
     local = [r for r, (_, n) in enumerate(seen) if n == node]
     comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
     if rt.backend.name == "nvshmem":

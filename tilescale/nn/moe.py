@@ -14,6 +14,7 @@ single-process MoE with the same weights, forward and backward.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tilescale import ops, runtime
@@ -40,13 +41,17 @@ class ExpertParallelMoE(nn.Module):
 
     ``low_latency=True``: dispatch in low-latency mode (decode batches, see
     ``ts.ops.moe_dispatch``). The forward has no host synchronisation, so a decode step can
-    be captured in a CUDA graph (``examples/moe_decode_graph.py``).
+    be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the
+    expert-parallel process group whose ranks hold the experts (None: the whole job).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False,
+                 group: dist.ProcessGroup | None = None):
         super().__init__()
-        world, rank = runtime.world_size(), runtime.rank()
+        state = runtime.group_state(group)
+        world, rank = state.size, state.rank
+        self.group = group
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size {world}")
         if not 1 <= topk <= num_experts:
@@ -68,7 +73,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency)
+        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency,
+                                                    self.group)
         h = nn.functional.gelu(_GroupedGemm.apply(recv_x, self.w1, handle).float()).to(x.dtype)
         out = _GroupedGemm.apply(h, self.w2, handle)
         return _Combine.apply(out, recv_w, handle)
@@ -84,8 +90,9 @@ class _Dispatch(torch.autograd.Function):
     combine), and each routing weight's gradient sent back from the row that carried it."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, num_experts, low_latency):  # noqa: ANN001, ANN205 - autograd signature
-        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
+    def forward(ctx, x, weights, experts, num_experts, low_latency, group):  # noqa: ANN001, ANN205 - autograd signature
+        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
+                                                     group=group)
         ctx.handle = handle
         return recv_x, recv_w, handle
 
@@ -103,7 +110,7 @@ class _Dispatch(torch.autograd.Function):
         by_k = torch.zeros(rows + 1, topk, dtype=torch.float32, device=d_recv_w.device)
         by_k[target, torch.arange(topk, device=target.device).expand_as(target)] = padded[target]
         d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle)
-        return d_x, d_weights, None, None, None
+        return d_x, d_weights, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -23,44 +23,47 @@ from torch import nn
 from tilescale import ops, runtime
 
 
-def _all_gather_rows(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(runtime.world_size() * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous())
+def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = torch.empty(runtime.group_size(group) * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
 
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return ops.all_gather_gemm(x.contiguous(), weight)
+        ctx.group = group
+        return ops.all_gather_gemm(x.contiguous(), weight, group=group)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = ops.gemm_reduce_scatter(dy, weight.T.contiguous())
-        dw = dy.T @ _all_gather_rows(x)
-        return dx, dw
+        dx = ops.gemm_reduce_scatter(dy, weight.T.contiguous(), group=ctx.group)
+        dw = dy.T @ _all_gather_rows(x, ctx.group)
+        return dx, dw, None
 
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return ops.gemm_reduce_scatter(x.contiguous(), weight)
+        ctx.group = group
+        return ops.gemm_reduce_scatter(x.contiguous(), weight, group=group)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = ops.all_gather_gemm(dy, weight.T.contiguous())
-        dw = _all_gather_rows(dy).T @ x
-        return dx, dw
+        dx = ops.all_gather_gemm(dy, weight.T.contiguous(), group=ctx.group)
+        dw = _all_gather_rows(dy, ctx.group).T @ x
+        return dx, dw, None
 
 
-def _shard_rows(full: torch.Tensor, dim: int) -> torch.Tensor:
-    world, rank = runtime.world_size(), runtime.rank()
+def _shard_rows(full: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    state = runtime.group_state(group)
+    world, rank = state.size, state.rank
     if full.shape[dim] % world:
         raise ValueError(f"dimension {dim} of the weight ({full.shape[dim]}) is not divisible by {world} ranks")
     return full.chunk(world, dim=dim)[rank].contiguous()
@@ -74,22 +77,25 @@ def _full_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor
 
 
 class _ParallelLinear(nn.Module):
-    """``y = x @ W.T`` with this rank's shard of W (split along ``shard_dim``) and a fused op."""
+    """``y = x @ W.T`` with this rank's shard of W (split along ``shard_dim``) and a fused op
+    over the tensor-parallel process group ``group`` (None: the whole job)."""
 
     shard_dim: int
     function: type[torch.autograd.Function]
 
     def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
+                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None):
         super().__init__()
+        self.group = group
         full = weight if weight is not None else _full_weight(out_features, in_features, seed)
         if tuple(full.shape) != (out_features, in_features):
             raise ValueError(f"weight must be ({out_features}, {in_features}), got {tuple(full.shape)}")
-        shard = _shard_rows(full, self.shard_dim).to(dtype=dtype, device=device or runtime.device())
+        shard = _shard_rows(full, self.shard_dim, group).to(dtype=dtype, device=device or runtime.device())
         self.weight = nn.Parameter(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.function.apply(x, self.weight)
+        return self.function.apply(x, self.weight, self.group)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -128,10 +134,12 @@ class TensorParallelMLP(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, *, up: torch.Tensor | None = None, down: torch.Tensor | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
+                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None):
         super().__init__()
-        self.up = ColumnParallelLinear(hidden, ffn, weight=up, seed=seed, dtype=dtype, device=device)
-        self.down = RowParallelLinear(ffn, hidden, weight=down, seed=seed + 1, dtype=dtype, device=device)
+        self.up = ColumnParallelLinear(hidden, ffn, weight=up, seed=seed, dtype=dtype, device=device, group=group)
+        self.down = RowParallelLinear(ffn, hidden, weight=down, seed=seed + 1, dtype=dtype, device=device,
+                                      group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x)))
