@@ -9,14 +9,10 @@ misuse is a clear error on the ranks concerned within seconds, and the job goes 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
 from cpu_jobs import run_cpu
 
-ROOT = Path(__file__).resolve().parent.parent
 RANKS = "tests/ranks"
 # Every misuse must fail fast: far below the collective timeout (120 s) a hang would run into.
 FAST_S = 10.0
@@ -74,7 +70,3 @@ def test_dp_tp_ep_training_example_matches_its_single_process_reference():
     result = run_cpu("examples/dp_tp_ep_training.py", 4)
     assert result.returncode == 0, _explain(result)
     assert result.stdout.count("MATCHES-REFERENCE") == 4, _explain(result)
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))

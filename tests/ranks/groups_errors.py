@@ -40,10 +40,8 @@ def case(name: str, call) -> None:
         print(f"CASE {name} none {time.monotonic() - start:.2f}", flush=True)
 
 
-def main() -> None:
-    rt = ts.init()
-    rank = ts.rank()
-    print(f"JOB {rt.group.job_id}", flush=True)
+def run_cases(rank: int) -> None:
+    """Every case, then an op on each group (the job still works); its groups die on return."""
     tp_groups = [ts.new_group(r) for r in ([0, 1], [2, 3])]
     dp_groups = [ts.new_group(r) for r in ([0, 2], [1, 3])]
     tp, other_tp = tp_groups[rank // 2], tp_groups[1 - rank // 2]
@@ -76,7 +74,12 @@ def main() -> None:
     # The job still works: an op on each group.
     assert torch.equal(ts.ops.all_reduce(torch.ones(4), group=tp), torch.full((4,), 2.0))
     assert torch.equal(ts.ops.all_reduce(torch.ones(4), group=dp), torch.full((4,), 2.0))
-    del tp_groups, dp_groups, tp, other_tp, dp, twins
+
+
+def main() -> None:
+    rt = ts.init()
+    print(f"JOB {rt.group.job_id}", flush=True)
+    run_cases(ts.rank())
     ts.finalize()
     print("ERRORS-DONE", flush=True)
 
