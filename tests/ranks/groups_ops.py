@@ -3,9 +3,12 @@
 With 4 ranks: TP groups {0,1} {2,3}, DP groups {0,2} {1,3} and an EP group of all four;
 with 2 ranks: TP groups {0} {1}, DP = EP = a group of both. Symmetric tensors, peer views,
 a ``ts.jit`` kernel, every collective, put/get, the fused TP GEMMs and MoE dispatch/combine
-run on each group, calls of different groups interleaved, each result compared with gloo's
-on the same group; then finalize and init again must start clean. Prints ``GROUPS-OK``.
+run on each group, calls of different groups interleaved (and, from two threads, in flight
+at once), each result compared with gloo's on the same group; then finalize and init again
+must start clean. Prints ``GROUPS-OK``.
 """
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -142,6 +145,31 @@ def check_collectives(groups: dict[str, dist.ProcessGroup], rank: int, gen: torc
         ts.barrier(group=g)
 
 
+def check_concurrent(groups: dict[str, dist.ProcessGroup], rank: int) -> None:
+    """Ops of the TP and the DP group in flight at once, from two threads of each rank."""
+    errors = []
+
+    def run(name: str, base: float) -> None:
+        g = groups[name]
+        members = dist.get_process_group_ranks(g)
+        try:
+            for i in range(4):
+                x = torch.full((40,), base + rank + i)
+                want = sum(base + r + i for r in members)
+                assert torch.equal(ts.ops.all_reduce(x, group=g), torch.full((40,), want)), (name, i, x)
+                y = torch.full((3, 2), base + rank * 10 + i)
+                assert torch.equal(ts.ops.all_gather(y, group=g), reference_all_gather(y, g)), (name, i)
+        except Exception as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(f"{name}: {err!r}")
+
+    threads = [threading.Thread(target=run, args=(name, base)) for name, base in (("tp", 0.0), ("dp", 100.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def check_tp_gemms(g: dist.ProcessGroup, gen: torch.Generator) -> None:
     size = dist.get_world_size(g)
     m, k, n = 32, 64, 48
@@ -189,6 +217,7 @@ def main() -> None:
     check_symmetric(groups)
     check_kernels(groups)
     check_collectives(groups, rank, gen)
+    check_concurrent(groups, rank)
     check_tp_gemms(groups["tp"], gen)
     check_tp_gemms(groups["ep"], gen)
     check_moe(groups["ep"], gen)
