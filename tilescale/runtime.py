@@ -385,6 +385,9 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
         raise ValueError(f"two process groups named '{group.group_name}' (ranks {rt.groups[group.group_name].ranks} "
                          f"and {ranks}): create groups with dist.new_group, in the same order on every rank")
     check_not_capturing(f"the first use of the process group of ranks {ranks}")
+    if rt.backend.name == "nvshmem":
+        raise NotImplementedError("process groups smaller than the job are not supported on the nvshmem backend yet "
+                                  "(its heap and PE numbering are job-wide); use cuda_ipc on one node")
     me = rt.group.rank
     creation = rt.group_creations.get(tuple(ranks), 0)
     rt.group_creations[tuple(ranks)] = creation + 1
@@ -405,9 +408,6 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
                          "different groups of the same ranks")
     local = [r for r, (_, n) in enumerate(seen) if n == node]
     comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
-    if rt.backend.name == "nvshmem":
-        raise NotImplementedError("process groups smaller than the job are not supported on the nvshmem backend yet "
-                                  "(its heap and PE numbering are job-wide); use cuda_ipc on one node")
     state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type))
     rt.groups[group.group_name] = state
     try:
