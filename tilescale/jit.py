@@ -138,17 +138,19 @@ class DistributedKernel:
         # Hidden arguments in order: a group's fixed value by name, or _TableOf a user argument.
         self._layout = [name if name in _FIXED else _TableOf(self.inputs.index(arg))
                         for name, arg in self.hidden.items()]
-        self._tables = [h.index for h in self._layout if isinstance(h, _TableOf)]
-        # The hidden values of each group this kernel has run over, checked at its first call there.
-        self._fixed: dict[int, tuple[GroupState, dict[str, Any]]] = {}
+        self._tables = [h.index for h in self._layout if isinstance(h, _TableOf)]  # user arguments
+        self._slots = [pos for pos, h in enumerate(self._layout) if isinstance(h, _TableOf)]  # where their tables go
+        # Per group this kernel has run over (checked at its first call there): the hidden
+        # arguments with its fixed values filled in, the tables' slots still None.
+        self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
         return self.kernel.get_kernel_source()
 
-    def _check_launch(self, rt: runtime.Runtime, state: GroupState) -> dict[str, Any]:
+    def _check_launch(self, rt: runtime.Runtime, state: GroupState) -> list[Any]:
         """Checks that hold for every call over this group, done at its first call there;
-        returns the group's fixed hidden arguments by name."""
+        returns the hidden arguments with the group's fixed values (None where a table goes)."""
         if self.world_size is not None and self.world_size != state.size:
             raise RuntimeError(f"kernel built for {self.world_size} ranks called over the {state.describe()} of "
                                f"{state.size} ranks: build it with group= of that group (see tilescale.jit)")
@@ -161,12 +163,13 @@ class DistributedKernel:
                     "guaranteed to be resident at once on this GPU; use at most one block per SM"
                 )
         sync = state.allocations[state.sync_workspace.untyped_storage().data_ptr()]
-        return {
+        fixed = {
             RANK_PARAM: state.rank,
             STATUS_PARAM: rt.wait_status.data_ptr(),
             TIMEOUT_PARAM: rt.wait_timeout_ns,
             SYNC_TABLE_PARAM: peer_table(sync, 0),
         }
+        return [None if isinstance(h, _TableOf) else fixed[h] for h in self._layout]
 
     def __call__(self, *args: Any, group: Any = None) -> Any:
         """Launch on ``args``; ``group`` (a ``torch.distributed.ProcessGroup``) names the group a
@@ -187,14 +190,16 @@ class DistributedKernel:
         found = self._fixed.get(id(state))
         if found is None or found[0] is not state:  # a released group's id may be reused
             found = self._fixed[id(state)] = (state, self._check_launch(rt, state))
-        fixed = found[1]
-        hidden = [tables[h.index] if isinstance(h, _TableOf) else fixed[h] for h in self._layout]
+        hidden = found[1].copy()
+        for slot, table in zip(self._slots, tables, strict=True):
+            hidden[slot] = table
         rt.last_kernel_args = (self.inputs, args)
         return self.kernel(*args, *hidden)
 
-    def _peer_tables(self, args: tuple) -> tuple[dict[int, torch.Tensor], GroupState | None]:
-        """Peer tables of the symmetric arguments by argument index, and their group (None if none)."""
-        tables: dict[int, torch.Tensor] = {}
+    def _peer_tables(self, args: tuple) -> tuple[list[torch.Tensor], GroupState | None]:
+        """Peer tables of the arguments accessed on other ranks (in ``_tables`` order), and
+        their group (None if none)."""
+        tables = []
         state = None
         for index in self._tables:
             found = lookup(args[index])
@@ -210,7 +215,8 @@ class DistributedKernel:
                 first = self.inputs[self._tables[0]]
                 raise ValueError(f"one kernel call mixes symmetric tensors of two groups: '{first}' of the "
                                  f"{state.describe()}, '{self.inputs[index]}' of the {entry.group.describe()}")
-            tables[index] = peer_table(entry, offset)
+            table = entry.ptr_tables.get(offset)
+            tables.append(table if table is not None else peer_table(entry, offset))
         return tables, state
 
 

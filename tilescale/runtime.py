@@ -27,7 +27,7 @@ import hashlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -427,9 +427,10 @@ def forget_group(state: GroupState) -> None:
             del _runtime.groups[key]
 
 
-def live_groups() -> list[GroupState]:
-    """Every group's state in this job (none before ``init``)."""
-    return list(_runtime.groups.values()) if _runtime is not None else []
+def live_groups() -> Collection[GroupState]:
+    """Every group's state in this job (none before ``init``): a live view, read on every
+    symmetric-tensor lookup (copy it to keep a snapshot)."""
+    return _runtime.groups.values() if _runtime is not None else ()
 
 
 def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:

@@ -234,7 +234,7 @@ def main() -> None:
     assert torch.equal(ts.ops.all_reduce(torch.ones(3), group=tp), torch.full((3,), float(old.size)))
 
     # finalize releases every group; init after it starts clean: no buffer of the first job reused.
-    states = ts.runtime.live_groups()
+    states = list(ts.runtime.live_groups())
     kept = [t for s in states for t in (s.sync_workspace, *s.workspaces.values())]  # mapped: addresses stay taken
     first_ptrs = {t.data_ptr() for t in kept}
     del groups, tp  # torch's groups hold the job's store: a new job cannot start while they live
@@ -246,7 +246,7 @@ def main() -> None:
     ep = ts.new_group(list(range(world)))
     assert torch.equal(ts.ops.all_reduce(torch.ones(5), group=ep), torch.full((5,), float(world)))
     assert torch.equal(ts.ops.all_reduce(torch.ones(5)), torch.full((5,), float(world)))
-    fresh = ts.runtime.live_groups()
+    fresh = list(ts.runtime.live_groups())
     assert not set(map(id, fresh)) & set(map(id, states))
     second = {t.data_ptr() for s in fresh for t in (s.sync_workspace, *s.workspaces.values())}
     assert second and not second & first_ptrs, "a buffer of the first job was reused"
