@@ -116,6 +116,10 @@ class GroupState:
         """
         if self.released:
             return
+        from tilescale import runtime  # runtime imports this module
+
+        if self.whole_job and runtime.is_initialized():
+            raise RuntimeError("the whole job's tilescale state is released by tilescale.finalize(), not by itself")
         if barrier:
             if self.backend.device_type == "cuda":
                 torch.cuda.synchronize()
@@ -130,6 +134,4 @@ class GroupState:
         # Nor may a state the caller keeps hold the job's store (and so its server) or torch's group.
         self.comm.store = None
         self.process_group = None
-        from tilescale import runtime  # runtime imports this module
-
         runtime.forget_group(self)

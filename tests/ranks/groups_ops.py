@@ -232,6 +232,11 @@ def main() -> None:
     assert old.released and not ts.is_symmetric(x)
     assert ts.group_state(tp) is not old
     assert torch.equal(ts.ops.all_reduce(torch.ones(3), group=tp), torch.full((3,), float(old.size)))
+    try:
+        ts.group_state(None).release()
+        raise AssertionError("the whole job's state must only be released by finalize")
+    except RuntimeError as err:
+        assert "finalize" in str(err), err
 
     # finalize releases every group; init after it starts clean: no buffer of the first job reused.
     states = list(ts.runtime.live_groups())
