@@ -54,6 +54,7 @@ def errors():
     ("put-into-another-group", "ValueError", "symmetric tensor of the group of ranks"),
     ("peer-view-of-another-group", "ValueError", "symmetric tensor of the group of ranks"),
     ("kernel-mixing-groups", "ValueError", "mixes symmetric tensors of two groups"),
+    ("kernel-built-for-another-size", "RuntimeError", "build it with group="),
     ("shapes-differ", "ValueError", "differs across ranks"),
 ])
 def test_misuse_is_a_clear_error_on_every_rank_within_seconds(errors, name, kind, words):

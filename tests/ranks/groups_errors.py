@@ -67,6 +67,8 @@ def run_cases(rank: int) -> None:
     case("put-into-another-group", lambda: ts.ops.put(x, on_tp, 0, group=dp))
     case("peer-view-of-another-group", lambda: ts.peer_view(on_tp, 0, group=dp))
     case("kernel-mixing-groups", lambda: copy_kernel(8, group=tp)(on_tp, on_dp))
+    # A kernel built for the whole job (4 ranks) called with tensors of a group of 2.
+    case("kernel-built-for-another-size", lambda: copy_kernel(8)(on_tp, on_tp))
 
     # Ranks of one group allocating different shapes: rank 1 and rank 3 ask for one more element.
     case("shapes-differ", lambda: ts.zeros((4 + rank % 2,), group=tp))
