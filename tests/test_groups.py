@@ -13,6 +13,8 @@ import re
 import pytest
 from cpu_jobs import run_cpu
 
+import tilescale as ts
+
 RANKS = "tests/ranks"
 # Every misuse must fail fast: far below the collective timeout (120 s) a hang would run into.
 FAST_S = 10.0
@@ -71,3 +73,10 @@ def test_dp_tp_ep_training_example_matches_its_single_process_reference():
     result = run_cpu("examples/dp_tp_ep_training.py", 4)
     assert result.returncode == 0, _explain(result)
     assert result.stdout.count("MATCHES-REFERENCE") == 4, _explain(result)
+
+
+def test_jit_factory_keyword_group_is_reserved():
+    with pytest.raises(TypeError, match="tilescale.jit's"):
+        @ts.jit
+        def factory(n: int, group: int):  # noqa: ARG001 - refused before any call
+            raise AssertionError("never built")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -295,6 +296,9 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
         if isinstance(factory, tirx.PrimFunc):
             return DistributedKernel(factory, out_idx, **compile_kwargs)
 
+        if "group" in inspect.signature(factory).parameters:
+            raise TypeError(f"{factory.__name__}: the factory keyword 'group' is tilescale.jit's (the process group "
+                            "a kernel is built for); rename the factory's parameter")
         compiled: dict[tuple, DistributedKernel] = {}
 
         @functools.wraps(factory)
