@@ -81,8 +81,8 @@ class GroupState:
         return self.comm.ranks
 
     def describe(self) -> str:
-        """How errors name the group: ``"the whole job"`` or ``"group of ranks [0, 2]"``."""
-        return "the whole job" if self.whole_job else f"group of ranks {self.ranks}"
+        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
+        return "whole job" if self.whole_job else f"group of ranks {self.ranks}"
 
     def exchange(self, key: tuple, create: Callable[[], Any]) -> Any:
         """The op state stored under ``key``, made by ``create()`` at its first use.

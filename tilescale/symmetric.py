@@ -70,8 +70,8 @@ def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> to
         for r, req in zip(state.ranks, requests, strict=True):
             groups.setdefault(f"shape={tuple(req[0])} dtype={req[1]}", []).append(r)
         detail = "; ".join(f"ranks {ranks}: {what}" for what, ranks in groups.items())
-        raise ValueError(f"symmetric allocation #{tag.split('/')[1]} of the {state.describe()} differs across "
-                         f"ranks: {detail}")
+        where = "" if state.whole_job else f" of the {state.describe()}"
+        raise ValueError(f"symmetric allocation #{tag.split('/')[1]}{where} differs across ranks: {detail}")
     nbytes = math.prod(dims) * dtype.itemsize
     local, allocation = state.backend.allocate(nbytes, tag)
     storage = local.untyped_storage()

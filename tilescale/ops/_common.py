@@ -100,5 +100,6 @@ def check_same_across_ranks(state: GroupState, what: str, value: list) -> None:
     values = state.comm.exchange(state.comm.next_tag(what), value)
     if any(v != value for v in values):
         detail = "; ".join(f"rank {r}: {v}" for r, v in zip(state.ranks, values, strict=True))
-        raise ValueError(f"{what}: shapes differ across the ranks of the {state.describe()} ({detail})")
+        where = "" if state.whole_job else f" of the {state.describe()}"
+        raise ValueError(f"{what}: shapes differ across ranks{where} ({detail})")
     state.verified.add(key)
