@@ -153,6 +153,8 @@ class DistributedKernel:
         """Checks that hold for every call over this group, done at its first call there;
         returns the hidden arguments with the group's fixed values (None where a table goes)."""
         if self.world_size is not None and self.world_size != state.size:
+            if state.whole_job:
+                raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {state.size}")
             raise RuntimeError(f"kernel built for {self.world_size} ranks called over the {state.describe()} of "
                                f"{state.size} ranks: build it with group= of that group (see tilescale.jit)")
         state.backend.check_lowering(self.remote)
