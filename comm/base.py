@@ -3,10 +3,12 @@
 A backend owns symmetric memory: one allocation of the same size on every rank. What a
 backend must provide, and where tilescale uses it:
 
-1. **init / finalize**: ``__init__(group)`` joins the job's ranks (``group`` carries rank,
-   world size and a deadline-bounded ``exchange`` over the job's store, for bootstrap
-   data such as NVSHMEM's unique id); :meth:`CommBackend.finalize` releases everything,
-   allocations included, when ``tilescale.finalize`` runs.
+1. **init / finalize**: ``__init__(group)`` joins the ranks of ``group`` (the whole job,
+   or one process group: tilescale creates a backend per group, see ``tilescale.groups``;
+   ``group`` carries rank and size within it, its global ranks, and a deadline-bounded
+   ``exchange`` over a store prefix of its own, for bootstrap data such as NVSHMEM's
+   unique id); :meth:`CommBackend.finalize` releases everything, allocations included,
+   when the group is released (``tilescale.finalize`` releases every group).
 2. **symmetric allocation**: :meth:`CommBackend.allocate`, collective, zeroed memory that
    every rank may write into as soon as the call returns.
 3. **peer reachability**: :class:`SymmetricAllocation` ``peer_ptrs[r]`` is rank r's copy

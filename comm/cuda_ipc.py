@@ -74,7 +74,8 @@ class CudaIpcBackend(CommBackend):
         blocked = [d for d in others if not torch.cuda.can_device_access_peer(me, d)]
         if blocked:
             raise RuntimeError(f"GPU {me} cannot reach GPUs {blocked} directly (no P2P); cuda_ipc needs peer access")
-        self._group_name = dist.group.WORLD.group_name
+        # torch's name of the group whose ranks meet in each allocation's rendezvous.
+        self._group_name = group.process_group_name or dist.group.WORLD.group_name
         gpus = group.exchange(group.next_tag("gpu-uuid"), str(torch.cuda.get_device_properties(me).uuid))
         self.gpus_shared = len(set(gpus)) < len(gpus)
 

@@ -33,14 +33,19 @@ class PeerExitedError(RuntimeError):
 class Group:
     """Rank, world size and a deadline-bounded exchange over a c10d store.
 
+    For a process group smaller than the job, ``rank`` / ``world_size`` / ``local_*`` are
+    this process's place within the group, ``ranks`` the group's global ranks (index = rank
+    within the group), ``store`` a prefix of the job's store that only this group uses, and
+    ``job_id`` unique to the group (it names the group's shared-memory segments).
+    ``process_group_name`` is torch's name of the group (symmetric-memory rendezvous).
     ``exits`` is the store where a rank's exit is published (by ``tilescale run``, or by the
-    rank's own exit hook; see ``tilescale.launch.rendezvous``), keyed by the rank as this
-    group numbers it: a wait for an exited rank raises :class:`PeerExitedError` at once
-    rather than at its deadline.
+    rank's own exit hook; see ``tilescale.launch.rendezvous``), keyed by global rank: a wait
+    for an exited rank raises :class:`PeerExitedError` at once rather than at its deadline.
     """
 
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
-                 store: dist.Store, job_id: str, exits: dist.Store | None = None):
+                 store: dist.Store, job_id: str, exits: dist.Store | None = None, ranks: list[int] | None = None,
+                 process_group_name: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -48,6 +53,8 @@ class Group:
         self.store = store
         self.job_id = job_id
         self.exits = exits
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
+        self.process_group_name = process_group_name
         self._counts: dict[str, int] = {}
 
     def next_tag(self, kind: str) -> str:
@@ -75,8 +82,8 @@ class Group:
             return [json.loads(self.store.get(k)) for k in keys]
         except dist.DistError:  # the store's host (rank 0, or the launcher) is gone
             raise RuntimeError(
-                f"rank {self.rank}: lost the job's store at '{tag}': the process hosting it (rank 0, or the "
-                "launcher) has exited or crashed"
+                f"rank {self.ranks[self.rank]}: lost the job's store at '{tag}': the process hosting it (rank 0, "
+                "or the launcher) has exited or crashed"
             ) from None
 
     def _wait(self, keys: list[str], tag: str, timeout_s: float) -> None:
@@ -89,26 +96,26 @@ class Group:
                 exited = self._exited(missing)
                 if exited:
                     raise PeerExitedError(
-                        f"rank {self.rank}: waiting at '{tag}' for "
-                        + ", ".join(f"rank {r}, which {how}" for r, how in exited.items())
-                        + (f"; also missing: ranks {sorted(set(missing) - set(exited))}" if len(exited) < len(missing)
-                           else "")
+                        f"rank {self.ranks[self.rank]}: waiting at '{tag}' for "
+                        + ", ".join(f"rank {self.ranks[r]}, which {how}" for r, how in exited.items())
+                        + (f"; also missing: ranks {[self.ranks[r] for r in sorted(set(missing) - set(exited))]}"
+                           if len(exited) < len(missing) else "")
                     )
                 if now - start >= timeout_s:
                     raise TimeoutError(
-                        f"rank {self.rank}: ranks {missing} did not reach '{tag}' within {timeout_s:g} s "
-                        f"(did they crash, or call collective operations in a different order?)"
+                        f"rank {self.ranks[self.rank]}: ranks {[self.ranks[r] for r in missing]} did not reach '{tag}' "
+                        f"within {timeout_s:g} s (did they crash, or call collective operations in a different order?)"
                     )
                 next_exit_check = now + _EXIT_CHECK_S
             time.sleep(pause)
             pause = min(2 * pause, _MAX_PAUSE_S)
 
     def _exited(self, ranks: list[int]) -> dict[int, str]:
-        """Which of ``ranks`` have exited, and how (from the exit keys)."""
+        """Which of ``ranks`` (numbered within this group) have exited, and how (from the exit keys)."""
         if self.exits is None:
             return {}
-        return {r: describe_exit(self.exits.get(exit_key(r)).decode())
-                for r in ranks if self.exits.check([exit_key(r)])}
+        keys = {r: exit_key(self.ranks[r]) for r in ranks}
+        return {r: describe_exit(self.exits.get(k).decode()) for r, k in keys.items() if self.exits.check([k])}
 
     def barrier(self, tag: str | None = None, timeout_s: float | None = None) -> None:
         """A deadline-bounded host barrier over the store."""

@@ -21,6 +21,7 @@ if (_Path(__file__).parent.parent / "comm" / "group.py").is_file():
 
 from tilescale import nn, ops  # noqa: E402
 from tilescale.errors import ShapeMismatchError, WaitTimeoutError
+from tilescale.groups import GroupState
 from tilescale.jit import jit
 from tilescale.runtime import (
     backend_name,
@@ -29,9 +30,11 @@ from tilescale.runtime import (
     current,
     device,
     finalize,
+    group_state,
     init,
     is_initialized,
     local_rank,
+    new_group,
     rank,
     synchronize,
     world_size,
@@ -41,6 +44,7 @@ from tilescale.symmetric import empty, is_symmetric, peer_ptrs, peer_view, zeros
 __version__ = "0.1.0"
 
 __all__ = [
+    "GroupState",
     "ShapeMismatchError",
     "WaitTimeoutError",
     "backend_name",
@@ -50,11 +54,13 @@ __all__ = [
     "device",
     "empty",
     "finalize",
+    "group_state",
     "init",
     "is_initialized",
     "is_symmetric",
     "jit",
     "local_rank",
+    "new_group",
     "nn",
     "ops",
     "peer_ptrs",

@@ -369,14 +369,17 @@ class _Block:
                       observed=theirs, kind=MISMATCH)
         runtime.current().wait_status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
 
-    def announce(self, table: torch.Tensor, ident: int) -> None:
-        """``T.announce``: ``ident`` into this rank's slot of every rank's board (row: call number % 2)."""
+    def announce(self, table: torch.Tensor, rank: int, ident: int) -> None:
+        """``T.announce``: ``ident`` into slot ``rank`` (this rank's in the kernel's group) of every
+        rank's board (row: call number % 2)."""
         world = len(table)
         for address in table.tolist():
             memory, offset = self.launch.memory_at(int(address), 16 * world, "board", self._where())
-            memory.data[offset:offset + 16 * world].view(torch.int64)[(ident >> 32) % 2 * world + self.rank] = ident
+            memory.data[offset:offset + 16 * world].view(torch.int64)[(ident >> 32) % 2 * world + rank] = ident
 
-    def barrier(self, table: torch.Tensor, world: int) -> None:
+    def barrier(self, table: torch.Tensor, rank: int, world: int) -> None:
+        """``T.barrier()`` of every block of the ``world`` ranks of ``table`` (the kernel's group;
+        ``rank`` is this rank's index in it)."""
         launch = self.launch
         leader = True
         if launch.block_barrier is not None:
@@ -384,7 +387,7 @@ class _Block:
         if leader:
             kernel = launch.kernel
             words = self._sync_words(table)
-            mine = words[kernel.rank]
+            mine = words[rank]
             epoch = int(mine[32])
             with kernel.atomic():
                 for w in words:
@@ -402,17 +405,17 @@ class _Block:
         areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
         return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
 
-    def agree(self, table: torch.Tensor, world: int, signature: int) -> int:
+    def agree(self, table: torch.Tensor, rank: int, world: int, signature: int) -> int:
         """``T.agree``: as ``tilescale::grid_agree``, block 0 puts the call's signature into every
         rank's workspace, a barrier, then the signatures received compared with this one; a
         difference is recorded in the wait-status record."""
         words = self._sync_words(table)
-        mine = words[self.rank]
+        mine = words[rank]
         slots = runtime.SYNC_WORKSPACE_WORDS + int(mine[32]) % 2 * world  # before the barrier: one epoch
         if self.block_id == 0:
             for w in words:
-                w[slots + self.rank] = signature
-        self.barrier(table, world)
+                w[slots + rank] = signature
+        self.barrier(table, rank, world)
         status = runtime.current().wait_status
         with self.launch.lock:
             if int(status[0]) != 0:
@@ -444,11 +447,11 @@ class _Block:
                 agree = (self.tensor(args[6].args[0].buffer), int(self.eval(args[8])))
             self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])), agree)
         elif name == "tilescale::announce":
-            self.announce(self.env[args[0]], int(self.eval(args[3])))
+            self.announce(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[3])))
         elif name == "tilescale::block_fence":
             pass  # host memory through one coherent address space: program order is enough
         elif name == "tilescale::grid_barrier":
-            self.barrier(self.env[args[0]], int(self.eval(args[2])))
+            self.barrier(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == BARRIER_EXTERN:
             self.cluster_barrier()
         else:
@@ -672,7 +675,8 @@ class _Block:
         if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
             return self.cluster_address(e.args[1], e.args[2])
         if name == "tirx.call_extern" and e.args[0].value == "tilescale::grid_agree":
-            return self.agree(self.env[e.args[1]], int(self.eval(e.args[3])), int(self.eval(e.args[6])))
+            return self.agree(self.env[e.args[1]], int(self.eval(e.args[2])), int(self.eval(e.args[3])),
+                              int(self.eval(e.args[6])))
         if name == "tirx.pow":
             return self.eval(e.args[0]) ** self.eval(e.args[1])
         raise self.unsupported(f"call to '{name}'")
@@ -827,8 +831,9 @@ class CpuKernel:
             names.setdefault(storage.data_ptr(), buf.name)
             data = torch.empty(0, dtype=torch.uint8).set_(storage)
             memories.append(_Memory(storage.data_ptr(), storage.nbytes(), data, buf.name))
-        sync = runtime.current().sync_workspace
-        memories.append(_Memory(sync.data_ptr(), sync.nbytes, sync.view(torch.uint8), "the barrier workspace"))
+        for state in runtime.live_groups():  # the kernel's group's barrier workspace is one of them
+            sync = state.sync_workspace
+            memories.append(_Memory(sync.data_ptr(), sync.nbytes, sync.view(torch.uint8), "the barrier workspace"))
         for start, nbytes, data, owner_ptr, peer in host_regions():
             label = f"{names.get(owner_ptr, 'a symmetric tensor')} on rank {peer}"
             memories.append(_Memory(start, nbytes, data, label))

@@ -16,12 +16,24 @@ The factory is TileLang's lazy style (it returns a ``T.prim_func``); every keywo
 ``tilelang.jit`` is accepted. A kernel's hidden arguments (see
 ``tilescale.language.kernel``) are bound per call from the tensors passed, so two kernels,
 or one kernel called with different symmetric tensors, never share address state.
+
+Process groups: a kernel runs over the group of the symmetric tensors it is called with
+(``T.Scale("device")`` gives the rank and size within it; remote copies, signals and
+``T.barrier()`` address its ranks). The group size is a compile-time constant, so the
+factory takes a reserved keyword ``group=`` (None: the whole job) naming the group whose
+size the kernel is built for; the call takes ``group=`` too, for kernels with no
+symmetric argument (barriers only: the whole job otherwise), and checks the tensors'::
+
+    kernel = ring_shift(4096, 1024, 64, group=tp)     # built for tp's size
+    kernel(A, B)                                      # B symmetric over tp: runs over tp
+    barrier_only(group=tp)(group=tp)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +44,7 @@ import torch
 from tvm import tirx
 
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.language.scale import (
     ADDRESS,
     NVSHMEM_CALLS,
@@ -42,7 +55,7 @@ from tilescale.language.scale import (
     build_options,
     requested_remote,
 )
-from tilescale.symmetric import peer_ptrs
+from tilescale.symmetric import check_group, lookup, peer_table
 from tilescale.tir_fixes import coherent_reads, guard_unit_loops
 
 
@@ -123,18 +136,28 @@ class DistributedKernel:
             with coherent_reads():
                 self.kernel = tilelang.compile(func.with_attr("tilescale.coherent_reads", 1), out_idx=outputs or None,
                                                **compile_kwargs)
-        self._checked_for: runtime.Runtime | None = None
+        # Hidden arguments in order: a group's fixed value by name, or _TableOf a user argument.
+        self._layout = [name if name in _FIXED else _TableOf(self.inputs.index(arg))
+                        for name, arg in self.hidden.items()]
+        self._tables = [h.index for h in self._layout if isinstance(h, _TableOf)]  # user arguments
+        self._slots = [pos for pos, h in enumerate(self._layout) if isinstance(h, _TableOf)]  # where their tables go
+        # Per group this kernel has run over (checked at its first call there): the hidden
+        # arguments with its fixed values filled in, the tables' slots still None.
+        self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
         return self.kernel.get_kernel_source()
 
-    def _check_launch(self, rt: runtime.Runtime) -> list[Any]:
-        """Checks that hold for every call in this job, done at its first call; returns the
-        hidden arguments, with the index of the user argument where a peer table goes."""
-        if self.world_size is not None and self.world_size != rt.group.world_size:
-            raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {rt.group.world_size}")
-        rt.backend.check_lowering(self.remote)
+    def _check_launch(self, rt: runtime.Runtime, state: GroupState) -> list[Any]:
+        """Checks that hold for every call over this group, done at its first call there;
+        returns the hidden arguments with the group's fixed values (None where a table goes)."""
+        if self.world_size is not None and self.world_size != state.size:
+            if state.whole_job:
+                raise RuntimeError(f"kernel built for {self.world_size} ranks called in a job of {state.size}")
+            raise RuntimeError(f"kernel built for {self.world_size} ranks called over the {state.describe()} of "
+                               f"{state.size} ranks: build it with group= of that group (see tilescale.jit)")
+        state.backend.check_lowering(self.remote)
         if SYNC_TABLE_PARAM in self.hidden and rt.device.type == "cuda" and self.grid_blocks is not None:
             sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
             if self.grid_blocks > sms:
@@ -142,37 +165,66 @@ class DistributedKernel:
                     f"this kernel uses T.barrier() across {self.grid_blocks} blocks, but only {sms} are "
                     "guaranteed to be resident at once on this GPU; use at most one block per SM"
                 )
+        sync = state.allocations[state.sync_workspace.untyped_storage().data_ptr()]
         fixed = {
-            RANK_PARAM: rt.group.rank,
+            RANK_PARAM: state.rank,
             STATUS_PARAM: rt.wait_status.data_ptr(),
             TIMEOUT_PARAM: rt.wait_timeout_ns,
-            SYNC_TABLE_PARAM: peer_ptrs(rt.sync_workspace),
+            SYNC_TABLE_PARAM: peer_table(sync, 0),
         }
-        return [fixed[name] if name in fixed else _TableOf(self.inputs.index(arg))
-                for name, arg in self.hidden.items()]
+        return [None if isinstance(h, _TableOf) else fixed[h] for h in self._layout]
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, group: Any = None) -> Any:
+        """Launch on ``args``; ``group`` (a ``torch.distributed.ProcessGroup``) names the group a
+        kernel with no symmetric argument runs over (None: the whole job), and must be the
+        symmetric arguments' group where there are some."""
         if not self.hidden:
             return self.kernel(*args)
         rt = runtime.current()
         runtime.check_device_waits()
         if len(args) != len(self.inputs):
             raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
-        if self._checked_for is not rt:
-            self._hidden_args = self._check_launch(rt)
-            self._checked_for = rt
-        hidden = [self._table(args, h.index) if isinstance(h, _TableOf) else h for h in self._hidden_args]
+        tables, state = self._peer_tables(args)
+        if state is None or group is not None:
+            wanted = runtime.group_state(group)
+            if state is not None:
+                check_group(state, wanted, f"argument '{self.inputs[self._tables[0]]}'")
+            state = wanted
+        found = self._fixed.get(id(state))
+        if found is None or found[0] is not state:  # a released group's id may be reused
+            found = self._fixed[id(state)] = (state, self._check_launch(rt, state))
+        hidden = found[1].copy()
+        for slot, table in zip(self._slots, tables, strict=True):
+            hidden[slot] = table
         rt.last_kernel_args = (self.inputs, args)
         return self.kernel(*args, *hidden)
 
-    def _table(self, args: tuple, index: int) -> torch.Tensor:
-        try:
-            return peer_ptrs(args[index])
-        except TypeError:
-            raise TypeError(
-                f"argument '{self.inputs[index]}' is accessed on other ranks by this kernel, so it must be a "
-                "symmetric tensor (allocate it with tilescale.empty/zeros)"
-            ) from None
+    def _peer_tables(self, args: tuple) -> tuple[list[torch.Tensor], GroupState | None]:
+        """Peer tables of the arguments accessed on other ranks (in ``_tables`` order), and
+        their group (None if none)."""
+        tables = []
+        state = None
+        for index in self._tables:
+            found = lookup(args[index])
+            if found is None:
+                raise TypeError(
+                    f"argument '{self.inputs[index]}' is accessed on other ranks by this kernel, so it must be a "
+                    "symmetric tensor (allocate it with tilescale.empty/zeros)"
+                )
+            entry, offset = found
+            if state is None:
+                state = entry.group
+            elif entry.group is not state:
+                first = self.inputs[self._tables[0]]
+                raise ValueError(f"one kernel call mixes symmetric tensors of two groups: '{first}' of the "
+                                 f"{state.describe()}, '{self.inputs[index]}' of the {entry.group.describe()}")
+            table = entry.ptr_tables.get(offset)
+            tables.append(table if table is not None else peer_table(entry, offset))
+        return tables, state
+
+
+# Hidden arguments that depend on the group (and job), not on the call's tensors.
+_FIXED = (RANK_PARAM, STATUS_PARAM, TIMEOUT_PARAM, SYNC_TABLE_PARAM)
 
 
 @dataclass(frozen=True)
@@ -238,19 +290,22 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
             return main
 
     Keywords are those of ``tilelang.compile`` (``target``, ``execution_backend``,
-    ``pass_configs``, ``compile_flags``, ``verbose``).
+    ``pass_configs``, ``compile_flags``, ``verbose``). The factory's keyword ``group=`` is
+    tilescale's: the process group whose size the kernel is built for (None: the whole job).
     """
 
     def wrap(factory: Callable[..., Any] | tirx.PrimFunc) -> Any:
         if isinstance(factory, tirx.PrimFunc):
             return DistributedKernel(factory, out_idx, **compile_kwargs)
 
+        if "group" in inspect.signature(factory).parameters:
+            raise TypeError(f"{factory.__name__}: the factory keyword 'group' is tilescale.jit's (the process group "
+                            "a kernel is built for); rename the factory's parameter")
         compiled: dict[tuple, DistributedKernel] = {}
 
         @functools.wraps(factory)
-        def get_kernel(*args: Any, **kwargs: Any) -> DistributedKernel:
-            rt = runtime.current() if runtime.is_initialized() else None
-            world = rt.group.world_size if rt is not None else None
+        def get_kernel(*args: Any, group: Any = None, **kwargs: Any) -> DistributedKernel:
+            world = runtime.group_size(group) if runtime.is_initialized() else None
             remote = kernel_lowering()
             key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
             kernel = compiled.get(key)

@@ -24,12 +24,13 @@ mean nothing.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -44,6 +45,7 @@ from tilescale.errors import (
     describe_mismatch,
     describe_timeout,
 )
+from tilescale.groups import GroupState
 from tilescale.launch import rendezvous
 from tilescale.launch.environment import LaunchEnv, detect
 
@@ -62,12 +64,23 @@ class Runtime:
     wait_status: torch.Tensor
     # Bound of every device-side wait, in ns (TILESCALE_WAIT_TIMEOUT_S when init ran, default 60 s).
     wait_timeout_ns: int = 60_000_000_000
-    # Symmetric counters of T.barrier() (see tilescale.language.sync), set by init.
-    sync_workspace: torch.Tensor | None = None
     # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
     last_kernel_args: tuple[list[str], tuple] = ([], ())
     # Whether ranks of this node share GPUs (TILESCALE_SHARE_GPUS): correct, but not timeable.
     gpus_shared: bool = False
+    # Whether a failure the kernels recorded (wait timeout, ranks disagreeing) has been raised to
+    # the program; finalize raises one that never was, so such a job cannot end with exit code 0.
+    failure_reported: bool = False
+    # The state of every process group in use (tilescale.groups), the whole job's under None.
+    groups: dict[str | None, GroupState] = field(default_factory=dict)
+    # Times a group of these global ranks has been created: each creation gets its own store prefix.
+    group_creations: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    @property
+    def sync_workspace(self) -> torch.Tensor | None:
+        """The whole job's barrier workspace (each group has its own: ``group_state(g).sync_workspace``)."""
+        state = self.groups.get(None)
+        return state.sync_workspace if state is not None else None
 
     @property
     def wait_status_view(self):
@@ -313,11 +326,8 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
                            gpus_shared=gpus_shared)
-        # Allocated now, while every rank is known to be here, rather than collectively inside
-        # the first barrier kernel's launch, where a rank that failed earlier would stall it.
-        from tilescale.symmetric import zeros
-
-        _runtime.sync_workspace = zeros((SYNC_WORKSPACE_WORDS + 2 * env.world_size,), dtype=torch.int32)
+        _runtime.groups[None] = GroupState(None, group, _runtime.backend)
+        _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:
         _runtime = None
         if owns and dist.is_initialized():
@@ -374,6 +384,7 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     if rt.wait_status_view[0] == 1:  # a plain host-memory read: this runs before every launch
         values = rt.wait_status.tolist()
         record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
+        rt.failure_reported = True
         if record["kind"] == MISMATCH:
             raise ShapeMismatchError(describe_mismatch(record))
         name = (name_address or _name_in_last_kernel)(record["address"])
@@ -411,32 +422,188 @@ def synchronize() -> None:
     check_device_waits()
 
 
-def barrier(timeout_s: float | None = None) -> None:
-    """Host barrier of all ranks after this rank's queued GPU work has finished.
+def barrier(timeout_s: float | None = None, *, group: dist.ProcessGroup | None = None) -> None:
+    """Host barrier of the ranks of ``group`` (None: all ranks) after this rank's queued GPU work has finished.
+
+    Example::
+
+        ts.barrier()                 # every rank of the job
+        ts.barrier(group=tp)         # the ranks of tp only
 
     Raises ``TimeoutError`` naming the missing ranks instead of hanging.
     """
+    state = group_state(group)
     synchronize()
-    current().group.barrier(timeout_s=timeout_s)
+    state.comm.barrier(timeout_s=timeout_s)
+
+
+def _allocate_sync_workspace(state: GroupState) -> None:
+    # Allocated when the group is set up, while its ranks are known to be here, rather than
+    # collectively inside the first barrier kernel's launch, where a rank that failed earlier
+    # would stall it.
+    from tilescale.symmetric import allocate  # symmetric imports this module
+
+    # After the barrier counters, T.agree's call signatures: two slots per rank of the group.
+    state.sync_workspace = allocate(state, (SYNC_WORKSPACE_WORDS + 2 * state.size,), torch.int32)
+
+
+def _group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group`` by rank within it; ValueError where this rank is not one."""
+    me = current().group.rank
+    if not isinstance(group, dist.ProcessGroup):
+        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"rank {me} called a tilescale operation on a process group it is not a member of "
+                             "(torch.distributed gave this rank GroupMember.NON_GROUP_MEMBER for it)")
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    ranks = dist.get_process_group_ranks(group)
+    if me not in ranks:
+        raise ValueError(f"rank {me} called a tilescale operation on the process group of ranks {ranks}, "
+                         "of which it is not a member")
+    return ranks
+
+
+def _is_job(group: dist.ProcessGroup | None) -> bool:
+    return group is None or group is dist.group.WORLD
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (None: the job), without setting up its state.
+
+    Example::
+
+        group_size(tp)     # 2
+    """
+    return current().group.world_size if _is_job(group) else len(_group_ranks(group))
+
+
+def group_state(group: dist.ProcessGroup | None = None) -> GroupState:
+    """The state tilescale keeps for ``group`` (None or ``dist.group.WORLD``: the whole job).
+
+    Example::
+
+        state = ts.group_state(tp)       # state.rank, state.size, state.ranks, state.release()
+
+    The first call for a group sets it up, collectively over the group's ranks: they check
+    that they agree on which torch group this is (ranks that created their groups in
+    different orders get a ValueError here), then allocate its barrier workspace. A rank
+    that is not a member of ``group`` gets a ValueError at once.
+    """
+    rt = current()
+    if _is_job(group):
+        return rt.groups[None]
+    state = rt.groups.get(group.group_name) if isinstance(group, dist.ProcessGroup) else None
+    if state is not None and state.process_group is group:
+        return state
+    return _create_group_state(rt, group)
+
+
+def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
+    ranks = _group_ranks(group)
+    if group.group_name in rt.groups:
+        raise ValueError(f"two process groups named '{group.group_name}' (ranks {rt.groups[group.group_name].ranks} "
+                         f"and {ranks}): create groups with dist.new_group, in the same order on every rank")
+    check_not_capturing(f"the first use of the process group of ranks {ranks}")
+    if rt.backend.name == "nvshmem":
+        raise NotImplementedError("process groups smaller than the job are not supported on the nvshmem backend yet "
+                                  "(its heap and PE numbering are job-wide); use cuda_ipc on one node")
+    me = rt.group.rank
+    creation = rt.group_creations.get(tuple(ranks), 0)
+    rt.group_creations[tuple(ranks)] = creation + 1
+    # The group's keys live under a prefix of its ranks and creation count, so exchanges of two
+    # groups, or of a group released and set up again, never read each other's keys.
+    prefix = f"group/{'-'.join(map(str, ranks))}/{creation}"
+    job_id = f"{rt.group.job_id}-{hashlib.sha1(prefix.encode()).hexdigest()[:10]}"
+    comm_group = comm.Group(ranks.index(me), len(ranks), 0, 1, dist.PrefixStore(prefix, rt.group.store), job_id,
+                            exits=rt.group.exits, ranks=ranks, process_group_name=group.group_name)
+    # Identity check: members that agree on the ranks must agree on torch's group name too;
+    # groups created in different orders pair names with other rank sets.
+    node = rt.env.rank - rt.env.local_rank  # the node's first global rank names the node
+    seen = comm_group.exchange("identity", [group.group_name, node])
+    if any(name != group.group_name for name, _ in seen):
+        detail = "; ".join(f"rank {r}: '{name}'" for r, (name, _) in zip(ranks, seen, strict=True))
+        raise ValueError(f"the process group of ranks {ranks} has different torch names on its ranks ({detail}): "
+                         "process groups were created in different orders on different ranks, or ranks passed "
+                         "different groups of the same ranks")
+    local = [r for r, (_, n) in enumerate(seen) if n == node]
+    comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
+    state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type))
+    rt.groups[group.group_name] = state
+    try:
+        _allocate_sync_workspace(state)
+    except BaseException:
+        state.release(barrier=False)
+        raise
+    return state
+
+
+def forget_group(state: GroupState) -> None:
+    """Drop a released group's state from the runtime (``GroupState.release`` calls this)."""
+    if _runtime is None:
+        return
+    for key, found in list(_runtime.groups.items()):
+        if found is state:
+            del _runtime.groups[key]
+
+
+def live_groups() -> Collection[GroupState]:
+    """Every group's state in this job (none before ``init``): a live view, read on every
+    symmetric-tensor lookup (copy it to keep a snapshot)."""
+    return _runtime.groups.values() if _runtime is not None else ()
+
+
+def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group(ranks, **kwargs)``, after checking that every rank creates the same group now.
+
+    Example::
+
+        tp = [ts.new_group(r) for r in ([0, 1], [2, 3])][ts.rank() // 2]   # every rank creates both
+
+    torch requires every rank to create every group, in the same order; when they do not,
+    ``dist.new_group`` itself hangs (torch 2.13, gloo). This checks first, through the job's
+    store: ranks whose n-th group differs all get a ValueError naming each rank's ranks.
+    Returns what ``dist.new_group`` returns (``GroupMember.NON_GROUP_MEMBER`` on ranks not in it).
+    """
+    rt = current()
+    wanted = sorted(int(r) for r in ranks)
+    tag = rt.group.next_tag("new_group")
+    seen = rt.group.exchange(tag, wanted)
+    if any(s != wanted for s in seen):
+        detail = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+        raise ValueError(f"process group #{tag.split('/')[1]} is created with different ranks on different ranks "
+                         f"({detail}): create groups in the same order on every rank")
+    return dist.new_group(wanted, **kwargs)
 
 
 def finalize() -> None:
-    """Leave the job: wait for every rank, release the backend and the process group."""
+    """Leave the job: wait for every rank, release every group's state and the process group.
+
+    A failure the kernels recorded that the program has not been told of yet (the last call's
+    ranks disagreed, or a wait timed out, and nothing checked since) is raised after the
+    teardown, so the job cannot end with exit code 0; one already raised is not raised again.
+    """
     global _runtime
     if _runtime is None:
         return
     rt = _runtime
+    unreported: Exception | None = None
     try:
-        # No wait-status check here: a job ending after a reported timeout must still end.
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
+        if not rt.failure_reported:
+            try:
+                check_device_waits()
+            except (WaitTimeoutError, ShapeMismatchError) as err:
+                unreported = err
         rt.group.barrier()
     finally:
         _runtime = None
-        rt.backend.finalize()
+        for state in reversed(list(rt.groups.values())):  # the whole job's last: it was first
+            state.release(barrier=False)
         rt.group.store = None  # a runtime object kept by the caller must not keep the store alive
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+    if unreported is not None:
+        raise unreported
 
 
 atexit.register(_publish_exit)

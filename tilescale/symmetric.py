@@ -8,8 +8,13 @@ Example::
     right[0].fill_(ts.rank())                           # writes into the neighbour's copy
     ts.barrier()
 
+    y = ts.zeros((1024,), group=tp)                     # symmetric over the ranks of tp only
+    ts.peer_view(y, 1 - ts.group_state(tp).rank)        # ranks are ranks within the group
+
 Slices and views of a symmetric tensor stay symmetric: a view sits at the same byte offset
-inside every rank's copy, so ``peer_view`` and ``peer_ptrs`` work on them too.
+inside every rank's copy, so ``peer_view`` and ``peer_ptrs`` work on them too. A symmetric
+tensor belongs to the group it was allocated over (its state, ``tilescale.groups``, holds
+the allocation); peer ranks are ranks within that group.
 """
 
 from __future__ import annotations
@@ -17,23 +22,12 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from tilescale.comm import SymmetricAllocation
-from tilescale.runtime import check_not_capturing, current
-
-
-@dataclass
-class _Entry:
-    allocation: SymmetricAllocation
-    device: torch.device
-    ptr_tables: dict[int, torch.Tensor]
-
-
-# Keyed by the data pointer of this rank's copy; an entry dies with the copy's storage.
-_registry: dict[int, _Entry] = {}
+from tilescale.groups import GroupState, SymmetricEntry
+from tilescale.runtime import check_not_capturing, current, group_state, live_groups
 
 
 def _normalize_shape(shape: Sequence[int] | int | torch.Size) -> tuple[int, ...]:
@@ -44,12 +38,13 @@ def _normalize_shape(shape: Sequence[int] | int | torch.Size) -> tuple[int, ...]
 
 
 def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
-          device: torch.device | str | None = None) -> torch.Tensor:
-    """Collectively allocate an uninitialised symmetric tensor (every rank calls it alike).
+          device: torch.device | str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Collectively allocate an uninitialised symmetric tensor (every rank of ``group`` calls it alike).
 
     Example::
 
         buf = ts.empty((1024, 1024), dtype=torch.float16)
+        part = ts.empty((256,), group=tp)            # over the ranks of tp (None: the whole job)
 
     ``device`` defaults to this rank's device and must match it if given. Ranks that ask for
     different shapes or dtypes all get a ``ValueError`` naming the ranks and values; a rank
@@ -61,75 +56,129 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     if device is not None and torch.device(device).type != rt.device.type:
         raise ValueError(f"symmetric tensors of this job live on {rt.device}, not {device}")
-    tag = rt.group.next_tag("alloc")
+    return allocate(group_state(group), dims, dtype)
+
+
+def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty` over the ranks of the group whose state is ``state`` (for tilescale's own buffers)."""
+    state.check_live()
+    tag = state.comm.next_tag("alloc")
     request = [list(dims), str(dtype)]
-    requests = rt.group.exchange(tag, request)
+    requests = state.comm.exchange(tag, request)
     if any(r != request for r in requests):
         groups: dict[str, list[int]] = {}
-        for r, req in enumerate(requests):
+        for r, req in zip(state.ranks, requests, strict=True):
             groups.setdefault(f"shape={tuple(req[0])} dtype={req[1]}", []).append(r)
         detail = "; ".join(f"ranks {ranks}: {what}" for what, ranks in groups.items())
-        raise ValueError(f"symmetric allocation #{tag.split('/')[1]} differs across ranks: {detail}")
+        where = "" if state.whole_job else f" of the {state.describe()}"
+        raise ValueError(f"symmetric allocation #{tag.split('/')[1]}{where} differs across ranks: {detail}")
     nbytes = math.prod(dims) * dtype.itemsize
-    local, allocation = rt.backend.allocate(nbytes, tag)
+    local, allocation = state.backend.allocate(nbytes, tag)
     storage = local.untyped_storage()
     key = storage.data_ptr()
-    _registry[key] = _Entry(allocation, local.device, {})
-    weakref.finalize(storage, _registry.pop, key, None)
+    state.allocations[key] = SymmetricEntry(allocation, local.device, state)
+    weakref.finalize(storage, state.allocations.pop, key, None)
     return local.view(dtype).view(dims)
 
 
 def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
-          device: torch.device | str | None = None) -> torch.Tensor:
+          device: torch.device | str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Like :func:`empty`, zero-filled on every rank before any rank returns."""
     # Backends hand out zeroed memory and synchronise before returning.
-    return empty(shape, dtype, device)
+    return empty(shape, dtype, device, group=group)
 
 
-def _lookup(t: torch.Tensor) -> tuple[_Entry, int] | None:
-    entry = _registry.get(t.untyped_storage().data_ptr())
-    if entry is None:
-        return None
-    # Not t.data_ptr(): torch reports 0 for tensors without elements.
-    return entry, t.storage_offset() * t.element_size()
+def _lookup(t: torch.Tensor) -> tuple[SymmetricEntry, int] | None:
+    key = t.untyped_storage().data_ptr()
+    for state in live_groups():
+        entry = state.allocations.get(key)
+        if entry is not None:
+            # Not t.data_ptr(): torch reports 0 for tensors without elements.
+            return entry, t.storage_offset() * t.element_size()
+    return None
 
 
-def is_symmetric(t: torch.Tensor) -> bool:
-    """Whether ``t`` is (a view of) a tensor allocated by :func:`empty` / :func:`zeros`."""
-    return isinstance(t, torch.Tensor) and _lookup(t) is not None
+def is_symmetric(t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``t`` is (a view of) a tensor allocated by :func:`empty` / :func:`zeros`, over
+    ``group`` if one is given.
+
+    Example::
+
+        ts.is_symmetric(x)                 # symmetric over any group
+        ts.is_symmetric(x, group=tp)       # over tp
+    """
+    found = _lookup(t) if isinstance(t, torch.Tensor) else None
+    if found is None:
+        return False
+    return group is None or found[0].group is group_state(group)
 
 
-def _require(t: torch.Tensor, what: str) -> tuple[_Entry, int]:
+def group_of(t: torch.Tensor) -> GroupState:
+    """The state of the group the symmetric tensor ``t`` was allocated over.
+
+    Example::
+
+        ts.symmetric.group_of(x).ranks     # [0, 1]
+    """
+    return _require(t, "the tensor")[0].group
+
+
+def _require(t: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> tuple[SymmetricEntry, int]:
     found = _lookup(t) if isinstance(t, torch.Tensor) else None
     if found is None:
         raise TypeError(f"{what} is not a symmetric tensor: allocate it with tilescale.empty/zeros")
+    if group is not None:
+        check_group(found[0].group, group_state(group), what)
     return found
 
 
-def peer_view(t: torch.Tensor, rank: int) -> torch.Tensor:
+def check_group(owner: GroupState, wanted: GroupState, what: str) -> None:
+    """Raise ValueError unless a symmetric tensor of ``owner``'s group is used on ``wanted``'s.
+
+    Example::
+
+        check_group(group_of(x), ts.group_state(dp), "x")   # ValueError: x is symmetric over ...
+    """
+    if owner is not wanted:
+        raise ValueError(f"{what} is a symmetric tensor of the {owner.describe()}, but it is used on the "
+                         f"{wanted.describe()}; allocate it with group= of the operation")
+
+
+def peer_view(t: torch.Tensor, rank: int, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """A torch view of rank ``rank``'s copy of the symmetric tensor (or view) ``t``.
 
     Example::
 
         ts.peer_view(x, 0)[:8].copy_(x[:8])     # write my first 8 rows into rank 0's copy
+
+    ``rank`` is a rank within ``t``'s group; ``group``, if given, must be that group.
     """
-    entry, offset = _require(t, "peer_view's tensor")
-    world = current().group.world_size
-    if not 0 <= rank < world:
-        raise IndexError(f"peer rank {rank} out of range for world size {world}")
-    if rank == current().group.rank:
+    entry, offset = _require(t, "peer_view's tensor", group)
+    state = entry.group
+    if not 0 <= rank < state.size:
+        raise IndexError(f"peer rank {rank} out of range for the {state.describe()} of size {state.size}")
+    if rank == state.rank:
         return t
     base = entry.allocation.peer(rank).view(t.dtype)
     return base.as_strided(t.shape, t.stride(), offset // t.element_size())
 
 
-def peer_ptrs(t: torch.Tensor) -> torch.Tensor:
-    """Address of ``t``'s first element on every rank, as an int64 tensor on ``t``'s device.
+def peer_ptrs(t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Address of ``t``'s first element on every rank of its group (by rank within it), as an
+    int64 tensor on ``t``'s device.
+
+    Example::
+
+        table = ts.peer_ptrs(x)                  # table[p]: x on rank p
 
     This is the table a kernel indexes with a peer rank to build a view of that peer's copy;
-    tables are cached per view offset.
+    tables are cached per view offset. ``group``, if given, must be ``t``'s group.
     """
-    entry, offset = _require(t, "peer_ptrs' tensor")
+    return peer_table(*_require(t, "peer_ptrs' tensor", group))
+
+
+def peer_table(entry: SymmetricEntry, offset: int) -> torch.Tensor:
+    """The peer table of the view at byte ``offset`` of ``entry``'s allocation (cached)."""
     table = entry.ptr_tables.get(offset)
     if table is None:
         check_not_capturing("a kernel's first use of this symmetric tensor (its peer table)")
@@ -139,16 +188,21 @@ def peer_ptrs(t: torch.Tensor) -> torch.Tensor:
     return table
 
 
-def host_regions() -> list[tuple[int, int, torch.Tensor, int, int]]:
-    """Peers' copies of every live symmetric allocation, as mapped into this process.
+def lookup(t: object) -> tuple[SymmetricEntry, int] | None:
+    """``(entry, byte offset)`` of the symmetric tensor ``t``, None for anything else (for ``tilescale.jit``)."""
+    return _lookup(t) if isinstance(t, torch.Tensor) else None
 
-    One ``(address, nbytes, uint8 tensor, key of this rank's copy, peer rank)`` per peer
-    copy; the CPU execution path resolves the addresses in peer tables with it.
+
+def host_regions() -> list[tuple[int, int, torch.Tensor, int, int]]:
+    """Peers' copies of every live symmetric allocation of every group, as mapped into this process.
+
+    One ``(address, nbytes, uint8 tensor, key of this rank's copy, peer's global rank)`` per
+    peer copy; the CPU execution path resolves the addresses in peer tables with it.
     """
-    me = current().group.rank
     regions = []
-    for key, entry in list(_registry.items()):
-        for peer, ptr in enumerate(entry.allocation.peer_ptrs):
-            if peer != me:
-                regions.append((ptr, entry.allocation.nbytes, entry.allocation.peer(peer), key, peer))
+    for state in live_groups():
+        for key, entry in list(state.allocations.items()):
+            for peer, ptr in enumerate(entry.allocation.peer_ptrs):
+                if peer != state.rank:
+                    regions.append((ptr, entry.allocation.nbytes, entry.allocation.peer(peer), key, state.ranks[peer]))
     return regions

@@ -7,9 +7,12 @@ Example::
             T.copy(tile, B[bx * 64, 0], dst_pe=(rank + 1) % world)
             T.barrier()                     # every block of every device
 
-Inside ``T.Scale("device")``, ``rank`` is this process's rank (a runtime value: one
-compiled kernel serves every rank) and ``world`` the number of ranks (a compile-time
-constant, taken from ``tilescale.init`` or :func:`build_options`). Inside
+Inside ``T.Scale("device")``, ``rank`` is this process's rank and ``world`` the number of
+ranks, both within the process group the kernel is called over (the group of its symmetric
+arguments, see ``tilescale.jit``). ``rank`` is a runtime value (one compiled kernel serves
+every rank, and every group of its size); ``world`` a compile-time constant, the size of
+the group the kernel is built for (``tilescale.jit``'s ``group=``: the whole job by
+default) or :func:`build_options`'s. Inside
 ``T.Scale("cta_cluster")`` (a kernel launched with ``cluster_dims``) they are the block's
 rank in its thread-block cluster and the cluster size (see ``tilescale.language.cluster``);
 ``"warpgroup"`` and ``"warp"`` give the calling thread's warpgroup or warp and how many
@@ -239,7 +242,7 @@ def Scale(level: str = "device") -> Iterator[tuple[tirx.PrimExpr, int]]:  # noqa
         with T.Scale("cta_cluster") as (cta_rank, cluster_size):
             T.copy(tile, tile, dst_cta=(cta_rank + 1) % cluster_size)
 
-    Levels: ``"device"`` (the ranks of the job), ``"cta_cluster"`` (the blocks of a
+    Levels: ``"device"`` (the ranks of the kernel's process group), ``"cta_cluster"`` (the blocks of a
     thread-block cluster; the kernel must be launched with ``cluster_dims``),
     ``"warpgroup"`` and ``"warp"`` (thread groups of the block: per-thread values, so
     GPU-only).

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tilescale import ops, runtime
-from tilescale.nn._group import group_kwargs, world_and_rank
+from tilescale.nn._group import world_and_rank
 
 
 def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -134,7 +134,7 @@ class ExpertParallelMoE(nn.Module):
         if w1.dtype != w2.dtype:
             raise TypeError(f"expert weights differ in dtype: {w1.dtype} and {w2.dtype}")
         if num_experts % world:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size {world}")
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size {world}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.num_experts, self.topk, self.low_latency, self.group = num_experts, topk, low_latency, group
@@ -166,7 +166,7 @@ class ExpertParallelMoE(nn.Module):
         recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency, self.group)
         h = _ACTIVATIONS[self.activation](_GroupedGemm.apply(recv_x, self.w1, handle)).to(x.dtype)
         out = _GroupedGemm.apply(h, self.w2, handle)
-        return _Combine.apply(out, recv_w, handle, self.group).reshape(*lead, out.shape[-1])
+        return _Combine.apply(out, recv_w, handle).reshape(*lead, out.shape[-1])
 
 
 def _valid_rows(handle: ops.moe.DispatchHandle) -> torch.Tensor:
@@ -181,8 +181,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, experts, num_experts, low_latency, group):  # noqa: ANN001, ANN205 - autograd signature
         recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
-                                                     **group_kwargs(group))
-        ctx.handle, ctx.group = handle, group
+                                                     group=group)
+        ctx.handle = handle  # remembers the group: the combines of the backward run over it
         return recv_x, recv_w, handle
 
     @staticmethod
@@ -191,35 +191,35 @@ class _Dispatch(torch.autograd.Function):
         valid = _valid_rows(handle)
         rows, topk = valid.shape[0], handle.position.shape[1]
         ones = valid[:, 0].float()
-        d_x = ops.moe_combine(torch.where(valid, d_recv_x, 0).contiguous(), ones, handle, **group_kwargs(ctx.group))
+        d_x = ops.moe_combine(torch.where(valid, d_recv_x, 0).contiguous(), ones, handle)
         # Grouped row p carries the weight of one (token, k): put its gradient in column k,
         # and the same combine brings each token its topk gradients.
         target = torch.where(handle.position >= 0, handle.position, rows).long()
         padded = torch.cat([torch.where(valid[:, 0], d_recv_w, 0), d_recv_w.new_zeros(1)])
         by_k = torch.zeros(rows + 1, topk, dtype=torch.float32, device=d_recv_w.device)
         by_k[target, torch.arange(topk, device=target.device).expand_as(target)] = padded[target]
-        d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle, **group_kwargs(ctx.group))
+        d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle)
         return d_x, d_weights, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """``moe_combine``; backward: the output gradient re-dispatched to the experts' rows."""
+    """``moe_combine``; backward: the output gradient re-dispatched to the experts' rows (both
+    over the dispatch's group, which the handle remembers)."""
 
     @staticmethod
-    def forward(ctx, expert_out, recv_w, handle, group):  # noqa: ANN001, ANN205
+    def forward(ctx, expert_out, recv_w, handle):  # noqa: ANN001, ANN205
         ctx.save_for_backward(expert_out, recv_w)
-        ctx.handle, ctx.group = handle, group
-        return ops.moe_combine(expert_out, recv_w, handle, **group_kwargs(group))
+        ctx.handle = handle
+        return ops.moe_combine(expert_out, recv_w, handle)
 
     @staticmethod
     def backward(ctx, d_y):  # noqa: ANN001, ANN205
         expert_out, recv_w = ctx.saved_tensors
         valid = _valid_rows(ctx.handle)
-        d_rows = torch.where(valid, ops.moe_redispatch(d_y.contiguous(), ctx.handle, **group_kwargs(ctx.group)).float(),
-                             0)
+        d_rows = torch.where(valid, ops.moe_redispatch(d_y.contiguous(), ctx.handle).float(), 0)
         d_out = (d_rows * recv_w[:, None]).to(expert_out.dtype)
         d_w = torch.where(valid[:, 0], (d_rows * expert_out.float()).sum(-1), 0)
-        return d_out, d_w, None, None
+        return d_out, d_w, None
 
 
 class _GroupedGemm(torch.autograd.Function):

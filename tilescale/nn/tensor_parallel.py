@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tilescale import ops, runtime
-from tilescale.nn._group import group_kwargs, world_and_rank
+from tilescale.nn._group import world_and_rank
 
 
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _ColumnParallel(torch.autograd.Function):
         x = x.contiguous()
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        y = ops.all_gather_gemm(x, weight, **group_kwargs(group)) if sequence_parallel else x @ weight.T
+        y = ops.all_gather_gemm(x, weight, group=group) if sequence_parallel else x @ weight.T
         return y if bias is None else y + bias
 
     @staticmethod
@@ -65,7 +65,7 @@ class _ColumnParallel(torch.autograd.Function):
             # Each rank's columns give a partial input gradient: summed, and scattered back to
             # the rows' owners in sequence-parallel mode.
             reduce = ops.gemm_reduce_scatter if sequence_parallel else ops.gemm_all_reduce
-            dx = reduce(dy, weight.T.contiguous(), **group_kwargs(group))
+            dx = reduce(dy, weight.T.contiguous(), group=group)
         if ctx.needs_input_grad[1]:
             dw = dy.T @ (_all_gather_rows(x, group) if sequence_parallel else x)
         if ctx.needs_input_grad[2]:
@@ -83,7 +83,7 @@ class _RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         reduce = ops.gemm_reduce_scatter if sequence_parallel else ops.gemm_all_reduce
-        y = reduce(x, weight, **group_kwargs(group))
+        y = reduce(x, weight, group=group)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -93,8 +93,7 @@ class _RowParallel(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = ops.all_gather_gemm(dy, weight.T.contiguous(), **group_kwargs(group)) if sequence_parallel \
-                else dy @ weight
+            dx = ops.all_gather_gemm(dy, weight.T.contiguous(), group=group) if sequence_parallel else dy @ weight
         # The weight's and the bias's gradients need every row's output gradient: gathered in
         # sequence-parallel mode, so the replicated bias gets the whole sum on every rank.
         dy_all = _all_gather_rows(dy, group) if sequence_parallel and any(ctx.needs_input_grad[1:3]) else dy

@@ -1,4 +1,8 @@
-"""What the library kernels share: launch sizing, dtype names, symmetric workspaces."""
+"""What the library kernels share: launch sizing, dtype names, symmetric workspaces.
+
+Workspaces and shape checks belong to a process group: they live in its state
+(``tilescale.groups.GroupState``), which every op resolves from its ``group=`` first.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from tvm import tirx
 
 from tilescale import runtime
 from tilescale.errors import call_signature
-from tilescale.symmetric import empty, is_symmetric, zeros
+from tilescale.groups import GroupState
+from tilescale.symmetric import allocate, check_group, lookup
 
 TORCH_TO_TL = {
     torch.float32: "float32",
@@ -21,12 +26,7 @@ TORCH_TO_TL = {
     torch.uint8: "uint8",
 }
 
-_workspaces: dict[tuple, torch.Tensor] = {}
-_verified: set[tuple] = set()
 _signatures: dict[tuple, int] = {}
-# Calls of kernels that announce themselves on the call board (see call_identity), numbered
-# alike on every rank that makes the same calls.
-_announced_calls = 0
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -73,19 +73,28 @@ def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
-def workspace(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A symmetric scratch tensor reused across calls (allocating it is collective)."""
+def workspace(state: GroupState, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A symmetric scratch tensor of the group, reused across calls (allocating it is collective)."""
     k = (key, numel, dtype)
-    if k not in _workspaces:
-        _workspaces[k] = empty((numel,), dtype=dtype)
-    return _workspaces[k]
+    found = state.workspaces.get(k)
+    if found is None:
+        found = state.workspaces[k] = allocate(state, (numel,), dtype)
+    return found
 
 
-def symmetric_or_staged(t: torch.Tensor, key: str) -> torch.Tensor:
-    """``t`` itself when symmetric, else a symmetric workspace holding a copy of it."""
-    if is_symmetric(t):
+def symmetric_in(t: torch.Tensor, state: GroupState, name: str) -> bool:
+    """Whether ``t`` is symmetric over the group of ``state``; ValueError if it is symmetric over another."""
+    found = lookup(t)
+    if found is not None:
+        check_group(found[0].group, state, name)
+    return found is not None
+
+
+def symmetric_or_staged(state: GroupState, t: torch.Tensor, key: str, name: str = "x") -> torch.Tensor:
+    """``t`` itself when symmetric over the group, else a symmetric workspace holding a copy of it."""
+    if symmetric_in(t, state, name):
         return t.reshape(-1)
-    staged = workspace(key, t.numel(), t.dtype)
+    staged = workspace(state, key, t.numel(), t.dtype)
     staged.copy_(t.reshape(-1))
     return staged
 
@@ -106,29 +115,28 @@ def signature(op: str, t: torch.Tensor, *details: object) -> int:
     return sig
 
 
-def call_identity(sig: int) -> tuple[torch.Tensor, int]:
-    """The job's call board and this call's identity on it, for kernels whose ranks meet in
+def call_identity(state: GroupState, sig: int) -> tuple[torch.Tensor, int]:
+    """The group's call board and this call's identity on it, for kernels whose ranks meet in
     flags: they ``T.announce`` the identity and wait with ``agree=(board, identity)``, so a
     rank whose call differs ends the waits with a ShapeMismatchError instead of a timeout.
 
     Example::
 
-        board, ident = call_identity(signature("gemm_all_reduce", a, n))   # kernel arguments
+        board, ident = call_identity(state, signature("gemm_all_reduce", a, n))   # kernel arguments
 
     The identity is ``(call number << 32) | sig``; the call number counts this process's calls
-    through here, so it is the same on every rank for the same call. A CUDA graph replays the
-    number it captured, which every rank's graph replays alike.
+    on the group through here, so it is the same on every rank of the group for the same call.
+    A CUDA graph replays the number it captured, which every rank's graph replays alike.
     """
-    global _announced_calls
     key = ("call board",)
-    if key not in _workspaces:
-        runtime.check_not_capturing("the job's call board")
-        _workspaces[key] = zeros((2 * runtime.world_size(),), dtype=torch.int64)  # 0: no call announced
-    _announced_calls = _announced_calls % 0x7FFFFFFF + 1
-    return _workspaces[key], (_announced_calls << 32) | sig
+    if key not in state.workspaces:
+        runtime.check_not_capturing(f"the call board of the {state.describe()}")
+        state.workspaces[key] = allocate(state, (2 * state.size,), torch.int64)  # 0: no call announced
+    state.announced_calls = state.announced_calls % 0x7FFFFFFF + 1
+    return state.workspaces[key], (state.announced_calls << 32) | sig
 
 
-def check_same_across_ranks(what: str, value: list, every_call: bool = False) -> None:
+def check_same_across_ranks(state: GroupState, what: str, value: list, every_call: bool = False) -> None:
     """Ranks must agree on the shapes: checked at a shape's first call (a host round trip,
     before its buffers are allocated), or at ``every_call`` (for calls that launch no kernel).
 
@@ -136,12 +144,11 @@ def check_same_across_ranks(what: str, value: list, every_call: bool = False) ->
     board: :func:`call_identity`), which raise ShapeMismatchError on every rank.
     """
     key = (what, *value)
-    if key in _verified and not every_call:
+    if key in state.verified and not every_call:
         return
-    rt = runtime.current()
-    values = rt.group.exchange(rt.group.next_tag(what), value)
-    _verified.add(key)
+    values = state.comm.exchange(state.comm.next_tag(what), value)
     if any(v != value for v in values):
-        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-        _verified.discard(key)
-        raise ValueError(f"{what}: shapes differ across ranks ({detail})")
+        detail = "; ".join(f"rank {r}: {v}" for r, v in zip(state.ranks, values, strict=True))
+        where = "" if state.whole_job else f" of the {state.describe()}"
+        raise ValueError(f"{what}: shapes differ across ranks{where} ({detail})")
+    state.verified.add(key)

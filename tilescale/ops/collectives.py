@@ -24,6 +24,7 @@ spilling into the next rank's row.
 # refer to the kernel factory's local variables.
 
 import torch
+import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
@@ -33,12 +34,12 @@ from tilescale.ops._common import (
     poison_value,
     signature,
     sm_count,
+    symmetric_in,
     symmetric_or_staged,
     tl_dtype,
     vector_width,
     workspace,
 )
-from tilescale.symmetric import is_symmetric
 
 # Elements per tile and threads per block (benchmarks/copy_plans.py: direct 16-byte copies
 # of 16384-element tiles by 256 threads were among the fastest for puts and gets).
@@ -144,51 +145,57 @@ def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
     return main
 
 
-def all_gather(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, *,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0, like ``dist.all_gather_into_tensor``.
 
     Example::
 
         y = ts.ops.all_gather(x)             # (world * x.shape[0], *x.shape[1:])
+        y = ts.ops.all_gather(x, group=tp)   # over the ranks of tp: (tp size * x.shape[0], ...)
 
-    ``out`` (optional) must be symmetric; without it a cached symmetric buffer is used and a
-    fresh tensor returned.
+    ``out`` (optional) must be symmetric over ``group``; without it a cached symmetric buffer
+    is used and a fresh tensor returned.
     """
     check_input(x, "x")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     shape = (world * x.shape[0], *x.shape[1:]) if x.dim() else (world,)
-    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not is_symmetric(out)):
+    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not symmetric_in(out, state, "out")):
         raise ValueError(f"out must be a symmetric {x.dtype} tensor of shape {shape}")
     n = x.numel()
-    target = out if out is not None else workspace("all_gather.out", world * n, x.dtype)
-    all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count())(x.view(1, n), target.view(world, n),
-                                                                          signature("all_gather", x))
+    target = out if out is not None else workspace(state, "all_gather.out", world * n, x.dtype)
+    kernel = all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count(), group=group)
+    kernel(x.view(1, n), target.view(world, n), signature("all_gather", x), group=group)
     return out if out is not None else target.view(shape).clone()
 
 
-def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``x`` over ranks and return this rank's slice of dim 0, like ``dist.reduce_scatter_tensor``.
 
     Example::
 
-        y = ts.ops.reduce_scatter(x)         # (x.shape[0] // world, *x.shape[1:])
+        y = ts.ops.reduce_scatter(x)             # (x.shape[0] // world, *x.shape[1:])
+        y = ts.ops.reduce_scatter(x, group=tp)   # over the ranks of tp
 
-    A symmetric ``x`` is read in place by the peers; any other is first staged into a
-    symmetric buffer.
+    A symmetric ``x`` (over ``group``) is read in place by the peers; any other is first
+    staged into a symmetric buffer.
     """
     check_input(x, "x")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     if x.dim() == 0 or x.shape[0] % world:
-        raise ValueError(f"reduce_scatter needs dim 0 ({tuple(x.shape)}) divisible by the world size {world}")
-    src = symmetric_or_staged(x, "reduce_scatter.in")
+        raise ValueError(f"reduce_scatter needs dim 0 ({tuple(x.shape)}) divisible by the group size {world}")
+    src = symmetric_or_staged(state, x, "reduce_scatter.in")
     chunk = x.numel() // world
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter")
-    kernel(src.view(world, chunk), out.view(1, chunk), signature("reduce_scatter", x))
+    kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter", group=group)
+    kernel(src.view(world, chunk), out.view(1, chunk), signature("reduce_scatter", x), group=group)
     return out
 
 
-def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, algorithm: str | None = None, *,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``x`` over ranks in place, like ``dist.all_reduce``; returns ``x``. Floats accumulate
     in fp32, integers in their own type (exact).
 
@@ -196,32 +203,34 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
 
         ts.ops.all_reduce(x)                          # one-shot when small, two-shot when large
         ts.ops.all_reduce(x, algorithm="two_shot")
+        ts.ops.all_reduce(grad, group=dp)             # over the ranks of dp only
 
-    A symmetric ``x`` is reduced where it is, with no extra copies; any other ``x`` is staged
-    through a symmetric buffer (and so is a two-shot ``x`` whose size the world size does
-    not divide).
+    A symmetric ``x`` (over ``group``) is reduced where it is, with no extra copies; any
+    other ``x`` is staged through a symmetric buffer (and so is a two-shot ``x`` whose size
+    the group size does not divide).
     """
     check_input(x, "x")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     algorithm = algorithm or ("one_shot" if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES else "two_shot")
     if algorithm not in ("one_shot", "two_shot"):
         raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
     n = x.numel()
     sig = signature("all_reduce", x, algorithm)
     if algorithm == "one_shot":
-        src = symmetric_or_staged(x, "all_reduce.in")
-        scratch = workspace("all_reduce.scratch", n, x.dtype)
-        kernel = reduce_kernel(1, tl_dtype(x), vector_width(n, x), sm_count(), "local")
-        kernel(src.view(1, n), scratch.view(1, n), sig)
+        src = symmetric_or_staged(state, x, "all_reduce.in")
+        scratch = workspace(state, "all_reduce.scratch", n, x.dtype)
+        kernel = reduce_kernel(1, tl_dtype(x), vector_width(n, x), sm_count(), "local", group=group)
+        kernel(src.view(1, n), scratch.view(1, n), sig, group=group)
     else:
         chunk = -(-n // world)
-        if is_symmetric(x) and chunk * world == n:
+        if symmetric_in(x, state, "x") and chunk * world == n:
             src = x.reshape(-1)
         else:
-            src = workspace("all_reduce.in", world * chunk, x.dtype)
+            src = workspace(state, "all_reduce.in", world * chunk, x.dtype)
             src[:n].copy_(x.reshape(-1))
-        kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push")
-        kernel(src.view(world, chunk), src[:chunk].view(1, chunk), sig)  # ``out`` unused when pushing
+        kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push", group=group)
+        kernel(src.view(world, chunk), src[:chunk].view(1, chunk), sig, group=group)  # ``out`` unused when pushing
     if src.data_ptr() != x.data_ptr():
         x.copy_(src[:n].view(x.shape))
     return x

@@ -61,9 +61,11 @@ which no rank reaches before it has read that set. No opening barrier is needed.
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import jit
 from tilescale.language.scale import current_context
 from tilescale.ops._common import (
@@ -75,7 +77,7 @@ from tilescale.ops._common import (
     sm_count,
     tl_dtype,
 )
-from tilescale.symmetric import zeros
+from tilescale.symmetric import allocate
 
 # Each expert's segment of the grouped rows is padded to whole GEMM row tiles.
 ROW_TILE = 128
@@ -92,10 +94,11 @@ GROUP_ROWS = 4
 FILL = 1024
 
 
-def grouped_rows(tokens: int, topk: int, experts_per_rank: int) -> int:
+def grouped_rows(tokens: int, topk: int, experts_per_rank: int, *, group: dist.ProcessGroup | None = None) -> int:
     """Rows of ``moe_dispatch``'s grouped output: every (received row, local expert) hit of
-    the worst case, plus each expert's padding to a whole row tile."""
-    hits = runtime.world_size() * tokens * min(topk, experts_per_rank)
+    the worst case, plus each expert's padding to a whole row tile (``group``: the
+    expert-parallel group, None: the whole job)."""
+    hits = runtime.group_size(group) * tokens * min(topk, experts_per_rank)
     return -(-(hits + experts_per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE
 
 
@@ -555,6 +558,7 @@ class DispatchHandle:
     offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
     row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
     source_row: torch.Tensor  # (grouped rows,) received row (source rank * tokens + slot) of each, -1 if none
+    group: dist.ProcessGroup | None = None  # the expert-parallel group the dispatch ran over (None: the whole job)
 
 
 @dataclass
@@ -571,6 +575,7 @@ class _Exchange:
     back: torch.Tensor  # (2, world, tokens, hidden) combine's rows coming back, two sets
     sends: torch.Tensor  # (1,) int32, this rank only
     combines: torch.Tensor  # (1,) int32, this rank only
+    group: GroupState  # whose symmetric memory the buffers are
     by_shape: dict[tuple, torch.Tensor] = field(default_factory=dict)  # int32 buffers by (name, shape)
 
     def int32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -579,25 +584,25 @@ class _Exchange:
         key = (name, shape)
         if key not in self.by_shape:
             runtime.check_not_capturing(f"moe_dispatch's {name} buffer of {shape}")
-            self.by_shape[key] = zeros(shape, dtype=torch.int32)
+            self.by_shape[key] = allocate(self.group, shape, torch.int32)
         return self.by_shape[key]
 
 
-_exchanges: dict[tuple, _Exchange] = {}
+def _exchange(state: GroupState, tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
+    """The group's exchange of (tokens, hidden, topk, dtype), allocated (collectively) at first use."""
 
-
-def _exchange(tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> _Exchange:
-    key = (tokens, hidden, topk, dtype)
-    if key not in _exchanges:
+    def create() -> _Exchange:
         runtime.check_not_capturing(f"MoE exchange of {tokens} tokens x {hidden} ({dtype}), top-{topk}")
-        world = runtime.world_size()
+        world = state.size
         rows, meta = (world, tokens, hidden), (world, tokens, topk)
-        _exchanges[key] = _Exchange(
-            zeros(rows, dtype=dtype), zeros(meta, dtype=torch.int32), zeros(meta, dtype=torch.float32),
-            zeros(meta, dtype=torch.int32), zeros((world,), dtype=torch.int32), zeros((world,), dtype=torch.int32),
-            zeros((2, *rows), dtype=dtype), torch.zeros(1, dtype=torch.int32, device=runtime.device()),
-            torch.zeros(1, dtype=torch.int32, device=runtime.device()))
-    return _exchanges[key]
+        return _Exchange(
+            allocate(state, rows, dtype), allocate(state, meta, torch.int32), allocate(state, meta, torch.float32),
+            allocate(state, meta, torch.int32), allocate(state, (world,), torch.int32),
+            allocate(state, (world,), torch.int32), allocate(state, (2, *rows), dtype),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()),
+            torch.zeros(1, dtype=torch.int32, device=runtime.device()), state)
+
+    return state.exchange(("moe", tokens, hidden, topk, dtype), create)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -648,24 +653,24 @@ def _raise_bad_ids() -> None:
                              f"got {low}..{high} ({found} out of range, not sent)")
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                   low_latency: bool) -> None:
+def _check_routing(state: GroupState, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   num_experts: int, low_latency: bool) -> None:
     """Shapes are checked locally and, at a shape's first call, across ranks, with what the
     dispatch kernel's plan derives from (its blocks and groups must match across ranks).
 
     Expert ids are checked on the device, without a host round trip: see :func:`moe_dispatch`.
     """
     check_input(x, "x")
-    world = runtime.world_size()
+    world = state.size
     if x.dim() != 2:
         raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
     if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_dispatch: topk_idx {tuple(topk_idx.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, topk)")
     if num_experts % world:
-        raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the world size {world}")
-    check_same_across_ranks("moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
-                                             f"low_latency={low_latency}", f"SMs={sm_count()}"],
+        raise ValueError(f"moe_dispatch: num_experts ({num_experts}) must be divisible by the group size {world}")
+    check_same_across_ranks(state, "moe_dispatch", [*x.shape, *topk_idx.shape, str(x.dtype), num_experts,
+                                                    f"low_latency={low_latency}", f"SMs={sm_count()}"],
                             every_call=x.shape[0] == 0)
 
 
@@ -682,13 +687,13 @@ def _expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return topk_idx.to(torch.int32).contiguous()
 
 
-def _empty_dispatch(x: torch.Tensor, topk: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                           DispatchHandle]:
-    """``moe_dispatch``'s result for zero tokens on every rank: nothing sent or received, the
-    documented layout with every row holding no token."""
-    world = runtime.world_size()
+def _empty_dispatch(state: GroupState, x: torch.Tensor, topk: int, num_experts: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+    """``moe_dispatch``'s result for zero tokens on every rank of the group: nothing sent or
+    received, the documented layout with every row holding no token."""
+    world, group = state.size, state.process_group
     per_rank = num_experts // world
-    rows = grouped_rows(0, topk, per_rank)
+    rows = grouped_rows(0, topk, per_rank, group=group)
     i32 = dict(dtype=torch.int32, device=x.device)
     none = torch.empty(0, **i32)
     handle = DispatchHandle(tokens=0, topk_idx=torch.empty(0, topk, **i32),
@@ -697,14 +702,15 @@ def _empty_dispatch(x: torch.Tensor, topk: int, num_experts: int) -> tuple[torch
                             send_counts=torch.zeros(world, **i32), expert_send_counts=torch.zeros(num_experts, **i32),
                             recv_counts=torch.zeros(world, **i32), position=torch.empty(0, topk, **i32),
                             counts=torch.zeros(per_rank, **i32), offsets=torch.zeros(per_rank, **i32),
-                            row_expert=torch.full((rows,), -1, **i32), source_row=torch.full((rows,), -1, **i32))
+                            row_expert=torch.full((rows,), -1, **i32), source_row=torch.full((rows,), -1, **i32),
+                            group=group)
     recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
     return recv_x, torch.zeros(rows, dtype=torch.float32, device=x.device), handle.counts, handle
 
 
-def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
-              slot: torch.Tensor, send_counts: torch.Tensor, expert_send_counts: torch.Tensor,
-              low_latency: bool) -> tuple[torch.Tensor, ...]:
+def _dispatch(state: GroupState, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+              expert_slot: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
+              expert_send_counts: torch.Tensor, low_latency: bool) -> tuple[torch.Tensor, ...]:
     """Every token to its destinations, and what this rank receives grouped by local expert,
     from the routing kernel's outputs; no host round trip.
 
@@ -712,11 +718,11 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
     ``position`` (received rows, topk); and the rows received from each source.
     """
-    world = runtime.world_size()
+    world, group = state.size, state.process_group
     (tokens, hidden), topk = x.shape, idx.shape[1]
     per_rank = expert_send_counts.numel() // world
-    rows = grouped_rows(tokens, topk, per_rank)
-    ex = _exchange(tokens, hidden, topk, x.dtype)
+    rows = grouped_rows(tokens, topk, per_rank, group=group)
+    ex = _exchange(state, tokens, hidden, topk, x.dtype)
     sms = sm_count()
     blocks, _, _, groups = dispatch_plan(world, tokens, sms, low_latency)
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -725,19 +731,20 @@ def _dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_
     weight = torch.empty(rows, dtype=torch.float32, device=x.device)
     source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
     recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency)
-    board, ident = call_identity(signature("moe_dispatch", x, f"topk={topk}", f"experts={per_rank * world}",
-                                           f"low_latency={low_latency}", f"SMs={sms}"))
+    kernel = dispatch_kernel(world, tokens, hidden, topk, per_rank, rows, tl_dtype(x), sms, low_latency, group=group)
+    board, ident = call_identity(state, signature("moe_dispatch", x, f"topk={topk}", f"experts={per_rank * world}",
+                                                  f"low_latency={low_latency}", f"SMs={sms}"))
     kernel(x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, ex.x, ex.idx, ex.w, ex.expert_slot,
            ex.counts, ex.int32("expert counts", (world, per_rank)),
            ex.int32("ranges", (world, blocks, groups, 2)), ex.int32("progress", (world, blocks)),
            ex.arrived, ex.sends, counts, offsets, received_counts, position, weight, source_row, row_expert, recv_x,
-           board, ident)
+           board, ident, group=group)
     return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                 low_latency: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+                 low_latency: bool = False, *, group: dist.ProcessGroup | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
     Example::
@@ -771,18 +778,22 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     not wait for the device, in the first dispatch or combine on this rank that finds the
     check done (usually the combine of the same step).
 
+    ``group``: the expert-parallel process group (None: the whole job); experts are split
+    over its ranks, and the handle remembers it for ``moe_combine`` / ``moe_redispatch``.
+
     CUDA graphs: a dispatch (and a combine) can be captured once its shapes have run
     eagerly, and replayed; each call's state lives on the device. Calls captured into a
     graph do not check expert ids (out-of-range ids are still routed nowhere).
     """
-    _check_routing(x, topk_idx, topk_weights, num_experts, low_latency)
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    _check_routing(state, x, topk_idx, topk_weights, num_experts, low_latency)
+    world = state.size
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     dev = x.device
     idx = _expert_ids(topk_idx, num_experts)
     if tokens == 0:
-        return _empty_dispatch(x, topk, num_experts)
+        return _empty_dispatch(state, x, topk, num_experts)
 
     # Routing: pair (t, r) exists when token t has an expert on rank r; its slot at r is its
     # order among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
@@ -792,16 +803,17 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
     send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
     expert_send_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
-    route_kernel(world, tokens, topk, num_experts)(idx, dest, slot, send_counts, expert_slot, expert_send_counts, bad)
+    route_kernel(world, tokens, topk, num_experts, group=group)(idx, dest, slot, send_counts, expert_slot,
+                                                                expert_send_counts, bad)
     capturing = _capturing(x)
     recv_x, recv_w, row_expert, source_row, counts, offsets, position, recv_counts = _dispatch(
-        x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
+        state, x, idx, weights, expert_slot, slot, send_counts, expert_send_counts, low_latency)
     if not capturing:  # queued behind the exchange: read at the end of this call or a later one
         _watch_ids(bad, topk_idx, num_experts)  # the ids as passed, for the message
     handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot, dest=dest, slot=slot,
                             send_counts=send_counts, expert_send_counts=expert_send_counts, recv_counts=recv_counts,
                             position=position, counts=counts, offsets=offsets, row_expert=row_expert,
-                            source_row=source_row)
+                            source_row=source_row, group=group)
     if not capturing:
         _raise_bad_ids()
     return recv_x, recv_w, counts, handle
@@ -822,10 +834,11 @@ def moe_redispatch(x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     check_input(x, "x")
     if x.dim() != 2 or x.shape[0] != handle.tokens:
         raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
-    check_same_across_ranks("moe_redispatch", [*x.shape, str(x.dtype)], every_call=handle.tokens == 0)
+    state = runtime.group_state(handle.group)
+    check_same_across_ranks(state, "moe_redispatch", [*x.shape, str(x.dtype)], every_call=handle.tokens == 0)
     if handle.tokens == 0:
         return x.new_empty(handle.row_expert.shape[0], x.shape[1])
-    return _dispatch(x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+    return _dispatch(state, x, handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
                      handle.expert_send_counts, low_latency=False)[0]
 
 
@@ -844,7 +857,8 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
         _raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
     check_input(expert_out, "expert_out")
     check_input(recv_weights, "recv_weights")
-    world = runtime.world_size()
+    state = runtime.group_state(handle.group)
+    world = state.size
     tokens = handle.tokens
     rows, hidden = expert_out.shape
     if rows != handle.row_expert.shape[0] or recv_weights.shape != (rows,):
@@ -855,9 +869,10 @@ def moe_combine(expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: Di
     out = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
     if tokens == 0:  # zero tokens on every rank (moe_dispatch checked): nothing to bring back
         return out
-    ex = _exchange(tokens, hidden, topk, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
-    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count())
+    # expert_out's hidden size and dtype may differ from x's
+    ex = _exchange(state, tokens, hidden, topk, expert_out.dtype)
+    kernel = combine_kernel(world, tokens, hidden, topk, rows, tl_dtype(expert_out), sm_count(), group=handle.group)
     kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
            handle.dest, handle.slot, ex.back, out, ex.combines,
-           signature("moe_combine", expert_out, f"tokens={tokens}", f"topk={topk}"))
+           signature("moe_combine", expert_out, f"tokens={tokens}", f"topk={topk}"), group=handle.group)
     return out

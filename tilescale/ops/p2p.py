@@ -6,6 +6,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
@@ -59,33 +60,41 @@ def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
     return main
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get: bool) -> None:
+def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get: bool,
+            group: dist.ProcessGroup | None) -> None:
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
-    world = runtime.world_size()
-    if not 0 <= peer < world:
-        raise IndexError(f"peer {peer} out of range for world size {world}")
-    kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get)
-    kernel(src.reshape(-1), dst.reshape(-1), peer)
+    state = runtime.group_state(group)
+    if not 0 <= peer < state.size:
+        raise IndexError(f"peer {peer} out of range for the {state.describe()} of size {state.size}")
+    kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get, group=group)
+    kernel(src.reshape(-1), dst.reshape(-1), peer, group=group)
 
 
-def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN) -> None:
+def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN, *,
+        group: dist.ProcessGroup | None = None) -> None:
     """Write ``src`` into rank ``peer``'s copy of the symmetric tensor ``dst`` (no synchronisation).
 
     Example::
 
         ts.ops.put(x, y, peer=1); ts.barrier()        # y on rank 1 now holds x
+        ts.ops.put(x, z, peer=0, group=tp)            # z symmetric over tp; peer 0 of tp
+
+    ``peer`` is a rank within ``group`` (None: the whole job), the group ``dst`` was allocated over.
     """
     check_input(src, "src")
-    _launch(src, dst, peer, plan, get=False)
+    _launch(src, dst, peer, plan, False, group)
 
 
-def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN) -> None:
+def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN, *,
+        group: dist.ProcessGroup | None = None) -> None:
     """Read rank ``peer``'s copy of the symmetric tensor ``src`` into the local ``dst``.
 
     Example::
 
         ts.barrier(); ts.ops.get(y, x, peer=0)        # x now holds rank 0's y
+
+    ``peer`` is a rank within ``group`` (None: the whole job), the group ``src`` was allocated over.
     """
     check_input(dst, "dst")
-    _launch(src, dst, peer, plan, get=True)
+    _launch(src, dst, peer, plan, True, group)

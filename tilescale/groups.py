@@ -1,0 +1,140 @@
+"""Process groups: what tilescale keeps for one ``torch.distributed`` process group.
+
+Example::
+
+    tp = ts.new_group([0, 1]) if ts.rank() < 2 else ts.new_group([2, 3])   # every rank calls both
+    x = ts.zeros((1024,), group=tp)              # symmetric over the ranks of tp only
+    ts.ops.all_reduce(x, group=tp)
+    state = ts.group_state(tp)                   # rank/size within tp, its allocations, workspaces
+    state.release()                              # or leave it to ts.finalize()
+
+Like DeepEP's ``Buffer(group)`` and torch symmetric memory's per-group workspaces, one
+:class:`GroupState` per process group owns everything that belongs to the group: its view
+of the ranks (rank and size within it, its global ranks, a store prefix no other group
+uses), its backend and symmetric allocations, the barrier workspace of ``T.barrier()``,
+and the workspaces and exchanges of the ``ts.ops`` called on it. ``None`` names the whole
+job. :func:`tilescale.group_state` looks the object up (creating it, collectively over the
+group's ranks, at the group's first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tilescale.comm import CommBackend, Group, SymmetricAllocation
+
+
+@dataclass
+class SymmetricEntry:
+    """One symmetric allocation of a group: how to reach every member's copy."""
+
+    allocation: SymmetricAllocation
+    device: torch.device
+    group: GroupState
+    ptr_tables: dict[int, torch.Tensor] = field(default_factory=dict)  # peer tables by byte offset
+
+
+class GroupState:
+    """Everything tilescale holds for one process group; released by :meth:`release`.
+
+    Example::
+
+        state = ts.group_state(tp)
+        state.rank, state.size, state.ranks      # 1, 2, [2, 3] on global rank 3
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend):
+        self.process_group = process_group
+        self.whole_job = process_group is None
+        self.comm = comm
+        self.backend = backend
+        # This rank's copies of the group's symmetric allocations, by storage data pointer
+        # (an entry dies with its copy's storage, or when the group is released).
+        self.allocations: dict[int, SymmetricEntry] = {}
+        # Counters of T.barrier() (see tilescale.language.sync), allocated when the group is created.
+        self.sync_workspace: torch.Tensor | None = None
+        # The ops' symmetric scratch buffers, shape checks done, and exchanges (receive buffers,
+        # flags, device-side counters), keyed by what the op needs them for.
+        self.workspaces: dict[tuple, torch.Tensor] = {}
+        self.verified: set[tuple] = set()
+        self.exchanges: dict[tuple, Any] = {}
+        # Calls announced on the group's call board (tilescale.ops._common.call_identity),
+        # numbered alike on every rank of the group that makes the same calls.
+        self.announced_calls = 0
+        self.released = False
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return self.comm.world_size
+
+    @property
+    def ranks(self) -> list[int]:
+        """The group's global ranks, by rank within the group."""
+        return self.comm.ranks
+
+    def describe(self) -> str:
+        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
+        return "whole job" if self.whole_job else f"group of ranks {self.ranks}"
+
+    def exchange(self, key: tuple, create: Callable[[], Any]) -> Any:
+        """The op state stored under ``key``, made by ``create()`` at its first use.
+
+        Example::
+
+            ex = state.exchange(("tp_gemm", "ag", rows, k), lambda: make_buffers())
+        """
+        self.check_live()
+        found = self.exchanges.get(key)
+        if found is None:
+            found = self.exchanges[key] = create()
+        return found
+
+    def check_live(self) -> None:
+        """Raise if the group has been released."""
+        if self.released:
+            raise RuntimeError(f"the tilescale state of the {self.describe()} has been released")
+
+    def release(self, barrier: bool = True) -> None:
+        """Free the group's allocations, workspaces and exchanges and its backend's state.
+
+        Example::
+
+            ts.group_state(tp).release()    # every rank of tp calls it; the next use starts afresh
+
+        With ``barrier`` (the default) the group's ranks first meet (after this rank's queued
+        GPU work), so no rank frees memory a peer may still write into. Symmetric tensors of
+        the group that the caller still holds stay valid local tensors but are no longer
+        symmetric (peer views and kernels refuse them).
+        """
+        if self.released:
+            return
+        from tilescale import runtime  # runtime imports this module
+
+        if self.whole_job and runtime.is_initialized():
+            raise RuntimeError("the whole job's tilescale state is released by tilescale.finalize(), not by itself")
+        if barrier:
+            if self.backend.device_type == "cuda":
+                torch.cuda.synchronize()
+            self.comm.barrier()
+        self.released = True
+        self.allocations.clear()
+        self.workspaces.clear()
+        self.verified.clear()
+        self.exchanges.clear()
+        self.sync_workspace = None
+        self.backend.finalize()
+        # Nor may a state the caller keeps hold the job's store (and so its server) or torch's group.
+        self.comm.store = None
+        self.process_group = None
+        runtime.forget_group(self)
