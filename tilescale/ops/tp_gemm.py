@@ -43,11 +43,12 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import jit, kernel_lowering
 from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
-from tilescale.symmetric import peer_ptrs, peer_view, zeros
+from tilescale.symmetric import allocate, peer_ptrs, peer_view
 
 # Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
 # rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
@@ -481,15 +482,15 @@ class _Exchange:
         self.state += self.step(arrivals)
 
 
-_exchanges: dict[tuple, _Exchange] = {}
+def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
+    """The group's exchange of ``key`` (its buffers allocated, collectively, at first use)."""
 
-
-def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
-    if key not in _exchanges:
+    def create() -> _Exchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
-                                    torch.zeros(2, dtype=torch.int32, device=runtime.device()))
-    return _exchanges[key]
+        return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
+                         torch.zeros(2, dtype=torch.int32, device=runtime.device()))
+
+    return state.exchange(("tp_gemm", *key), create)
 
 
 class _StreamWrites:
@@ -534,20 +535,20 @@ class _GatherExchange:
     calls: int = 0
 
 
-_gather_exchanges: dict[tuple, _GatherExchange] = {}
+def _gather_exchange(state: GroupState, key: tuple, rows: int, k: int, dtype: torch.dtype,
+                     flags: int) -> _GatherExchange:
+    """The group's copy-engine exchange of ``key`` (allocated, collectively, at first use)."""
 
-
-def _gather_exchange(key: tuple, rows: int, k: int, dtype: torch.dtype, flags: int) -> _GatherExchange:
-    if key not in _gather_exchanges:
+    def create() -> _GatherExchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        buffers, flag = zeros((2 * rows, k), dtype=dtype), zeros((flags,), dtype=torch.int32)
-        world = runtime.world_size()
+        buffers, flag = allocate(state, (2 * rows, k), dtype), allocate(state, (flags,), torch.int32)
         stream = None
         if buffers.is_cuda:  # high priority: its copies and flag writes go first where kernels wait for them
             stream = torch.cuda.Stream(buffers.device, priority=-1)
-        _gather_exchanges[key] = _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(world)],
-                                                 [peer_view(flag, p) for p in range(world)], stream)
-    return _gather_exchanges[key]
+        return _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(state.size)],
+                               [peer_view(flag, p) for p in range(state.size)], stream)
+
+    return state.exchange(("tp_gemm", *key), create)
 
 
 def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
@@ -561,8 +562,8 @@ def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
     return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
 
 
-def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: TileConfig,
-                        ident: tuple[torch.Tensor, int]) -> None:
+def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                        tile: TileConfig, ident: tuple[torch.Tensor, int]) -> None:
     """The all-gather GEMM with copies as producer. On the main stream, the own segment's GEMM
     (:func:`ag_own_gemm_kernel`, no pushers) starts at once; meanwhile, on a high-priority side
     stream, :func:`announce_kernel` announces the call (``ident``: the call board and this
@@ -587,19 +588,19 @@ def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.
     announcement, with a different signature, before the flags: ShapeMismatchError.
     """
     global _stream_writes
-    world, rank = runtime.world_size(), runtime.rank()
+    world, rank, group = state.size, state.rank, state.process_group
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile)
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
     if world == 1:  # nothing to gather, no peer to agree with
-        own(a_shard, weight, out)
+        own(a_shard, weight, out, group=group)
         return
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
-    ex = _gather_exchange(("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
+    ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
                           world * chunks)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch")
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", group=group)
     ex.calls += 1
     epoch, first = ex.calls, (ex.calls % 2) * world * padded
     main = torch.cuda.current_stream() if ex.stream is not None else None
@@ -611,8 +612,8 @@ def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.
         _stream_writes = _stream_writes or _StreamWrites()
         ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
     with side():  # launched before the own GEMM, so that it gets an SM before the GEMM takes them all
-        announce_kernel(world)(*ident)
-    own(a_shard, weight, out)
+        announce_kernel(world, group=group)(*ident, group=group)
+    own(a_shard, weight, out, group=group)
     with side():
         for step in range(1, world):
             peer = (rank - step) % world
@@ -627,11 +628,11 @@ def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.
                     ex.peer_flags[peer][rank * chunks + c] = epoch
     if main is not None:
         main.wait_stream(ex.stream)
-    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch, *ident)
+    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch, *ident, group=group)
 
 
-def _sm_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: TileConfig,
-               push_blocks: int, ident: tuple[torch.Tensor, int]) -> None:
+def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
+               tile: TileConfig, push_blocks: int, ident: tuple[torch.Tensor, int]) -> None:
     """The all-gather GEMM with SM pushers: :func:`ag_own_gemm_kernel` (the pushers, which
     announce the call first, and the own segment), then :func:`ag_peer_gemm_kernel` (the
     peers' segments, counted flags, waits checking the announcements); ``ident``: the call
@@ -640,21 +641,22 @@ def _sm_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | 
     tables and kernels (for a capture later). Pushers write only the peers' copies of this
     rank's own exchange, sized alike on every rank, so a peer whose call differs is never
     written out of bounds."""
-    world = runtime.world_size()
+    world, group = state.size, state.process_group
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
-    ex = _exchange(("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype, world * padded // bm)
+    ex = _exchange(state, ("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype,
+                   world * padded // bm)
     peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(ident[0])  # peer tables, made outside any capture
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state") if world > 1 else None
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
     if out is None:
         ex.step(push_blocks)
         return
     ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident)
+    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
     if peers is not None:
-        peers(ex.buffers, weight, out, ex.flags, ex.state, *ident)
+        peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -736,7 +738,7 @@ PRODUCERS = ("copy_engine", "sm")
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
                     tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS,
-                    producer: str | None = None) -> torch.Tensor:
+                    producer: str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -748,7 +750,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     ``producer``: who moves the rows in the fused plan: ``"copy_engine"`` (copies and flag
     writes on a side stream, the GEMM keeps every SM; the default, except inside a CUDA graph
     capture) or ``"sm"`` (``push_blocks`` blocks of the GEMM kernel push the rows; counts its
-    calls on the device, so it is what a captured call runs).
+    calls on the device, so it is what a captured call runs). ``group``: the tensor-parallel
+    process group (None: the whole job); ``world`` is its size.
 
     Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
@@ -758,9 +761,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
     if producer not in (None, *PRODUCERS):
         raise ValueError(f"producer must be one of {PRODUCERS} or None, got {producer!r}")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a_shard.shape, weight.shape[0]
-    check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)], every_call=m == 0)
+    check_same_across_ranks(state, "all_gather_gemm", [m, k, n, str(a_shard.dtype)], every_call=m == 0)
     if m == 0:
         return a_shard.new_empty(0, n)
     tile = tile or choose_tile(world * m, n)
@@ -770,7 +774,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
                        (world - 1) * m * k * a_shard.element_size())
     if _choose(plan, world * m, wins) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
-        dist.all_gather_into_tensor(gathered, a_shard)
+        dist.all_gather_into_tensor(gathered, a_shard, group=group)
         return gathered @ weight.T
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
@@ -784,14 +788,14 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         if not mapped:
             raise ValueError("all_gather_gemm(producer='copy_engine') needs every peer's memory mapped in this "
                              "process; with NVSHMEM calls between the ranks use producer='sm' (the default there)")
-    ident = call_identity(signature("all_gather_gemm", a_shard, f"N={n}", tile,
+    ident = call_identity(state, signature("all_gather_gemm", a_shard, f"N={n}", tile,
                                     producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}"))
     if producer == "copy_engine":
         if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
-            _sm_gather(a_shard, weight, None, tile, push_blocks, ident)
-        _copy_engine_gather(a_shard, weight, out, tile, ident)
+            _sm_gather(state, a_shard, weight, None, tile, push_blocks, ident)
+        _copy_engine_gather(state, a_shard, weight, out, tile, ident)
     else:
-        _sm_gather(a_shard, weight, out, tile, push_blocks, ident)
+        _sm_gather(state, a_shard, weight, out, tile, push_blocks, ident)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -823,28 +827,30 @@ def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[
     return padded, tiles, k_splits(owners * tiles, k, tile.block_K)
 
 
-def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
+def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
                       plan: tuple[int, int, int], ident: tuple[torch.Tensor, int]) -> torch.Tensor:
     """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s,
     ``ident`` the call's board and identity (:func:`call_identity`)."""
-    world = runtime.world_size()
+    world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
     padded, tiles, splits = plan
     slots = world * splits
-    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
+    ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
+                   world)
     ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state, *ident)
+    push = gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)
+    push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
-    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident)
+    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
     return out
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                        tile: TileConfig | None = None) -> torch.Tensor:
+                        tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce-scatter over rows of ``a @ weight.T`` (row parallel), the sends overlapped with the GEMM.
 
     Example::
@@ -853,17 +859,19 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
     (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`; K is split
-    where its tiles are too few for the SMs, see :func:`k_splits`).
+    where its tiles are too few for the SMs, see :func:`k_splits`). ``group``: the
+    tensor-parallel process group (None: the whole job); ``world`` is its size.
 
     Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
     _check_pair(a, weight)
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a.shape, weight.shape[0]
     if m % world:
-        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the world size {world}")
-    check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
+        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the group size {world}")
+    check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
     if m == 0:
         return a.new_empty(0, n)
     tile = tile or choose_tile(m, n, split_k=True)
@@ -871,25 +879,25 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
     if _choose(plan, m, wins) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        dist.reduce_scatter_tensor(out, a @ weight.T)
+        dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
         return out
     # Remote writes go only to the peers' copies of this call's own exchange (symmetric, sized
     # alike on every rank), so a peer whose call differs is not written out of bounds.
-    ident = call_identity(signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}"))
+    ident = call_identity(state, signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}"))
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return _gemm_then_reduce(a, weight, world, tile, (padded, tiles, splits), ident)
-    ex = _exchange(("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
+        return _gemm_then_reduce(state, a, weight, world, tile, (padded, tiles, splits), ident)
+    ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
     out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, _panel_dividing(padded // tile.block_M,
-                                                                                           tile.panel))
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident)
+    panel = _panel_dividing(padded // tile.block_M, tile.panel)
+    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
     return out
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None) -> torch.Tensor:
+                    tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` for small M (decode): partial tiles are pushed as they finish.
 
     Example::
@@ -899,14 +907,16 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused, where every block has an SM of its own (decode shapes: output tiles times K
     splits, :func:`k_splits`), one kernel does it all (:func:`all_reduce_gemm_kernel`);
     else a GEMM kernel pushes partial tiles and a second kernel sums them. Every rank gets
-    the same bits: partials are summed in rank order.
+    the same bits: partials are summed in rank order. ``group``: the tensor-parallel
+    process group (None: the whole job).
 
     Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
     on every rank; zero rows on every rank give an empty result.
     """
     _check_pair(a, weight)
+    state = runtime.group_state(group)
     (m, k), n = a.shape, weight.shape[0]
-    check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
+    check_same_across_ranks(state, "gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
     if m == 0:
         return a.new_empty(0, n)
     tile = tile or choose_tile(m, n, split_k=True)
@@ -918,18 +928,18 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     one_kernel = tiles * splits <= sm_count()  # one kernel needs every block resident
     if _choose(plan, FUSED_MIN_ROWS, one_kernel) == "unfused":
         out = a @ weight.T
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
-    ident = call_identity(signature("gemm_all_reduce", a, f"N={n}", tile, f"splits={splits}",
+    ident = call_identity(state, signature("gemm_all_reduce", a, f"N={n}", tile, f"splits={splits}",
                                     "one kernel" if one_kernel else "two kernels"))
     if not one_kernel:
-        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits), ident)
-    world = runtime.world_size()
+        return _gemm_then_reduce(state, a, weight, 1, tile, (padded, tiles, splits), ident)
+    world = state.size
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
+    ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
                    a.dtype, world * tiles)
     ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits)
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident)
+    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
     return out
