@@ -74,15 +74,31 @@ def test_integer_reductions_are_exact(collectives_job):
 
 def test_fused_tp_gemm_row_disagreement_raises_on_every_rank():
     """all_gather_gemm with 64 rows on rank 0 and 72 on rank 1 (both padded to one 128-row
-    tile, so the same buffers and flags): before, both returned, zeros in rank 1's rows."""
+    tile, so the same buffers and flags): before, both returned, zeros in rank 1's rows. So
+    for both all-gather producers (copy engines: announced on their stream before the flags),
+    the reduce-scatter in its GEMM and with K split, the all-reduce in one kernel (K whole or
+    split) and in two (64-row tiles: other buffers per row count, the waits end at the peer's
+    announcement); and for the same rows with another tile or producer."""
     proc = run_cpu(str(RANKS / "tp_gemm_agreement.py"), 2, env={"TILESCALE_TEST_CASE": "mismatch"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = markers(proc.stdout, "MISMATCH")
-    for op, rows in (("all_gather_gemm", (64, 72)), ("gemm_reduce_scatter", (128, 144)),
-                     ("gemm_all_reduce", (64, 72))):
+    for case, op, rows, k in (("all_gather_gemm", "all_gather_gemm", (64, 72), 64),
+                              ("all_gather_gemm_sm", "all_gather_gemm", (64, 72), 64),
+                              ("gemm_reduce_scatter", "gemm_reduce_scatter", (128, 144), 64),
+                              ("gemm_reduce_scatter_split_k", "gemm_reduce_scatter", (128, 144), 128),
+                              ("gemm_all_reduce", "gemm_all_reduce", (64, 72), 64),
+                              ("gemm_all_reduce_split_k", "gemm_all_reduce", (64, 72), 128),
+                              ("gemm_all_reduce_two_kernels", "gemm_all_reduce", (64, 72), 64)):
         for rank in (0, 1):
-            line = found[op, rank]
-            assert f"rank 0: {op} ({rows[0]}, 64) float32" in line and f"rank 1: {op} ({rows[1]}, 64) float32" in line
+            line = found[case, rank]
+            assert f"rank 0: {op} ({rows[0]}, {k}) float32" in line and f"rank 1: {op} ({rows[1]}, {k}) float32" in line
+    for rank in (0, 1):  # the same rows, another tile (the same buffers) or another producer (other buffers)
+        tiles = found["all_gather_gemm_tile", rank]
+        assert "rank 0: all_gather_gemm (64, 64) float32 N=32 TileConfig(block_M=128, block_N=128," in tiles
+        assert "rank 1: all_gather_gemm (64, 64) float32 N=32 TileConfig(block_M=128, block_N=256," in tiles
+        producers = found["all_gather_gemm_producer", rank]
+        assert re.search(r"rank 0: all_gather_gemm [^;]* copy_engine[;)]", producers), producers
+        assert re.search(r"rank 1: all_gather_gemm [^;]* sm push_blocks=32[;)]", producers), producers
     for rank in (0, 1):  # zero rows on every rank: empty results, no kernel
         assert f"EMPTY-OK rank={rank}" in proc.stdout
 
@@ -178,10 +194,18 @@ def _changed_kernels() -> dict:
         "all_reduce_int64_two_shot": lambda: collectives.reduce_kernel.__wrapped__(2, "int64", 2, 132, "push"),
         "all_reduce_int32_one_shot": lambda: collectives.reduce_kernel.__wrapped__(1, "int32", 4, 132, "local"),
         "reduce_scatter_fp16": lambda: collectives.reduce_kernel.__wrapped__(2, "float16", 8, 132, "scatter"),
-        "ag_gemm": lambda: tp_gemm.ag_gemm_kernel.__wrapped__(2, "bfloat16", 256, 256, 512, 512, 16, WIDE),
+        "ag_own_gemm": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 256, 256, 512, 512, 16, WIDE),
+        "ag_peer_gemm": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 256, 512, 512, 1, WIDE, "state"),
+        "ag_peer_gemm_epoch": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 256, 512, 512, 2, WIDE,
+                                                                              "epoch"),
+        "ag_announce": lambda: tp_gemm.announce_kernel.__wrapped__(2),
+        "gemm_reduce_scatter": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(2, "bfloat16", 512, 512, 512,
+                                                                                      WIDE, 1),
         "gemm_push": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 512, 512, 512, 2, WIDE, 1),
         "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, 2, "bfloat16", 65536, 65536, 132),
         "all_reduce_gemm": lambda: tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 128, 512, 1024, NARROW),
+        "all_reduce_gemm_split": lambda: tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 128, 512, 1024,
+                                                                                    WIDE, 2),
         "moe_dispatch": lambda: moe.dispatch_kernel.__wrapped__(2, 64, 256, 4, 8, 1536, "bfloat16", 132, False),
         "moe_combine": lambda: moe.combine_kernel.__wrapped__(2, 64, 256, 4, 1024, "bfloat16", 132),
     }
@@ -196,9 +220,11 @@ def test_changed_kernels_lower_with_their_checks():
                  "moe_combine"):
         assert re.search(r"agreed\[0\] = tilescale::grid_agree\(ts_sync_peers, ts_rank, 2, ts_status, "
                          r"ts_timeout_ns, sig\);", sources[name]), name
-    for name in ("ag_gemm", "gemm_push", "all_reduce_gemm", "moe_dispatch"):
+    for name in ("ag_own_gemm", "ag_announce", "gemm_reduce_scatter", "gemm_push", "all_reduce_gemm",
+                 "all_reduce_gemm_split", "moe_dispatch"):
         assert "tilescale::announce(board__peers, ts_rank, 2, ident);" in sources[name], name
-    for name in ("ag_gemm", "sum_received", "all_reduce_gemm", "moe_dispatch"):
+    for name in ("ag_peer_gemm", "ag_peer_gemm_epoch", "gemm_reduce_scatter", "sum_received", "all_reduce_gemm",
+                 "all_reduce_gemm_split", "moe_dispatch"):
         assert re.search(r"tilescale::(block|warp)_wait\(.*\(&\(board\[0\]\)\), 2, ident\);", sources[name]), name
     # Integers add in their own type: no float accumulator in the integer reductions.
     for name, ctype in (("all_reduce_int64_two_shot", "int64_t"), ("all_reduce_int32_one_shot", "int")):
@@ -213,8 +239,8 @@ def test_changed_kernels_lower_with_their_checks():
 def test_changed_kernels_compile_for_sm90a(tmp_path):
     from tilescale.language import build_options
 
-    names = ["all_gather_bf16", "all_reduce_int64_two_shot", "all_reduce_int32_one_shot", "ag_gemm",
-             "all_reduce_gemm", "moe_combine"]
+    names = ["all_gather_bf16", "all_reduce_int64_two_shot", "all_reduce_int32_one_shot", "ag_own_gemm",
+             "ag_peer_gemm_epoch", "ag_announce", "gemm_reduce_scatter", "all_reduce_gemm", "moe_combine"]
     with build_options(world_size=2):
         sources = {name: lower_cuda(_changed_kernels()[name]()) for name in names}
     with ThreadPoolExecutor(2) as pool:

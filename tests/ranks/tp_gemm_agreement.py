@@ -1,11 +1,12 @@
 """Rank program (2 ranks): the fused TP GEMMs when ranks pass different row counts after each
-count has been seen, and with zero rows.
+count has been seen, or the same rows with another tile or producer, and with zero rows.
 
 ``TILESCALE_TEST_CASE`` picks what runs:
 
-* ``mismatch``: one disagreeing call of each op; markers
-  ``MISMATCH case=<op> rank=<r> msg=<message>``, then ``EMPTY-OK rank=<r>`` after zero rows
-  on every rank gave empty results;
+* ``mismatch``: one disagreeing call of each op and plan (both all-gather producers, the
+  one- and two-kernel reduce-scatter and all-reduce), then calls that differ only in the
+  all-gather's tile or producer; markers ``MISMATCH case=<case> rank=<r> msg=<message>``,
+  then ``EMPTY-OK rank=<r>`` after zero rows on every rank gave empty results;
 * ``zero-on-one-rank``: rank 0 passes zero rows, rank 1 64 (both counts seen before); every
   rank must raise (within the test's short timeouts), marker ``ZERO-ROWS-ERROR rank=<r>
   type=<exception> msg=<message>``.
@@ -19,6 +20,11 @@ from datetime import timedelta
 import torch
 
 import tilescale as ts
+from tilescale.ops._gemm import WIDE, TileConfig
+
+# 64 x 64 tiles: 5 column tiles of N = 320 are more blocks than the CPU path's 4 "SMs", so
+# gemm_all_reduce takes its two-kernel plan.
+SHORT = TileConfig(64, 64, 64, 2, 128, "FullRow")
 
 
 def expect_mismatch(case: str, call) -> None:
@@ -39,20 +45,40 @@ def main() -> None:
     rank = ts.rank()
     assert ts.world_size() == 2
     k, n = 64, 32
-    w = torch.ones(n, k)
+    w, w_long, w_wide = torch.ones(n, k), torch.ones(n, 2 * k), torch.ones(320, k)
+    # K = 128 on the CPU path's 4 "SMs": the reduce-scatter splits K (its GEMM kernel, then the
+    # reduction kernel), the all-reduce too, in its one kernel.
     ops = {
-        "all_gather_gemm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused"),
+        "all_gather_gemm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused"),  # copy engines
+        "all_gather_gemm_sm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused", producer="sm"),
         "gemm_reduce_scatter": lambda m: ts.ops.gemm_reduce_scatter(torch.ones(2 * m, k), w, plan="fused"),
+        "gemm_reduce_scatter_split_k": lambda m: ts.ops.gemm_reduce_scatter(torch.ones(2 * m, 2 * k), w_long,
+                                                                            plan="fused"),
         "gemm_all_reduce": lambda m: ts.ops.gemm_all_reduce(torch.ones(m, k), w, plan="fused"),
+        "gemm_all_reduce_split_k": lambda m: ts.ops.gemm_all_reduce(torch.ones(m, 2 * k), w_long, plan="fused"),
+        "gemm_all_reduce_two_kernels": lambda m: ts.ops.gemm_all_reduce(torch.ones(m, k), w_wide, plan="fused",
+                                                                        tile=SHORT),
+    }
+    # The same rows, another plan: (rank 0's call, rank 1's call).
+    plans = {
+        "all_gather_gemm_tile": (ops["all_gather_gemm"],
+                                 lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused", tile=WIDE)),
+        "all_gather_gemm_producer": (ops["all_gather_gemm"], ops["all_gather_gemm_sm"]),
     }
     for op in ops.values():  # every row count is seen by every rank first
         for m in (0, 64, 72):
             op(m)
+    for pair in plans.values():
+        for op in pair:
+            op(64)
     if os.environ["TILESCALE_TEST_CASE"] == "mismatch":
         for name, op in ops.items():
             expect_mismatch(name, lambda op=op: op(64 if rank == 0 else 72))
+        # Last: after the producers differed, each rank's count of all-gather calls differs per producer.
+        for name, pair in plans.items():
+            expect_mismatch(name, lambda pair=pair: pair[rank](64))
         results = [op(0) for op in ops.values()]
-        assert [tuple(r.shape) for r in results] == [(0, n), (0, n), (0, n)], [r.shape for r in results]
+        assert [tuple(r.shape) for r in results] == [(0, n)] * 6 + [(0, 320)], [r.shape for r in results]
         print(f"EMPTY-OK rank={rank}", flush=True)
     else:
         try:

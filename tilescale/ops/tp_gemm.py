@@ -22,6 +22,10 @@ flags are per sender, so a peer already in its next call cannot stand in for a s
 The call count and that total live on the device, advanced in stream order before each
 call's kernels, so a call captured in a CUDA graph advances them on every replay (the
 copy-engine all-gather counts on the host, so captures take the pushers' plan).
+Every fused call announces itself (op, shapes, tile, plan: its signature, and a call number)
+on the job's call board before it signals, and its waits check the peers' announcements:
+ranks whose calls differ get ``ts.ShapeMismatchError``, not each other's data (README "When
+ranks disagree"). Zero rows on every rank give an empty result without a kernel.
 Each op picks ``plan="fused"`` or the non-overlapped ``plan="unfused"`` (torch.distributed
 collective + torch matmul): on GPUs by the GEMM's waves against the collective's bytes
 (``_fused_wins``), elsewhere from the shape; pass ``plan`` to force one.
@@ -39,11 +43,12 @@ import torch.distributed as dist
 
 import tilescale.language as T
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import jit, kernel_lowering
 from tilescale.language.scale import ADDRESS
-from tilescale.ops._common import check_input, check_same_across_ranks, sm_count, tl_dtype
+from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
-from tilescale.symmetric import peer_ptrs, peer_view, zeros
+from tilescale.symmetric import allocate, peer_ptrs, peer_view
 
 # Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
 # rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
@@ -72,7 +77,8 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     ``rank - 1, rank - 2, ...`` order (rank r - p computes this rank's segment p-th). Every
     pusher adds 1 to a row tile's flag at the peer once it has pushed its share of that tile
     (``flags[rank * m_tiles + row_tile]``), so the peer's tiles start as soon as their rows
-    are in. Nothing here waits, so the peers' second kernels always get their rows.
+    are in, and announces the call on ``board`` first (the peers' waits check it). Nothing
+    here waits, so the peers' second kernels always get their rows.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -88,10 +94,11 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     vector = 8 if K % 8 == 0 else 1
 
     @T.macro
-    def own_kernel(x, gathered, W, C, flags, state):
+    def own_kernel(x, gathered, W, C, flags, state, board, ident):
         with T.Kernel(push_blocks + m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 if push_blocks and b < push_blocks:  # no pusher code at all without pushers
+                    T.announce(board, ident)  # before this block's signals, which release it
                     for p in T.serial(ranks - 1):
                         peer = (rank + ranks - 1 - p) % ranks
                         for r in T.serial(m_tiles):
@@ -114,15 +121,16 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
         @T.prim_func
         def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
                  W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32")):
-            own_kernel(x, gathered, W, C, flags, state)
+                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+                 board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+            own_kernel(x, gathered, W, C, flags, state, board, ident)
 
         return main
 
     @T.prim_func
     def gemm_only(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype),
                   C: T.Tensor((world * padded_rows, N), dtype)):
-        own_kernel(x, None, W, C, None, None)
+        own_kernel(x, None, W, C, None, None, None, None)
 
     return gemm_only
 
@@ -151,7 +159,9 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     engines set each flag to the call's ``epoch`` (:func:`_copy_engine_gather`), and
     ``gathered`` is the call's buffer set. The thread-block index goes through a register:
     TVM 0.1.15's simplifier rewrote ``(rank + 1 + b // tiles) % world`` into a wrong closed
-    form for even ranks (the wait then watched another segment's flag).
+    form for even ranks (the wait then watched another segment's flag). The waits check the
+    senders' announcements on ``board`` (``T.wait(..., agree=)``): a sender whose call differs
+    ends them with a ShapeMismatchError.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -159,13 +169,14 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     chunks = -(-m_tiles // chunk_tiles)
 
     @T.macro
-    def peer_tiles(gathered, W, C, flags, state, epoch):
+    def peer_tiles(gathered, W, C, flags, state, epoch, board, ident):
         with T.Kernel((world - 1) * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
             with T.Scale("device") as (rank, ranks):
                 tile = T.alloc_local((1,), "int32")
                 tile[0] = b
                 segment, by, bx = _peer_tile(tile[0], rank, ranks, m_tiles, n_tiles, tile_cfg.panel)
-                T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1])
+                T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1],
+                       agree=(board, ident))
                 row = segment * padded_rows + by * bm
                 first = 0 if state is None else _buffer_of(state) * world * padded_rows
                 gemm_tile(gathered, first + row, W, bx * bn, C, row, bx * bn, K, dtype, tile_cfg.stages, tile_cfg)
@@ -175,18 +186,34 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
         @T.prim_func
         def counted(gathered: T.Tensor((2 * world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
                     C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
-                    state: T.Tensor((2,), "int32")):
-            peer_tiles(gathered, W, C, flags, state, None)
+                    state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+            peer_tiles(gathered, W, C, flags, state, None, board, ident)
 
         return counted
 
     @T.prim_func
     def epoch_set(gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
                   C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
-                  epoch: T.int32):
-        peer_tiles(gathered, W, C, flags, None, epoch)
+                  epoch: T.int32, board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        peer_tiles(gathered, W, C, flags, None, epoch, board, ident)
 
     return epoch_set
+
+
+@jit
+def announce_kernel(world: int):
+    """One block that announces a call on the job's call board (``T.announce``), for a producer
+    that is not a kernel: the copy-engine all-gather runs it on its side stream before its
+    copies, so that each flag that stream writes afterwards (with a system-wide fence first)
+    comes after the announcement, which the receiving waits check once the flag holds."""
+
+    @T.prim_func
+    def main(board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(1, threads=32):
+            with T.Scale("device"):
+                T.announce(board, ident)
+
+    return main
 
 
 @jit
@@ -199,7 +226,8 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     its own block, so that decode-sized outputs still give every SM a block; part ``s`` of
     rank ``r`` lands in slot ``r * splits + s`` and the reduction sums the slots.
     The epilogue signals per warp (``scope="warp"``): under warp specialisation only the
-    consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag.
+    consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag. Every
+    block announces the call on ``board`` first (:func:`sum_received_kernel`'s waits check it).
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
@@ -210,10 +238,12 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((2 * world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32"),
-             state: T.Tensor((2,), "int32")):
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
+                T.announce(board, ident)  # before this block's signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
                 tile_row, part = by // splits, by % splits
                 seg = (rank + 1 + tile_row // m_tiles) % owners
                 a = T.alloc_shared((bm, bk), dtype)
@@ -252,6 +282,8 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     ``rank + 1, rank + 2, ...`` order), so the tiles they wait for never wait themselves.
     ``panel`` (tile rows of the panel order) divides the segment's row tiles, so no panel mixes
     own and peer tiles. Each consumer warp signals and waits on its own (``scope="warp"``).
+    Every block announces the call on ``board`` before its signals; the own tiles' waits check
+    the peers' announcements (a peer whose call differs: ShapeMismatchError).
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // world
@@ -263,10 +295,12 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * world * padded, N), dtype),
              out: T.Tensor((seg_rows, N), dtype), flags: T.Tensor((world * tiles,), "int32"),
-             state: T.Tensor((2,), "int32")):
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, world * m_tiles, threads=tile_cfg.threads) as (bx, by):
             with T.Scale("device") as (rank, ranks):
                 T.use_swizzle(panel, enable=panel > 1)
+                T.announce(board, ident)  # before the peer tiles' signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
                 seg, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
@@ -282,7 +316,8 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
                     for p in T.serial(ranks - 1):
                         src = (rank + 1 + p) % ranks
                         # A flag per sender: a peer already in its next call adds to its own flag only.
-                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp")
+                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp",
+                               agree=(board, ident))
                         T.copy(recv[(_buffer_of(state) * world + src) * padded + row * bm, bx * bn], part)
                         for i, j in T.Parallel(bm, bn):
                             acc[i, j] += T.cast(part[i, j], "float32")
@@ -317,7 +352,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
     Under TileLang's warp specialisation only the consumer warps run the epilogue, so each
     of them signals and waits on its own (``scope="warp"``): a flag per (sender, tile)
-    counts ``splits * threads // 32`` signals per call.
+    counts ``splits * threads // 32`` signals per call. Every block announces the call on
+    ``board`` before its signals, and the waits check the peers' announcements.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     padded = -(-M // bm) * bm
@@ -327,9 +363,12 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((2 * world * splits * padded, N), dtype), out: T.Tensor((M, N), dtype),
-             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((2,), "int32")):
+             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
             with T.Scale("device") as (rank, ranks):
+                T.announce(board, ident)  # before this block's signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
                 by, s = bz // splits, bz % splits
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
@@ -359,12 +398,14 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
                             # A flag per sender: with 3+ ranks a peer may already be in its next
                             # call and signal again; one shared count could pass before a slower
                             # peer's tile had landed.
-                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp")
+                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                                   agree=(board, ident))
                             T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
                         for i, j in T.Parallel(rows, bn):
                             total[i, j] += T.cast(part[i, j], "float32")
                     else:
-                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp")
+                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                               agree=(board, ident))
                         for q in T.serial(splits):
                             slot = ((_buffer_of(state) * world + p) * splits + q) * padded + by * bm
                             T.copy(recv[slot + s * rows, bx * bn], part)
@@ -379,19 +420,20 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
 @jit
 def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, elems: int, sms: int):
     """``out = sum_s recv[s][:elems]`` over the ``slots`` received partials once every rank's
-    have arrived (fp32 accumulation)."""
+    have arrived (fp32 accumulation); the waits check the senders' announcements on ``board``."""
     tile = 4096
     grid = min(-(-elems // tile), sms)
 
     @T.prim_func
     def main(recv: T.Tensor((2 * slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
-             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32")):
+             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"),
+             ident: T.int64):
         with T.Kernel(grid, threads=THREADS) as bx:
             with T.Scale("device") as (rank, ranks):
                 acc = T.alloc_fragment((1, tile), "float32")
                 part = T.alloc_fragment((1, tile), dtype)
                 for p in T.serial(ranks):
-                    T.wait(flags[p], "ge", state[1])
+                    T.wait(flags[p], "ge", state[1], agree=(board, ident))
                 for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
                     base = (bx + t * grid) * tile
                     T.clear(acc)
@@ -440,15 +482,15 @@ class _Exchange:
         self.state += self.step(arrivals)
 
 
-_exchanges: dict[tuple, _Exchange] = {}
+def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
+    """The group's exchange of ``key`` (its buffers allocated, collectively, at first use)."""
 
-
-def _exchange(key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
-    if key not in _exchanges:
+    def create() -> _Exchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        _exchanges[key] = _Exchange(zeros((2 * shape[0], *shape[1:]), dtype=dtype), zeros((flags,), dtype=torch.int32),
-                                    torch.zeros(2, dtype=torch.int32, device=runtime.device()))
-    return _exchanges[key]
+        return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
+                         torch.zeros(2, dtype=torch.int32, device=runtime.device()))
+
+    return state.exchange(("tp_gemm", *key), create)
 
 
 class _StreamWrites:
@@ -493,20 +535,20 @@ class _GatherExchange:
     calls: int = 0
 
 
-_gather_exchanges: dict[tuple, _GatherExchange] = {}
+def _gather_exchange(state: GroupState, key: tuple, rows: int, k: int, dtype: torch.dtype,
+                     flags: int) -> _GatherExchange:
+    """The group's copy-engine exchange of ``key`` (allocated, collectively, at first use)."""
 
-
-def _gather_exchange(key: tuple, rows: int, k: int, dtype: torch.dtype, flags: int) -> _GatherExchange:
-    if key not in _gather_exchanges:
+    def create() -> _GatherExchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        buffers, flag = zeros((2 * rows, k), dtype=dtype), zeros((flags,), dtype=torch.int32)
-        world = runtime.world_size()
+        buffers, flag = allocate(state, (2 * rows, k), dtype), allocate(state, (flags,), torch.int32)
         stream = None
         if buffers.is_cuda:  # high priority: its copies and flag writes go first where kernels wait for them
             stream = torch.cuda.Stream(buffers.device, priority=-1)
-        _gather_exchanges[key] = _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(world)],
-                                                 [peer_view(flag, p) for p in range(world)], stream)
-    return _gather_exchanges[key]
+        return _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(state.size)],
+                               [peer_view(flag, p) for p in range(state.size)], stream)
+
+    return state.exchange(("tp_gemm", *key), create)
 
 
 def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
@@ -520,40 +562,59 @@ def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
     return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
 
 
-def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: TileConfig) -> None:
+def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                        tile: TileConfig, ident: tuple[torch.Tensor, int]) -> None:
     """The all-gather GEMM with copies as producer. On the main stream, the own segment's GEMM
     (:func:`ag_own_gemm_kernel`, no pushers) starts at once; meanwhile, on a high-priority side
-    stream, this rank's rows go chunk by chunk into every peer's gather buffer (``rank - 1,
-    rank - 2, ...``), each chunk followed by a stream-ordered write of the call's epoch to its
-    flag there. The main stream then waits for those copies and runs the peers' segments
-    (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks.
+    stream, :func:`announce_kernel` announces the call (``ident``: the call board and this
+    call's identity) and this rank's rows go chunk by chunk into every peer's gather buffer
+    (``rank - 1, rank - 2, ...``), each chunk followed by a stream-ordered write of the call's
+    epoch to its flag there. The main stream then waits for those copies and runs the peers'
+    segments (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks and check the
+    senders' announcements.
 
     Waiting for this rank's own copies before the waiting kernel is what keeps it free of
     deadlock whoever executes a copy (a device-to-device copy may run on SMs): the copies
     never wait for a kernel that waits, so every rank's rows arrive.
+
+    A peer whose call differs is found by the peer kernels' waits, after the copies have
+    landed: the copies are sized by this rank's shape, and cannot be checked before they are
+    issued without a round trip. They stay in bounds because they only ever write the peer's
+    copy of this rank's own exchange: a symmetric allocation, the same size on every rank
+    (``symmetric.empty`` checks that), keyed by everything that sizes or places a copy (rows
+    padded, K, dtype, tile height, chunk), and a copy covers at most ``padded`` rows of this
+    rank's segment of one buffer set. A peer running another shape does not read that
+    exchange in this call, and one running the same exchange (rows padded alike) gets the
+    announcement, with a different signature, before the flags: ShapeMismatchError.
     """
     global _stream_writes
-    world, rank = runtime.world_size(), runtime.rank()
+    world, rank, group = state.size, state.rank, state.process_group
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile)
-    if world == 1:  # nothing to gather
-        own(a_shard, weight, out)
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
+    if world == 1:  # nothing to gather, no peer to agree with
+        own(a_shard, weight, out, group=group)
         return
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
-    ex = _gather_exchange(("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
+    ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
                           world * chunks)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch")
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", group=group)
     ex.calls += 1
     epoch, first = ex.calls, (ex.calls % 2) * world * padded
     main = torch.cuda.current_stream() if ex.stream is not None else None
+
+    def side() -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(ex.stream) if main is not None else contextlib.nullcontext()
+
     if main is not None:
         _stream_writes = _stream_writes or _StreamWrites()
         ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
-    own(a_shard, weight, out)
-    with torch.cuda.stream(ex.stream) if main is not None else contextlib.nullcontext():
+    with side():  # launched before the own GEMM, so that it gets an SM before the GEMM takes them all
+        announce_kernel(world, group=group)(*ident, group=group)
+    own(a_shard, weight, out, group=group)
+    with side():
         for step in range(1, world):
             peer = (rank - step) % world
             for c in range(chunks):
@@ -567,30 +628,35 @@ def _copy_engine_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.
                     ex.peer_flags[peer][rank * chunks + c] = epoch
     if main is not None:
         main.wait_stream(ex.stream)
-    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch)
+    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch, *ident, group=group)
 
 
-def _sm_gather(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: TileConfig,
-               push_blocks: int) -> None:
-    """The all-gather GEMM with SM pushers: :func:`ag_own_gemm_kernel` (pushers and the own
-    segment), then :func:`ag_peer_gemm_kernel` (the peers' segments, counted flags). Call
-    counts and flag targets live on the device, so a CUDA graph can capture it. ``out=None``:
-    only make its exchange, peer table and kernels (for a capture later)."""
-    world = runtime.world_size()
+def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
+               tile: TileConfig, push_blocks: int, ident: tuple[torch.Tensor, int]) -> None:
+    """The all-gather GEMM with SM pushers: :func:`ag_own_gemm_kernel` (the pushers, which
+    announce the call first, and the own segment), then :func:`ag_peer_gemm_kernel` (the
+    peers' segments, counted flags, waits checking the announcements); ``ident``: the call
+    board and this call's identity (:func:`call_identity`). Call counts and flag targets live
+    on the device, so a CUDA graph can capture it. ``out=None``: only make its exchange, peer
+    tables and kernels (for a capture later). Pushers write only the peers' copies of this
+    rank's own exchange, sized alike on every rank, so a peer whose call differs is never
+    written out of bounds."""
+    world, group = state.size, state.process_group
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
-    ex = _exchange(("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype, world * padded // bm)
-    peer_ptrs(ex.buffers), peer_ptrs(ex.flags)  # the pushers' peer tables, made outside any capture
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state") if world > 1 else None
+    ex = _exchange(state, ("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype,
+                   world * padded // bm)
+    peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(ident[0])  # peer tables, made outside any capture
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
     if out is None:
         ex.step(push_blocks)
         return
     ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state)
+    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
     if peers is not None:
-        peers(ex.buffers, weight, out, ex.flags, ex.state)
+        peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -672,7 +738,7 @@ PRODUCERS = ("copy_engine", "sm")
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
                     tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS,
-                    producer: str | None = None) -> torch.Tensor:
+                    producer: str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
     Example::
@@ -684,16 +750,23 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     ``producer``: who moves the rows in the fused plan: ``"copy_engine"`` (copies and flag
     writes on a side stream, the GEMM keeps every SM; the default, except inside a CUDA graph
     capture) or ``"sm"`` (``push_blocks`` blocks of the GEMM kernel push the rows; counts its
-    calls on the device, so it is what a captured call runs).
+    calls on the device, so it is what a captured call runs). ``group``: the tensor-parallel
+    process group (None: the whole job); ``world`` is its size.
+
+    Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
+    ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
     _check_pair(a_shard, weight)
     if push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
     if producer not in (None, *PRODUCERS):
         raise ValueError(f"producer must be one of {PRODUCERS} or None, got {producer!r}")
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a_shard.shape, weight.shape[0]
-    check_same_across_ranks("all_gather_gemm", [m, k, n, str(a_shard.dtype)])
+    check_same_across_ranks(state, "all_gather_gemm", [m, k, n, str(a_shard.dtype)], every_call=m == 0)
+    if m == 0:
+        return a_shard.new_empty(0, n)
     tile = tile or choose_tile(world * m, n)
     padded = -(-m // tile.block_M) * tile.block_M
     seg_tiles = padded // tile.block_M * -(-n // tile.block_N)  # own segment, then the peers' in a second kernel
@@ -701,24 +774,28 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
                        (world - 1) * m * k * a_shard.element_size())
     if _choose(plan, world * m, wins) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
-        dist.all_gather_into_tensor(gathered, a_shard)
+        dist.all_gather_into_tensor(gathered, a_shard, group=group)
         return gathered @ weight.T
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
     mapped = kernel_lowering() in (None, ADDRESS)
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-    if (producer or ("sm" if capturing or not mapped else "copy_engine")) == "copy_engine":
+    producer = producer or ("sm" if capturing or not mapped else "copy_engine")
+    if producer == "copy_engine":
         if capturing:
             raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "
                                "values are counted on the host; capture producer='sm' (the default in a capture)")
         if not mapped:
             raise ValueError("all_gather_gemm(producer='copy_engine') needs every peer's memory mapped in this "
                              "process; with NVSHMEM calls between the ranks use producer='sm' (the default there)")
+    ident = call_identity(state, signature("all_gather_gemm", a_shard, f"N={n}", tile,
+                                    producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}"))
+    if producer == "copy_engine":
         if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
-            _sm_gather(a_shard, weight, None, tile, push_blocks)
-        _copy_engine_gather(a_shard, weight, out, tile)
+            _sm_gather(state, a_shard, weight, None, tile, push_blocks, ident)
+        _copy_engine_gather(state, a_shard, weight, out, tile, ident)
     else:
-        _sm_gather(a_shard, weight, out, tile, push_blocks)
+        _sm_gather(state, a_shard, weight, out, tile, push_blocks, ident)
     return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
 
 
@@ -750,27 +827,30 @@ def reduce_plan(m: int, k: int, n: int, owners: int, tile: TileConfig) -> tuple[
     return padded, tiles, k_splits(owners * tiles, k, tile.block_K)
 
 
-def _gemm_then_reduce(a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
-                      plan: tuple[int, int, int]) -> torch.Tensor:
-    """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s."""
-    world = runtime.world_size()
+def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, owners: int, tile: TileConfig,
+                      plan: tuple[int, int, int], ident: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The GEMM pushing partial tiles, then the reduction kernel; ``plan`` is :func:`reduce_plan`'s,
+    ``ident`` the call's board and identity (:func:`call_identity`)."""
+    world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
     padded, tiles, splits = plan
     slots = world * splits
-    ex = _exchange(("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype, world)
+    ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
+                   world)
     ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
-    gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits)(a, weight, ex.buffers, ex.flags, ex.state)
+    push = gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)
+    push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
-    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count())
-    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state)
+    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
     return out
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                        tile: TileConfig | None = None) -> torch.Tensor:
+                        tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce-scatter over rows of ``a @ weight.T`` (row parallel), the sends overlapped with the GEMM.
 
     Example::
@@ -779,35 +859,45 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
 
     ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
     (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`; K is split
-    where its tiles are too few for the SMs, see :func:`k_splits`).
+    where its tiles are too few for the SMs, see :func:`k_splits`). ``group``: the
+    tensor-parallel process group (None: the whole job); ``world`` is its size.
+
+    Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
+    ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
     _check_pair(a, weight)
-    world = runtime.world_size()
+    state = runtime.group_state(group)
+    world = state.size
     (m, k), n = a.shape, weight.shape[0]
     if m % world:
-        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the world size {world}")
-    check_same_across_ranks("gemm_reduce_scatter", [m, k, n, str(a.dtype)])
+        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the group size {world}")
+    check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, world, tile)
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
     if _choose(plan, m, wins) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        dist.reduce_scatter_tensor(out, a @ weight.T)
+        dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
         return out
+    # Remote writes go only to the peers' copies of this call's own exchange (symmetric, sized
+    # alike on every rank), so a peer whose call differs is not written out of bounds.
+    ident = call_identity(state, signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}"))
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return _gemm_then_reduce(a, weight, world, tile, (padded, tiles, splits))
-    ex = _exchange(("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
+        return _gemm_then_reduce(state, a, weight, world, tile, (padded, tiles, splits), ident)
+    ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
     out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, _panel_dividing(padded // tile.block_M,
-                                                                                           tile.panel))
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state)
+    panel = _panel_dividing(padded // tile.block_M, tile.panel)
+    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
     return out
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None) -> torch.Tensor:
+                    tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` for small M (decode): partial tiles are pushed as they finish.
 
     Example::
@@ -817,28 +907,39 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused, where every block has an SM of its own (decode shapes: output tiles times K
     splits, :func:`k_splits`), one kernel does it all (:func:`all_reduce_gemm_kernel`);
     else a GEMM kernel pushes partial tiles and a second kernel sums them. Every rank gets
-    the same bits: partials are summed in rank order.
+    the same bits: partials are summed in rank order. ``group``: the tensor-parallel
+    process group (None: the whole job).
+
+    Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
+    on every rank; zero rows on every rank give an empty result.
     """
     _check_pair(a, weight)
+    state = runtime.group_state(group)
     (m, k), n = a.shape, weight.shape[0]
-    check_same_across_ranks("gemm_all_reduce", [m, k, n, str(a.dtype)])
+    check_same_across_ranks(state, "gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
     tile = tile or choose_tile(m, n, split_k=True)
     padded, tiles, splits = reduce_plan(m, k, n, 1, tile)
     # On GPUs fused where the one-kernel plan applies (decode): as graph replays its floor is
     # 4-20 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100),
     # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200).
     # Above, NCCL + cuBLAS (the two-kernel plan adds a pass over world x M x N partials).
-    if _choose(plan, FUSED_MIN_ROWS, tiles * splits <= sm_count()) == "unfused":
+    one_kernel = tiles * splits <= sm_count()  # one kernel needs every block resident
+    if _choose(plan, FUSED_MIN_ROWS, one_kernel) == "unfused":
         out = a @ weight.T
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
-    if tiles * splits > sm_count():  # one kernel needs every block resident
-        return _gemm_then_reduce(a, weight, 1, tile, (padded, tiles, splits))
-    world = runtime.world_size()
+    ident = call_identity(state, signature("gemm_all_reduce", a, f"N={n}", tile, f"splits={splits}",
+                                    "one kernel" if one_kernel else "two kernels"))
+    if not one_kernel:
+        return _gemm_then_reduce(state, a, weight, 1, tile, (padded, tiles, splits), ident)
+    world = state.size
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
+    ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
                    a.dtype, world * tiles)
     ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits)(a, weight, ex.buffers, out, ex.flags, ex.state)
+    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
     return out
