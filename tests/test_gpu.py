@@ -126,3 +126,22 @@ def test_nvshmem_mpi_bootstrap_under_mpich_is_refused_clearly(tmp_path):
     assert proc.returncode != 0
     # Which of check_mpi_bootstrap's refusals depends on the MPI that mpi4py was built for.
     assert (proc.stdout + proc.stderr).count("leave TILESCALE_NVSHMEM_BOOTSTRAP unset") >= 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["eager", "eager_tp", "graph"])
+def test_ranks_disagreeing_after_both_shapes_were_seen_raise_on_both(case):
+    proc = run(str(RANKS / "agreement_gpu.py"), case)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"CAUGHT case={case} rank={r}" in proc.stdout
+    if case != "eager_tp":  # T.agree poisons the collective's output
+        assert proc.stdout.count("poisoned=1") == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_disagreeing_last_call_fails_the_job_at_finalize():
+    proc = run(str(RANKS / "agreement_gpu.py"), "finalize")
+    assert proc.returncode != 0
+    assert proc.stdout.count("LAST-CALL-ISSUED") == 2
+    assert "ShapeMismatchError" in proc.stdout + proc.stderr

@@ -5,7 +5,7 @@ from cuda_build import lower_cuda
 from tilelang.engine import register_cuda_postproc
 
 from tilescale.language import build_options
-from tilescale.ops import tp_gemm
+from tilescale.ops import moe, tp_gemm
 from tilescale.ops._gemm import WIDE
 from tilescale.tir_fixes import coherent_reads, guard_unit_loops
 
@@ -58,6 +58,16 @@ def test_kernels_that_wait_read_plain_pointers():
     assert "tilescale::block_wait(" in src and "__restrict__" not in src and "bfloat16_t* recv," in src
     assert "int* __restrict__ A" in alone
     assert "const bfloat16_t* __restrict__ recv" in lower_cuda(waits)  # outside the block: TileLang's own
+
+
+def test_kernels_that_agree_read_plain_pointers():
+    # T.agree is a barrier too: MoE's combine reads the rows peers put back before it (its
+    # generated source lost the fix when T.agree replaced its T.barrier(); found by reading it).
+    with build_options(world_size=2):
+        combine = moe.combine_kernel.__wrapped__(2, 64, 256, 4, 1024, "bfloat16", 132)
+    with coherent_reads():
+        src = lower_cuda(combine)
+    assert "tilescale::grid_agree(" in src and "__restrict__" not in src and "bfloat16_t* back," in src
 
 
 def test_coherent_reads_keeps_earlier_post_processing():

@@ -16,7 +16,7 @@ Reads of what other ranks write during the launch. TileLang declares every point
 argument ``__restrict__``, and ``const`` when the kernel never stores to it by that name.
 That lets nvcc load it through the non-coherent cache and move the loads before a wait:
 on an H200 a kernel read the zeros of a fresh buffer before the wait for the peers'
-counts ended. A kernel that waits for other ranks (``T.wait``, ``T.barrier()``) reads
+counts ended. A kernel that waits for other ranks (``T.wait``, ``T.barrier()``, ``T.agree``) reads
 data they write while it runs, under any of its arguments' names, so inside
 :func:`coherent_reads` such kernels are generated without either qualifier
 (:func:`coherent_arguments`).
@@ -80,7 +80,7 @@ def guard_unit_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func if body.same_as(func.body) else func.with_body(body)
 
 
-_WAITS = re.compile(r"tilescale::\w*(?:wait|barrier)\w*\(")
+_WAITS = re.compile(r"tilescale::\w*(?:wait|barrier|agree)\w*\(")
 _QUALIFIED_POINTER = re.compile(r"(?:const )?(\w+)\* __restrict__ ")
 _POSTPROC = "tilelang_callback_cuda_postproc"
 
