@@ -1,7 +1,7 @@
 """Which tile should tilescale's GEMM kernels use? TileLang GEMM configurations vs cuBLAS, one GPU.
 
 Every variant computes ``C = A @ W.T`` (bf16 in, fp32 accumulation, bf16 out) the way the
-fused tensor-parallel kernels of ``tilescale/ops/tp_gemm.py`` compute their GEMM part: one
+fused tensor-parallel kernels of ``tilescale/ops/tp_gemm/kernels.py`` compute their GEMM part: one
 output tile per block through ``tilescale.ops._gemm.gemm_tile`` with a ``TileConfig``, the
 tile found from a linear block index as in the all-gather GEMM (``grid="1d"``, tile order
 from ``_gemm.tile_coords``) or from a 2-D grid as in the reduce-scatter GEMM (``grid="2d"``,
@@ -113,6 +113,14 @@ VARIANTS = [
     Variant("256x128-direct-s4-p8", _cfg(256, 128, 64, 4, "FullRow", "direct", 8)),
     Variant("tilelang-sm90-2d-swz10", _cfg(128, 256, 64, 3, "FullRow", "shared", 10), grid="2d"),
     Variant("128x256-2d-noWS", _cfg(128, 256, 64, 3, "FullRow", "shared", 0), grid="2d", ws=False),
+    # Narrower tiles against wave quantisation (other tile counts per wave): tp_gemm's candidates.
+    Variant("128x224-shared-p8", _cfg(128, 224, 64, 3, "FullRow", "shared", 8)),
+    Variant("128x192-shared-p8", _cfg(128, 192, 64, 3, "FullRow", "shared", 8)),
+    Variant("128x128-shared-p8", _cfg(128, 128, 64, 4, "FullRow", "shared", 8)),
+    Variant("128x256-2d-p8", _cfg(128, 256, 64, 3, "FullRow", "shared", 8), grid="2d"),
+    Variant("128x224-2d-p8", _cfg(128, 224, 64, 3, "FullRow", "shared", 8), grid="2d"),
+    Variant("128x192-2d-p8", _cfg(128, 192, 64, 3, "FullRow", "shared", 8), grid="2d"),
+    Variant("128x128-2d-p8", _cfg(128, 128, 64, 4, "FullRow", "shared", 8), grid="2d"),
 ]
 QUICK_VARIANTS = ["ag-today", "rs-today", "128x128-fullrow", "128x256-direct-s4-p8", "128x256-shared-p8",
                   "256x128-shared-p8", "tilelang-sm90-2d-swz10"]
@@ -195,9 +203,9 @@ def _lower_and_nvcc(v: Variant, shape: tuple[int, int, int], workdir: Path) -> d
     return row
 
 
-def compile_only(variants: list[Variant], shapes: dict, jobs: int) -> int:
+def compile_only(cases: dict[str, list[Variant]], shapes: dict, jobs: int) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gemm-tiles-"))
-    cases = [(v, name) for name in shapes for v in variants]
+    cases = [(v, name) for name in shapes for v in cases[name]]
     print(f"lowering and compiling {len(cases)} kernels for sm_90a with {jobs} jobs in {workdir}", flush=True)
     start = time.perf_counter()
     rows = []
@@ -228,13 +236,14 @@ def compile_only(variants: list[Variant], shapes: dict, jobs: int) -> int:
 # --------------------------------------------------------------------------- GPU run
 
 
-def compile_all(variants: list[Variant], shapes: dict, jobs: int) -> dict:
-    """{(label, shape name): JITKernel or error string}, compiled in parallel threads
-    (TileLang's lowering releases the GIL and nvcc is a subprocess, as in tilelang.par_compile)."""
+def compile_all(cases: dict[str, list[Variant]], shapes: dict, jobs: int) -> dict:
+    """{(label, shape name): JITKernel or error string} for the variants ``cases`` lists per
+    shape name, compiled in parallel threads (TileLang's lowering releases the GIL and nvcc is
+    a subprocess, as in tilelang.par_compile)."""
     out: dict = {}
     funcs = {}
     for name, shape in shapes.items():
-        for v in variants:
+        for v in cases[name]:
             try:
                 funcs[(v.label, name)] = (build(v, *shape), v)
             except Exception as e:  # noqa: BLE001 - skip the variant, say why
@@ -313,6 +322,39 @@ def run_shape(name: str, shape: tuple[int, int, int], variants: list[Variant], k
     return out
 
 
+# The floor's tile candidates (tp_gemm.choose_tile's): 1-D grid as the all-gather GEMM's
+# kernels, 2-D with T.use_swizzle as the reduce-scatter and all-reduce GEMMs'.
+FLOOR_VARIANTS = {"1d": ["128x256-shared-p8", "128x224-shared-p8", "128x192-shared-p8", "128x128-shared-p8"],
+                  "2d": ["128x256-2d-p8", "128x224-2d-p8", "128x192-2d-p8", "128x128-2d-p8"]}
+
+
+def floor_cases() -> tuple[dict, dict[str, list[Variant]]]:
+    """The GEMMs of ``tp_gemm.py --floor`` with >= 1024 rows as ({name: (M, N, K)}, {name:
+    variants}): every candidate width, and the 128x128 tile only where its waves are at least
+    3% fuller than the 128x256 tile's (it is slower per FLOP, so elsewhere it cannot win)."""
+    from tp_gemm import FLOOR_SHAPES
+
+    by_label = {v.label: v for v in VARIANTS}
+    shapes, cases = {}, {}
+    for op, (m, k, n) in FLOOR_SHAPES:
+        if m < 1024:
+            continue
+        name = f"{op}-{m}x{k}x{n}"
+        shapes[name] = (m, n, k)
+        labels = FLOOR_VARIANTS["1d" if op == "ag" else "2d"]
+        full = {lb: _waves_busy(m, n, by_label[lb].cfg) for lb in labels}
+        cases[name] = [by_label[lb] for lb in labels[:3]]
+        if full[labels[3]] >= full[labels[0]] + 0.03:
+            cases[name].append(by_label[labels[3]])
+    return shapes, cases
+
+
+def _waves_busy(m: int, n: int, cfg: TileConfig) -> float:
+    """Share of 132 SMs' time an (m, n) output in ``cfg``'s tiles keeps busy (whole waves)."""
+    tiles = -(-m // cfg.block_M) * -(-n // cfg.block_N)
+    return m * n / (-(-tiles // 132) * 132 * cfg.block_M * cfg.block_N)
+
+
 def summary(rows: list[dict], variants: list[Variant]) -> list[dict]:
     """Each variant's geometric mean speed relative to cuBLAS over the shapes, best first."""
     out = []
@@ -336,6 +378,8 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true",
                         help="no GPU: lower every variant for sm_90a and compile it with nvcc (ptxas -v)")
     parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--floor", action="store_true",
+                        help="the tile candidates at tp_gemm.py --floor's GEMMs with >= 1024 rows (floor_cases)")
     parser.add_argument("--variants", help="comma-separated labels (default: all, or the quick set)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
@@ -350,22 +394,26 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(by_label)}")
     variants = [by_label[lb] for lb in labels] if labels else VARIANTS
+    cases = {name: variants for name in shapes}
+    if args.floor:
+        shapes, cases = floor_cases()
+        variants = list({v.label: v for vs in cases.values() for v in vs}.values())
 
     if args.compile_only:
-        return compile_only(variants, shapes, args.jobs)
+        return compile_only(cases, shapes, args.jobs)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (sm_90a); without one, use --compile-only")
     if torch.cuda.get_device_capability() != (9, 0):
         print(f"warning: {torch.cuda.get_device_name()} is not sm_90: these wgmma tiles are Hopper's", file=sys.stderr)
 
     start = time.perf_counter()
-    kernels = compile_all(variants, shapes, args.jobs)
+    kernels = compile_all(cases, shapes, args.jobs)
     print(f"compiled in {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
     columns = ["shape", "variant", "config", "wgmma", "ms", "tflops", "of_floor", "vs_cublas", "correct"]
     report = Report("gemm-tiles", columns=columns)
     for name, shape in shapes.items():
         print(f"timing {name} {shape}", file=sys.stderr, flush=True)
-        for row in run_shape(name, shape, variants, kernels, args):
+        for row in run_shape(name, shape, cases[name], kernels, args):
             report.add(row)
         report.save()  # after every shape: a cut-off run keeps what it measured
     report.print_table()

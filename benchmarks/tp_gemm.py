@@ -26,12 +26,17 @@ from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
-from tilescale.ops.tp_gemm import choose_tile, reduce_plan
+from tilescale.ops.tp_gemm import choose_tile, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
 AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
 TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
+
+
+def tile_label(tile: TileConfig) -> str:
+    """``128x256``: a tile's output shape."""
+    return f"{tile.block_M}x{tile.block_N}"
 SMALL = {"ag": [(64, 96, 80)], "rs": [(128, 64, 96)], "ar": [(16, 64, 96)]}
 
 
@@ -89,13 +94,13 @@ def tolerance(op: str, shape: tuple[int, int, int], tile: TileConfig | None) -> 
 
     RS and AR sum bf16 partial products in another order than NCCL, one partial per rank and,
     for tilescale's fused kernels (``tile``; None: a plan that does not split K), per K split
-    (:func:`reduce_plan`), each rounded before the sum: the tolerance grows with their count.
+    (:func:`reduce_grid`), each rounded before the sum: the tolerance grows with their count.
     """
     if op == "ag":
         return 2e-2
     m, k, n = shape
     world = ts.world_size()
-    splits = 1 if tile is None else reduce_plan(m, k, n, world if op == "rs" else 1, tile)[2]
+    splits = 1 if tile is None else reduce_grid(m, k, n, world if op == "rs" else 1, tile).splits
     return 1e-2 * max(2, world * splits)
 
 
@@ -119,10 +124,13 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
     operand, unfused, fused = _plans(op, a, weight)
     expected = unfused().clone()
-    chosen = choose_tile(m, n, split_k=op != "ag")
-    row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[chosen], "checks": []}
+    world = ts.world_size()
+    chosen = choose_tile(m // world, n, split_k=True, kernels=(world,)) if op == "rs" else \
+        choose_tile(m, n, split_k=True) if op == "ar" else choose_tile(m // world, n, kernels=(1, world - 1))
+    row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(chosen), "checks": []}
     timings = {"gemm_alone": lambda: operand @ weight.T, "nccl_cublas": unfused}
-    for tile, label in TILES.items():
+    for tile in {**TILES, chosen: tile_label(chosen)}:  # the fixed tiles and the one choose_tile picks
+        label = tile_label(tile)
         tol = tolerance(op, shape, tile)
         row["checks"].append(check_close(f"{op} {shape} fused {label}", fused(tile), expected, rtol=tol, atol=tol))
         timings[f"fused_{label}"] = lambda tile=tile: fused(tile)
@@ -149,7 +157,7 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     # over the seconds that timing them one after another takes.
     for name, timing in time_interleaved(timings, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
         row[f"{name}_ms"] = timing.median_ms
-    row["tilescale_fused_ms"] = row[f"fused_{TILES[chosen]}_ms"]
+    row["tilescale_fused_ms"] = row[f"fused_{tile_label(chosen)}_ms"]
     for ratio, over, under in (("fused_vs_gemm_alone", "tilescale_fused", "gemm_alone"),
                                ("speedup_vs_nccl_cublas", "nccl_cublas", "tilescale_fused"),
                                ("speedup_vs_async_tp", "torch_async_tp", "tilescale_fused")):
@@ -226,21 +234,23 @@ FLOOR_SHAPES = [
 FLOOR_GOAL, FLOOR_GEOMEAN_GOAL, DECODE_GRAPH_GOAL, DECODE_EAGER_GOAL = 1.03, 1.01, 1.05, 1.10
 
 
-# A candidate tile against wave quantisation: 3/4 of WIDE's columns, so other tile counts.
-TILE_128X192 = TileConfig(128, 192, 64, 3, 256, "FullRow", "shared", 8)
-
-
-def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor) -> dict:
+def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig) -> dict:
     """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
-    the all-gather's copy-engine plan also with the 128x192 tile (``tile_128x192``)."""
+    where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
+    128x64 ``NARROW``), the default plan again with that fixed tile (``fixed_tile``)."""
     if op == "ag":
-        return {"fused_copy_engine": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine"),
-                "fused_sm_pushers": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm"),
-                "tile_128x192": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine",
-                                                               tile=TILE_128X192)}
-    if op == "rs":
-        return {"fused": lambda: ts.ops.gemm_reduce_scatter(a, weight, plan="fused")}
-    return {"fused": lambda: ts.ops.gemm_all_reduce(a, weight, plan="fused")}
+        plans = {"fused_copy_engine": lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused",
+                                                                                producer="copy_engine", tile=tile),
+                 "fused_sm_pushers": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm")}
+        default = plans["fused_copy_engine"]
+    else:
+        op_fn = ts.ops.gemm_reduce_scatter if op == "rs" else ts.ops.gemm_all_reduce
+        default = plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
+        default = plans["fused"]
+    fixed = NARROW if tile == NARROW else WIDE
+    if tile != fixed:
+        plans["fixed_tile"] = lambda: default(fixed)
+    return plans
 
 
 def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool = False) -> dict:
@@ -253,11 +263,11 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
     weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
     cublas = lambda: a @ weight.T  # noqa: E731
     expected = cublas()
-    plans = floor_plans(op, a, weight)
     tile = choose_tile(m, n, split_k=op != "ag")
-    splits = 1 if op == "ag" else reduce_plan(m, k, n, 1, tile)[2]
-    row = {"op": op, "M": m, "K": k, "N": n, "tile": TILES[tile], "k_splits": splits, "checks": []}
-    tol = tolerance(op, shape, tile)
+    plans = floor_plans(op, a, weight, tile)
+    splits = 1 if op == "ag" else reduce_grid(m, k, n, 1, tile).splits
+    row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(tile), "k_splits": splits, "checks": []}
+    tol = max(tolerance(op, shape, tile), tolerance(op, shape, WIDE))  # fixed_tile may split K otherwise
     for name, fn in plans.items():
         row["checks"].append(check_close(f"{op} {shape} {name}", fn(), expected, rtol=tol, atol=tol))
     if compile_only:
@@ -272,7 +282,8 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
         replays = {"cublas": graphed(cublas), **{name: graphed(fn) for name, fn in plans.items()}}
         for name, timing in time_interleaved(replays, rounds=5, iters=iters).items():
             row[f"graph_{name}_ms"] = timing.median_ms
-        row["graph_fused_vs_cublas"] = row["graph_fused_ms"] / row["graph_cublas_ms"]
+        for name in plans:
+            row[f"graph_{name}_vs_cublas"] = row[f"graph_{name}_ms"] / row["graph_cublas_ms"]
     return row
 
 
@@ -306,8 +317,10 @@ def plot_floor(report: Report) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    series = ["fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "fused_vs_cublas", "graph_fused_vs_cublas"]
-    labels = ["AG, copy-engine producer", "AG, SM pushers", "RS / AR fused", "AR fused, graph replay"]
+    series = ["fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "fused_vs_cublas", "graph_fused_vs_cublas",
+              "fixed_tile_vs_cublas"]
+    labels = ["AG, copy-engine producer", "AG, SM pushers", "RS / AR fused", "AR fused, graph replay",
+              "default plan with the fixed tile (128x256 / 128x64: before)"]
     fig = Figure(figsize=(13, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -338,9 +351,9 @@ def run_floor(args: argparse.Namespace) -> None:
         i, n = map(int, args.part.split("/"))
         shapes = shapes[i::n]
     columns = ["op", "M", "K", "N", "tile", "k_splits", "cublas_ms", "fused_copy_engine_ms", "fused_sm_pushers_ms",
-               "fused_ms", "fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "tile_128x192_vs_cublas",
+               "fused_ms", "fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "fixed_tile_vs_cublas",
                "fused_vs_cublas",
-               "graph_cublas_ms", "graph_fused_ms", "graph_fused_vs_cublas"]
+               "graph_cublas_ms", "graph_fused_ms", "graph_fused_vs_cublas", "graph_fixed_tile_vs_cublas"]
     report = Report("tp-gemm-floor", columns=columns)
     for op, shape in progress(shapes, "tp_gemm floor", fmt=str):
         report.add(floor(op, shape, args.iters, compile_only=args.compile_only))

@@ -8,7 +8,8 @@ from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
-from tilescale.ops._gemm import DEFAULT, WIDE
+from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_224
+from tilescale.ops.tp_gemm import plan
 
 RANKS = Path(__file__).resolve().parent / "ranks"
 
@@ -52,6 +53,10 @@ KERNELS = {
     "gemm_all_reduce_split": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 128, 1024, 2048, 1, WIDE, 4),
     "gemm_all_reduce": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "float16", 128, 1024, 2048, 1, DEFAULT, 2),
     "sum_received": lambda: tp_gemm.sum_received_kernel.__wrapped__(2, 2, "bfloat16", 4096 * 2048, 4000 * 2048, 132),
+    # The gathering all-reduce: segments of 2000 rows (ragged in 128-row tiles), 8 x 9 tiles each.
+    "gemm_all_reduce_gather": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(2, "bfloat16", 4000, 1024, 2048,
+                                                                                     WIDE_224, 8, True),
+    "gather_segments": lambda: tp_gemm.gather_segments_kernel.__wrapped__(2, "bfloat16", 4000, 2048, WIDE_224),
 }
 
 
@@ -88,6 +93,20 @@ def test_gemm_kernels_lower_to_wgmma_with_signals():
     fused = lower("gemm_reduce_scatter_in_gemm")  # own-segment tiles wait per warp, then sum the peers'
     assert fused.index("tilescale::warp_wait(") < fused.index("tilescale::warp_signal(")
     assert "tl::rasterization2DRow<8>()" in fused and "tilescale::grid_barrier(" not in fused
+
+
+@pytest.mark.timeout(120)
+def test_gathering_all_reduce_sends_summed_tiles_then_copies_them_in():
+    """The owner's tiles sum the peers' partials, store their rows of ``out`` and put the sum
+    into every peer's final slot (after the partials': slot ``2 + rank`` of 4 per buffer set)
+    with a signal on the final flags (after the partials' 2 x 144); the copy-in kernel waits
+    on those and copies only the rows of the segment (2000 of the 2048 padded)."""
+    src = lower("gemm_all_reduce_gather")
+    assert src.index("tilescale::warp_wait(") < src.index("tilescale::warp_signal(")
+    assert "((int64_t)ts_rank) * (int64_t)160)" in src and "+ (int64_t)320)])), 1, 1);" in src
+    copy_in = lower("gather_segments")
+    assert "+ 320)])), 2, state[1]," in copy_in and "tilescale::block_signal((" not in copy_in.split("__global__")[-1]
+    assert "< 125)" in copy_in  # only the 2000 rows of the segment (in 16-row vectors)
 
 
 @pytest.mark.slow
@@ -195,22 +214,38 @@ def test_split_k_all_reduce_gemm_sends_each_part_to_its_slot():
 @pytest.mark.parametrize(("tiles", "K", "expected"), [(32, 14336, 4), (64, 14336, 2), (256, 14336, 1),
                                                       (32, 64 * 3, 1), (1, 1 << 20, 8)])
 def test_k_splits_fill_the_sms_with_whole_k_steps(tiles, K, expected, monkeypatch):
-    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
     assert tp_gemm.k_splits(tiles, K, 64) == expected
 
 
-@pytest.mark.parametrize(("rows", "n", "split_k", "expected"), [
-    (8192, 14336, False, "WIDE"), (128, 8192, False, "DEFAULT"),
-    (128, 8192, True, "NARROW"),  # decode all-reduce: 128 tiles, K whole, one partial per tile crosses
-    (1024, 8192, True, "WIDE"),  # 256 wide tiles
-    (128, 2048, True, "WIDE"),  # 32 narrow tiles would leave most SMs idle: K is split instead
-    (256, 4096, True, "WIDE"),  # two row tiles: a narrow tile would stream the weight twice
+@pytest.mark.parametrize(("rows", "n", "split_k", "kernels", "expected"), [
+    (8192, 14336, False, (1,), "WIDE"), (128, 8192, False, (1,), "DEFAULT"),
+    (1024, 14336, False, (1,), "WIDE_224"),  # 512 tiles = 3.9 waves, where 448 wide ones are 3.4
+    (3000, 7392, False, (1,), "WIDE_224"),  # 792 tiles: 6 whole waves
+    (2048, 9216, False, (1,), "WIDE_192"),  # 768 tiles = 5.8 waves; 128x256: 4.4, 128x224: 5.1
+    (512, 14336, False, (1, 1), "WIDE_224"),  # all-gather GEMM on 2 ranks: 2 kernels of 256 tiles
+    (3000, 7168, True, (1,), "WIDE_224"),
+    (128, 8192, True, (1,), "NARROW"),  # decode all-reduce: 128 tiles, K whole, one partial per tile crosses
+    (1024, 8192, True, (1,), "WIDE"),  # 256 wide tiles, 2 whole waves
+    (128, 2048, True, (1,), "WIDE"),  # 32 narrow tiles would leave most SMs idle: K is split instead
+    (256, 4096, True, (1,), "TALL"),  # one 256-row tile streams the weight once
+    (200, 7168, True, (1,), "TALL"),
+    (128, 8192, True, (2,), "NARROW"),  # reduce-scatter of 256 rows on 2 ranks: segments of 128 rows
 ])
-def test_choose_tile(rows, n, split_k, expected, monkeypatch):
+def test_choose_tile(rows, n, split_k, kernels, expected, monkeypatch):
     from tilescale.ops import _gemm
 
-    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
-    assert tp_gemm.choose_tile(rows, n, split_k) == getattr(_gemm, expected)
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
+    assert tp_gemm.choose_tile(rows, n, split_k, kernels) == getattr(_gemm, expected)
+
+
+def test_reduce_grid_pads_segments_to_whole_tiles(monkeypatch):
+    from tilescale.ops._gemm import TALL
+
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
+    assert tp_gemm.reduce_grid(128, 14336, 8192, 1, WIDE) == tp_gemm.GemmGrid(WIDE, 128, 32, 4)
+    assert tp_gemm.reduce_grid(200, 2304, 7168, 1, TALL) == tp_gemm.GemmGrid(TALL, 256, 56, 2)
+    assert tp_gemm.reduce_grid(3000, 4608, 7168, 2, WIDE) == tp_gemm.GemmGrid(WIDE, 1536, 12 * 28, 1)
 
 
 @pytest.mark.timeout(300)
@@ -236,7 +271,7 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
 def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     """The floor's misses follow the waves of one 128x256 tile; the GPU default weighs them
     against the collective that the unfused plan waits for."""
-    monkeypatch.setattr(tp_gemm, "sm_count", lambda: 132)
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
     assert tp_gemm.wave_efficiency([448], 132) == pytest.approx(448 / 528)  # 1024 x 14336: 3.4 waves
     assert tp_gemm.wave_efficiency([132, 132], 132) == 1.0
     # AG 8192 x 8192 x 14336 on 2 ranks: 2 x 1792 tiles, 14 full waves each; 64 MB to gather.

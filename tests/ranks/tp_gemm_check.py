@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.ops._gemm import NARROW, WIDE, TileConfig
+from tilescale.ops._gemm import NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
 
 SHORT = TileConfig(64, 64, 64, 2, 128, "FullRow")
 
@@ -22,8 +22,10 @@ for dtype in (torch.float16, torch.bfloat16):
         ref = (full.float() @ w.float().T)
         # SM pushers: one exchange, calls adding different arrival counts to its flags (the targets
         # keep up). Copy engines: calls alternating buffer sets, epochs counted on the host.
+        # WIDE_224 / WIDE_192: choose_tile's tiles against partial waves (N not a multiple of them).
         for tile, pushers, producer in ((None, 32, "sm"), (WIDE, 32, "sm"), (None, 3, "sm"), (None, 32, "sm"),
-                                        (None, 32, None), (WIDE, 32, "copy_engine"), (None, 32, None)):
+                                        (None, 32, None), (WIDE, 32, "copy_engine"), (None, 32, None),
+                                        (WIDE_224, 32, "copy_engine"), (WIDE_192, 32, "sm")):
             got = ts.ops.all_gather_gemm(a, w, plan="fused", tile=tile, push_blocks=pushers, producer=producer)
             torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-1)
         # row parallel
@@ -32,20 +34,23 @@ for dtype in (torch.float16, torch.bfloat16):
         part = a2.float() @ w.float().T
         rs_ref = torch.empty(m, n)
         dist.reduce_scatter_tensor(rs_ref, part)
-        for tile in (None, WIDE, None):
+        for tile in (None, WIDE, None, WIDE_224):
             got = ts.ops.gemm_reduce_scatter(a2, w, plan="fused", tile=tile)
             torch.testing.assert_close(got.float(), rs_ref, rtol=2e-2, atol=3e-1)
         ar_ref = part.clone()
         dist.all_reduce(ar_ref)
-        # SHORT pads the rows as NARROW does with twice the tiles: each needs its own flags.
-        for tile in (None, NARROW, SHORT):
+        # SHORT pads the rows as NARROW does with twice the tiles: each needs its own flags; where
+        # its tiles outnumber the SMs (4 on the CPU path) the gathering plan runs (segments of 130
+        # rows: ragged in 64-row tiles). TALL: the decode tile of 129-256 rows (rows padded to 256).
+        for tile in (None, NARROW, SHORT, TALL):
             got = ts.ops.gemm_all_reduce(a2, w, plan="fused", tile=tile)
             torch.testing.assert_close(got.float(), ar_ref, rtol=2e-2, atol=3e-1)
         print(rank, dtype, (m, k, n), "ok", flush=True)
 
 if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, replayed on new inputs
     m, k, n = 256, 512, 384
-    a, a2 = torch.randn(m, k).bfloat16(), torch.randn(world * m, k).bfloat16()
+    a, a2, a3 = torch.randn(m, k).bfloat16(), torch.randn(world * m, k).bfloat16(), torch.randn(200, k).bfloat16()
+    a4 = torch.randn(2048, k).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
 
 
@@ -54,8 +59,9 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
             full = torch.empty(world * m, k, dtype=a.dtype)
             dist.all_gather_into_tensor(full, a)
             return full.float() @ w.float().T
-        part = a2.float() @ w.float().T
-        if name == "gemm_all_reduce":
+        rows = {"gemm_all_reduce_decode": a3, "gemm_all_reduce_gather": a4}.get(name, a2)
+        part = rows.float() @ w.float().T
+        if name.startswith("gemm_all_reduce"):
             dist.all_reduce(part)
             return part
         out = torch.empty(m, n)
@@ -65,7 +71,11 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
 
     ops = {"all_gather_gemm": lambda: ts.ops.all_gather_gemm(a, w, plan="fused"),
            "gemm_reduce_scatter": lambda: ts.ops.gemm_reduce_scatter(a2, w, plan="fused"),
-           "gemm_all_reduce": lambda: ts.ops.gemm_all_reduce(a2, w, plan="fused")}
+           "gemm_all_reduce": lambda: ts.ops.gemm_all_reduce(a2, w, plan="fused"),
+           # 200 rows: choose_tile's TALL tile (256x128), K split, in the one-kernel plan
+           "gemm_all_reduce_decode": lambda: ts.ops.gemm_all_reduce(a3, w, plan="fused"),
+           # 192 tiles of 64x64 outnumber the SMs: the gathering plan (reduce-scatter GEMM, then the copy-in)
+           "gemm_all_reduce_gather": lambda: ts.ops.gemm_all_reduce(a4, w, plan="fused", tile=SHORT)}
     for name, op in ops.items():
         op()  # builds the kernels and the exchange outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -74,6 +84,8 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
         for _ in range(3):  # each replay alternates the buffer sets and raises the flag targets on the device
             a.copy_(torch.randn(m, k, generator=g))
             a2.copy_(torch.randn(world * m, k, generator=g))
+            a3.copy_(torch.randn(200, k, generator=g))
+            a4.copy_(torch.randn(2048, k, generator=g))
             graph.replay()
             torch.testing.assert_close(got.float(), reference(name), rtol=2e-2, atol=3e-1)
         print(rank, name, "CUDA graph, 3 replays ok", flush=True)

@@ -70,8 +70,17 @@ DEFAULT = TileConfig()
 # TileLang's sm_90 recipe with panel order (one m64n256 wgmma per warpgroup): 0.97-1.01x
 # cuBLAS at the TP GEMM shapes, timed taking turns with it on one H200
 # (gemm-tiles-nvidia-h200-20261123-161931.json); the fused kernels' default tile where
-# choose_tile (tp_gemm.py) finds enough output tiles.
+# choose_tile (tp_gemm/plan.py) finds enough output tiles.
 WIDE = TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8)
+# Narrower wide tiles: other tile counts per wave where WIDE's last wave is far from full
+# (tp_gemm.choose_tile weighs them). Per FLOP at full waves 0.98x (128x224, one m64n224
+# wgmma per warpgroup) and 0.95x (128x192) of WIDE's speed, measured at the TP floor's 16
+# GEMMs with >= 1024 rows on one H100 (gemm-tiles-nvidia-h100-80gb-hbm3-20261124-215914.json).
+WIDE_224 = TileConfig(128, 224, 64, 3, 256, "FullRow", "shared", 8)
+WIDE_192 = TileConfig(128, 192, 64, 3, 256, "FullRow", "shared", 8)
+# Decode with 129-256 rows: all rows in one tile (each warpgroup 2x m64n128), so the K loop
+# streams each weight tile once, where two 128-row tiles would read it twice.
+TALL = TileConfig(256, 128, 64, 3, 256, "FullRow", "shared", 8)
 # Decode-sized outputs (M <= 128): 64 columns per tile give 128 tiles at N = 8192, about one
 # per SM, without splitting K; each warpgroup one m64n64 wgmma, six stages of loads in
 # flight for a K loop that streams the weight.

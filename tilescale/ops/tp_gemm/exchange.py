@@ -1,0 +1,112 @@
+"""The fused TP GEMMs' exchanges: symmetric receive buffers and flags per group and shape,
+double-buffered, with the call count on the device (:class:`_Exchange`) or, for the
+copy-engine all-gather, on the host (:class:`_GatherExchange`), and the stream-ordered flag
+writes that producer uses (:class:`_StreamWrites`)."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tilescale import runtime
+from tilescale.groups import GroupState
+from tilescale.symmetric import allocate, peer_view
+
+
+@dataclass
+class _Exchange:
+    """Two sets of symmetric receive buffers (stacked along the rows), the flags, and on the
+    device ``state``: the calls so far and the arrivals each flag has counted in them.
+
+    Calls alternate between the two buffers, which is what lets a rank write into a peer
+    without first meeting it in a barrier: when rank r starts call i + 2 (writing buffer
+    i % 2 again), r's call i + 1 has finished, so it has seen the peer's call i + 1 writes,
+    so the peer started call i + 1 after finishing call i (one stream), the last reader of
+    buffer i % 2.
+    """
+
+    buffers: torch.Tensor
+    flags: torch.Tensor
+    state: torch.Tensor  # (2,) int32 on this rank's device: [calls, running total of arrivals per flag]
+    steps: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def step(self, arrivals: int) -> torch.Tensor:
+        """The device-side increment of a call adding ``arrivals`` to each flag (made at first use)."""
+        step = self.steps.get(arrivals)
+        if step is None:
+            runtime.check_not_capturing(f"a TP GEMM call adding {arrivals} arrivals per flag")
+            step = self.steps[arrivals] = torch.tensor([1, arrivals], dtype=torch.int32, device=self.state.device)
+        return step
+
+    def advance(self, arrivals: int) -> None:
+        """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
+        self.state += self.step(arrivals)
+
+
+def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
+    """The group's exchange of ``key`` (its buffers allocated, collectively, at first use)."""
+
+    def create() -> _Exchange:
+        runtime.check_not_capturing(f"TP GEMM exchange {key}")
+        return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
+                         torch.zeros(2, dtype=torch.int32, device=runtime.device()))
+
+    return state.exchange(("tp_gemm", *key), create)
+
+
+class _StreamWrites:
+    """``cuStreamWriteValue32``: a 32-bit store that a stream performs once its earlier work is
+    complete (with a system-scope fence first), done by the GPU's front end, not by an SM, so
+    it lands even while a GEMM holds every SM waiting for it."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._write.restype = ctypes.c_int
+
+    def __call__(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        err = self._write(self._ctypes.c_void_p(stream.cuda_stream), address, value, 0)
+        if err:
+            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {err}")
+
+
+_stream_writes: _StreamWrites | None = None
+
+
+@dataclass
+class _GatherExchange:
+    """The copy-engine all-gather's buffers: two sets of gathered rows (stacked along the rows),
+    one flag per (segment, chunk), and the calls so far, counted on the host.
+
+    A call's flags are set to its call count (``epoch``): flags only grow, so none is reset.
+    Calls alternate between the two sets, as :class:`_Exchange`'s do and for the same reason.
+    The host counts the calls, so a CUDA graph could only replay one epoch: captured calls
+    take the SM pushers' plan instead (:func:`all_gather_gemm`).
+    """
+
+    buffers: torch.Tensor
+    flags: torch.Tensor
+    peer_buffers: list[torch.Tensor]
+    peer_flags: list[torch.Tensor]
+    stream: torch.cuda.Stream | None
+    calls: int = 0
+
+
+def _gather_exchange(state: GroupState, key: tuple, rows: int, k: int, dtype: torch.dtype,
+                     flags: int) -> _GatherExchange:
+    """The group's copy-engine exchange of ``key`` (allocated, collectively, at first use)."""
+
+    def create() -> _GatherExchange:
+        runtime.check_not_capturing(f"TP GEMM exchange {key}")
+        buffers, flag = allocate(state, (2 * rows, k), dtype), allocate(state, (flags,), torch.int32)
+        stream = None
+        if buffers.is_cuda:  # high priority: its copies and flag writes go first where kernels wait for them
+            stream = torch.cuda.Stream(buffers.device, priority=-1)
+        return _GatherExchange(buffers, flag, [peer_view(buffers, p) for p in range(state.size)],
+                               [peer_view(flag, p) for p in range(state.size)], stream)
+
+    return state.exchange(("tp_gemm", *key), create)
+

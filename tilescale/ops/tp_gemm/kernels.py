@@ -1,0 +1,448 @@
+"""The fused TP GEMMs' kernels (``@jit`` factories): the all-gather GEMM's own-segment and
+peer-segment kernels, the reduce-scatter GEMM with its reduction in the owner's tiles, the
+one-kernel decode all-reduce GEMM, and the push-then-sum pair where K is split. The host
+side that picks and launches them is in ``all_gather.py`` and ``reduce.py``; the protocol
+(flags that only grow, per-sender flags, the call board) in the package's docstring.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
+# refer to the kernel factory's local variables.
+
+import tilescale.language as T
+from tilescale.jit import jit
+from tilescale.ops._gemm import THREADS, TileConfig, gemm_tile, tile_coords
+
+
+@jit
+def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
+                       tile_cfg: TileConfig):
+    """The all-gather GEMM's first kernel: this rank's own segment of ``C``, read straight from
+    ``x`` (no copy of it, no wait), and, in blocks ``0..push_blocks-1``, the pushers that put
+    this rank's rows into every peer's gather buffer (``push_blocks == 0``: the copy engines do).
+
+    Pushers and tiles are one kernel so that the pushers are resident: blocks are dispatched
+    in index order, so the first blocks run before the GEMM blocks take the SMs. Peers in
+    ``rank - 1, rank - 2, ...`` order (rank r - p computes this rank's segment p-th). Every
+    pusher adds 1 to a row tile's flag at the peer once it has pushed its share of that tile
+    (``flags[rank * m_tiles + row_tile]``), so the peer's tiles start as soon as their rows
+    are in, and announces the call on ``board`` first (the peers' waits check it). Nothing
+    here waits, so the peers' second kernels always get their rows.
+    """
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
+    m_tiles = padded_rows // bm
+    n_tiles = -(-N // bn)
+    # Pushers move chunks of whole rows, about 16K elements each, that divide the shard and
+    # the row tile (so a chunk belongs to one row tile).
+    chunk_rows = 1
+    while chunk_rows * 2 * K <= 16384 and rows % (chunk_rows * 2) == 0 and bm % (chunk_rows * 2) == 0:
+        chunk_rows *= 2
+    chunks = rows // chunk_rows
+    tile_chunks = bm // chunk_rows
+    # 16-byte stores, also when a chunk is not a whole number of vectors per thread.
+    vector = 8 if K % 8 == 0 else 1
+
+    @T.macro
+    def own_kernel(x, gathered, W, C, flags, state, board, ident):
+        with T.Kernel(push_blocks + m_tiles * n_tiles, threads=tile_cfg.threads) as b:
+            with T.Scale("device") as (rank, ranks):
+                if push_blocks and b < push_blocks:  # no pusher code at all without pushers
+                    T.announce(board, ident)  # before this block's signals, which release it
+                    for p in T.serial(ranks - 1):
+                        peer = (rank + ranks - 1 - p) % ranks
+                        for r in T.serial(m_tiles):
+                            mine = T.max(T.min(tile_chunks, chunks - r * tile_chunks) - b, 0)
+                            for t in T.serial(T.ceildiv(mine, push_blocks)):
+                                row = (r * tile_chunks + b + t * push_blocks) * chunk_rows
+                                dst = (_buffer_of(state) * world + rank) * padded_rows + row
+                                T.copy(x[row:row + chunk_rows, 0:K], gathered[dst:dst + chunk_rows, 0:K],
+                                       dst_pe=peer, coalesced_width=vector)
+                            T.signal(flags[rank * m_tiles + r], 1, pe=peer, op="add")
+                else:
+                    tile = T.alloc_local((1,), "int32")  # in a register, as ag_peer_gemm_kernel's
+                    tile[0] = b - push_blocks
+                    by, bx = tile_coords(tile[0], m_tiles, n_tiles, tile_cfg.panel)
+                    gemm_tile(x, by * bm, W, bx * bn, C, rank * padded_rows + by * bm, bx * bn, K, dtype,
+                              tile_cfg.stages, tile_cfg)
+
+    if push_blocks:
+
+        @T.prim_func
+        def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
+                 W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
+                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+                 board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+            own_kernel(x, gathered, W, C, flags, state, board, ident)
+
+        return main
+
+    @T.prim_func
+    def gemm_only(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype),
+                  C: T.Tensor((world * padded_rows, N), dtype)):
+        own_kernel(x, None, W, C, None, None, None, None)
+
+    return gemm_only
+
+
+def _peer_tile(tile, rank, ranks, m_tiles: int, n_tiles: int, panel: int):
+    """(segment, row tile, column tile) of the peer-segment GEMM's linear ``tile`` index:
+    segments ``rank + 1, rank + 2, ...``, each in panel order (:func:`tile_coords`) or row-major."""
+    if panel:
+        per_segment = m_tiles * n_tiles
+        by, bx = tile_coords(tile % per_segment, m_tiles, n_tiles, panel)
+        return (rank + 1 + tile // per_segment) % ranks, by, bx
+    by, bx = tile // n_tiles, tile % n_tiles
+    return (rank + 1 + by // m_tiles) % ranks, by % m_tiles, bx
+
+
+@jit
+def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, chunk_tiles: int,
+                        tile_cfg: TileConfig, target: str):
+    """The all-gather GEMM's second kernel: the peers' segments of ``C = gathered @ W.T``, each
+    output tile waiting until the chunk of rows it reads has arrived.
+
+    Rows arrive in chunks of ``chunk_tiles`` row tiles, each with a flag (``flags[segment *
+    chunks + chunk]``). ``target="state"``: the flags count pusher arrivals and the tile
+    waits for the running total ``state[1]``, in the buffer set ``state[0]`` names
+    (:func:`ag_own_gemm_kernel`'s pushers; CUDA-graph safe). ``target="epoch"``: the copy
+    engines set each flag to the call's ``epoch`` (:func:`_copy_engine_gather`), and
+    ``gathered`` is the call's buffer set. The thread-block index goes through a register:
+    TVM 0.1.15's simplifier rewrote ``(rank + 1 + b // tiles) % world`` into a wrong closed
+    form for even ranks (the wait then watched another segment's flag). The waits check the
+    senders' announcements on ``board`` (``T.wait(..., agree=)``): a sender whose call differs
+    ends them with a ShapeMismatchError.
+    """
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
+    m_tiles = padded_rows // bm
+    n_tiles = -(-N // bn)
+    chunks = -(-m_tiles // chunk_tiles)
+
+    @T.macro
+    def peer_tiles(gathered, W, C, flags, state, epoch, board, ident):
+        with T.Kernel((world - 1) * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
+            with T.Scale("device") as (rank, ranks):
+                tile = T.alloc_local((1,), "int32")
+                tile[0] = b
+                segment, by, bx = _peer_tile(tile[0], rank, ranks, m_tiles, n_tiles, tile_cfg.panel)
+                T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1],
+                       agree=(board, ident))
+                row = segment * padded_rows + by * bm
+                first = 0 if state is None else _buffer_of(state) * world * padded_rows
+                gemm_tile(gathered, first + row, W, bx * bn, C, row, bx * bn, K, dtype, tile_cfg.stages, tile_cfg)
+
+    if target == "state":
+
+        @T.prim_func
+        def counted(gathered: T.Tensor((2 * world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
+                    C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                    state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+            peer_tiles(gathered, W, C, flags, state, None, board, ident)
+
+        return counted
+
+    @T.prim_func
+    def epoch_set(gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
+                  C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                  epoch: T.int32, board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        peer_tiles(gathered, W, C, flags, None, epoch, board, ident)
+
+    return epoch_set
+
+
+@jit
+def announce_kernel(world: int):
+    """One block that announces a call on the job's call board (``T.announce``), for a producer
+    that is not a kernel: the copy-engine all-gather runs it on its side stream before its
+    copies, so that each flag that stream writes afterwards (with a system-wide fence first)
+    comes after the announcement, which the receiving waits check once the flag holds."""
+
+    @T.prim_func
+    def main(board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(1, threads=32):
+            with T.Scale("device"):
+                T.announce(board, ident)
+
+    return main
+
+
+@jit
+def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int, tile_cfg: TileConfig, splits: int):
+    """Partial ``a @ W.T``; each output tile goes to its row owner(s)' receive slot, then a signal.
+
+    ``owners == world``: rows are split in ``world`` segments, tile rows of segment s go to
+    rank s (reduce-scatter). ``owners == 1``: every tile goes to every rank (all-reduce).
+    ``splits``: K is split in this many equal parts (``K % (splits * block_K) == 0``), each
+    its own block, so that decode-sized outputs still give every SM a block; part ``s`` of
+    rank ``r`` lands in slot ``r * splits + s`` and the reduction sums the slots.
+    The epilogue signals per warp (``scope="warp"``): under warp specialisation only the
+    consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag. Every
+    block announces the call on ``board`` first (:func:`sum_received_kernel`'s waits check it).
+    """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    seg_rows = M // owners
+    padded = -(-seg_rows // bm) * bm
+    m_tiles = padded // bm
+    k_part = K // splits
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
+             recv: T.Tensor((2 * world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32"),
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
+            with T.Scale("device") as (rank, ranks):
+                T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
+                T.announce(board, ident)  # before this block's signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
+                tile_row, part = by // splits, by % splits
+                seg = (rank + 1 + tile_row // m_tiles) % owners
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                out = T.alloc_shared((bm, bn), dtype)
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[seg * seg_rows + (tile_row % m_tiles) * bm, part * k_part + k * bk], a)
+                    T.copy(W[bx * bn, part * k_part + k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                T.copy(acc, out)
+                slot_row = ((_buffer_of(state) * world + rank) * splits + part) * padded + (tile_row % m_tiles) * bm
+                if owners > 1:
+                    T.copy(out, recv[slot_row, bx * bn], dst_pe=seg)
+                    T.signal(flags[rank], 1, pe=seg, op="add", scope="warp")
+                else:
+                    for p in T.serial(ranks):
+                        dst = (rank + 1 + p) % ranks
+                        T.copy(out, recv[slot_row, bx * bn], dst_pe=dst)
+                        T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
+
+    return main
+
+
+@jit
+def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, panel: int,
+                               gather: bool = False):
+    """Reduce-scatter over rows of ``a @ W.T`` in one kernel, the reduction in the owner's GEMM.
+
+    Rows are split in ``world`` segments; segment s belongs to rank s. A block computes one
+    output tile over the whole K. For a peer's segment it puts the partial (in ``dtype``) into
+    its slot at the owner and signals the tile's flag there; for this rank's own segment it
+    waits for the peers' partials of the same tile, adds them to its own fp32 accumulator and
+    writes the result: no pass over the partials after the GEMM, and with one rank, nothing
+    but the GEMM. Own-segment tiles come last in every rank's block order (segments in
+    ``rank + 1, rank + 2, ...`` order), so the tiles they wait for never wait themselves.
+    ``panel`` (tile rows of the panel order) divides the segment's row tiles, so no panel mixes
+    own and peer tiles. Each consumer warp signals and waits on its own (``scope="warp"``).
+    Every block announces the call on ``board`` before its signals; the own tiles' waits check
+    the peers' announcements (a peer whose call differs: ShapeMismatchError).
+
+    ``gather`` (the all-reduce of :func:`gather_segments_kernel`): ``out`` holds all ``M`` rows
+    and an own tile, once summed, also goes to every peer's final slot (slots ``world +
+    rank``, flags after the partials'), from which the peer's next kernel copies it.
+    """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    seg_rows = M // world
+    padded = -(-seg_rows // bm) * bm
+    m_tiles, n_tiles = padded // bm, -(-N // bn)
+    slots = 2 * world if gather else world  # per buffer set: the partials, then the gathered finals
+
+    tiles = m_tiles * n_tiles
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * slots * padded, N), dtype),
+             out: T.Tensor((M if gather else seg_rows, N), dtype), flags: T.Tensor((slots * tiles,), "int32"),
+             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(n_tiles, world * m_tiles, threads=tile_cfg.threads) as (bx, by):
+            with T.Scale("device") as (rank, ranks):
+                T.use_swizzle(panel, enable=panel > 1)
+                T.announce(board, ident)  # before the peer tiles' signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
+                seg, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                tile_out = T.alloc_shared((bm, bn), dtype)
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[seg * seg_rows + row * bm, k * bk], a)
+                    T.copy(W[bx * bn, k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                if seg == rank:
+                    part = T.alloc_fragment((bm, bn), dtype)
+                    for p in T.serial(ranks - 1):
+                        src = (rank + 1 + p) % ranks
+                        # A flag per sender: a peer already in its next call adds to its own flag only.
+                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp",
+                               agree=(board, ident))
+                        T.copy(recv[(_buffer_of(state) * slots + src) * padded + row * bm, bx * bn], part)
+                        for i, j in T.Parallel(bm, bn):
+                            acc[i, j] += T.cast(part[i, j], "float32")
+                    T.copy(acc, tile_out)  # through shared memory: whole-row (TMA) stores
+                    # With gather, rows past a ragged segment's end land in the next segment's,
+                    # which the next kernel (stream order) writes over; past M they are clipped.
+                    T.copy(tile_out, out[(rank * seg_rows if gather else 0) + row * bm, bx * bn])
+                    if gather:
+                        for p in T.serial(ranks - 1):
+                            dst = (rank + 1 + p) % ranks
+                            T.copy(tile_out, recv[(_buffer_of(state) * slots + world + rank) * padded + row * bm,
+                                                  bx * bn], dst_pe=dst)
+                            T.signal(flags[(world + rank) * tiles + row * n_tiles + bx], 1, pe=dst, op="add",
+                                     scope="warp")
+                else:
+                    T.copy(acc, tile_out)
+                    T.copy(tile_out, recv[(_buffer_of(state) * slots + rank) * padded + row * bm, bx * bn], dst_pe=seg)
+                    T.signal(flags[rank * tiles + row * n_tiles + bx], 1, pe=seg, op="add", scope="warp")
+
+    return main
+
+
+@jit
+def gather_segments_kernel(world: int, dtype: str, M: int, N: int, tile_cfg: TileConfig):
+    """The all-reduce GEMM's second kernel (after :func:`gemm_reduce_scatter_kernel` with
+    ``gather``): every peer's summed segment, tile by tile as its flag says it has landed in
+    this rank's final slots, copied into its rows of ``out`` (rows past a ragged segment's
+    end are not copied: they belong to the next segment). Only waits: the tiles it waits
+    for come from kernels that wait only for partials this rank's GEMM already sent. The
+    waits check the senders' announcements on ``board``.
+    """
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
+    seg_rows = M // world
+    padded = -(-seg_rows // bm) * bm
+    m_tiles, n_tiles = padded // bm, -(-N // bn)
+    tiles = m_tiles * n_tiles
+
+    @T.prim_func
+    def main(recv: T.Tensor((4 * world * padded, N), dtype), out: T.Tensor((M, N), dtype),
+             flags: T.Tensor((2 * world * tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(n_tiles, (world - 1) * m_tiles, threads=THREADS) as (bx, by):
+            with T.Scale("device") as (rank, ranks):
+                src, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
+                tile = T.alloc_shared((bm, bn), dtype)
+                T.wait(flags[(world + src) * tiles + row * n_tiles + bx], "ge", state[1], agree=(board, ident))
+                T.copy(recv[(_buffer_of(state) * 2 * world + world + src) * padded + row * bm, bx * bn], tile)
+                for i, j in T.Parallel(bm, bn):
+                    if row * bm + i < seg_rows and bx * bn + j < N:
+                        out[src * seg_rows + row * bm + i, bx * bn + j] = tile[i, j]
+
+    return main
+
+
+def _panel_dividing(m_tiles: int, panel: int) -> int:
+    """The largest power of two <= ``panel`` that divides ``m_tiles`` (1 at least)."""
+    p = 1
+    while p * 2 <= panel and m_tiles % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+@jit
+def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, splits: int = 1):
+    """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
+    over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
+    ``dtype``) into its slot at every rank and signals it there, then waits for all partials
+    of the same tile and sums them in rank order (and K-part order), so every rank gets the
+    same bits. With K split, block ``s`` of a tile sums and writes row slice ``s`` of it: the
+    reduction is spread over the same blocks, and no second kernel runs.
+
+    A block waits for the other blocks of its tile, on every rank, so every block must be
+    resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
+    Under TileLang's warp specialisation only the consumer warps run the epilogue, so each
+    of them signals and waits on its own (``scope="warp"``): a flag per (sender, tile)
+    counts ``splits * threads // 32`` signals per call. Every block announces the call on
+    ``board`` before its signals, and the waits check the peers' announcements.
+    """
+    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    padded = -(-M // bm) * bm
+    m_tiles, n_tiles = padded // bm, -(-N // bn)
+    k_part, rows = K // splits, bm // splits
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
+             recv: T.Tensor((2 * world * splits * padded, N), dtype), out: T.Tensor((M, N), dtype),
+             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
+            with T.Scale("device") as (rank, ranks):
+                T.announce(board, ident)  # before this block's signals, which release it
+                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
+                by, s = bz // splits, bz % splits
+                a = T.alloc_shared((bm, bk), dtype)
+                w = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                mine = T.alloc_shared((bm, bn), dtype)
+                total = T.alloc_fragment((rows, bn), "float32")
+                part = T.alloc_fragment((rows, bn), dtype)
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
+                    T.copy(A[by * bm, s * k_part + k * bk], a)
+                    T.copy(W[bx * bn, s * k_part + k * bk], w)
+                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                T.copy(acc, mine)
+                # Whole K: the own partial stays in shared memory. Split K: it goes to this
+                # rank's own slot too, where the tile's other blocks read it.
+                for p in T.serial(ranks - 1 if splits == 1 else ranks):
+                    dst = (rank + 1 + p) % ranks
+                    T.copy(mine, recv[((_buffer_of(state) * world + rank) * splits + s) * padded + by * bm, bx * bn],
+                           dst_pe=dst)
+                    T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
+                T.clear(total)
+                for p in T.serial(ranks):
+                    if splits == 1:
+                        if p == rank:
+                            T.copy(mine, part)
+                        else:
+                            # A flag per sender: with 3+ ranks a peer may already be in its next
+                            # call and signal again; one shared count could pass before a slower
+                            # peer's tile had landed.
+                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                                   agree=(board, ident))
+                            T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
+                        for i, j in T.Parallel(rows, bn):
+                            total[i, j] += T.cast(part[i, j], "float32")
+                    else:
+                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                               agree=(board, ident))
+                        for q in T.serial(splits):
+                            slot = ((_buffer_of(state) * world + p) * splits + q) * padded + by * bm
+                            T.copy(recv[slot + s * rows, bx * bn], part)
+                            for i, j in T.Parallel(rows, bn):
+                                total[i, j] += T.cast(part[i, j], "float32")
+                if by * bm + s * rows < M:  # a slice of padding rows writes nothing
+                    T.copy(total, out[by * bm + s * rows, bx * bn])
+
+    return main
+
+
+@jit
+def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, elems: int, sms: int):
+    """``out = sum_s recv[s][:elems]`` over the ``slots`` received partials once every rank's
+    have arrived (fp32 accumulation); the waits check the senders' announcements on ``board``."""
+    tile = 4096
+    grid = min(-(-elems // tile), sms)
+
+    @T.prim_func
+    def main(recv: T.Tensor((2 * slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
+             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"),
+             ident: T.int64):
+        with T.Kernel(grid, threads=THREADS) as bx:
+            with T.Scale("device") as (rank, ranks):
+                acc = T.alloc_fragment((1, tile), "float32")
+                part = T.alloc_fragment((1, tile), dtype)
+                for p in T.serial(ranks):
+                    T.wait(flags[p], "ge", state[1], agree=(board, ident))
+                for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
+                    base = (bx + t * grid) * tile
+                    T.clear(acc)
+                    for s in T.serial(slots):
+                        T.copy(recv[_buffer_of(state) * slots + s, base], part)
+                        for i, j in T.Parallel(1, tile):
+                            acc[i, j] += T.cast(part[i, j], "float32")
+                    T.copy(acc, part)
+                    T.copy(part, out[0, base])
+
+    return main
+
+
+def _buffer_of(state):
+    """Which of an exchange's two buffer sets the current call uses."""
+    return state[0] % 2
+

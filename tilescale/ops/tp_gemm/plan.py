@@ -1,0 +1,190 @@
+"""What a TP GEMM call runs: its plan (``"fused"`` or ``"unfused"``: :func:`_choose`, by the
+link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEMM grid
+(:class:`GemmGrid`: the tile :func:`choose_tile` picks by the wave model, rows padded, tiles,
+K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`)."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tilescale import runtime
+from tilescale.jit import kernel_lowering
+from tilescale.language.scale import ADDRESS
+from tilescale.ops._common import check_input, sm_count, tl_dtype
+from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
+
+# Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
+# rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
+# benchmark shapes (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
+PUSH_BLOCKS = 32
+# The CPU path's default: fused from this many output rows on (GPUs decide by _fused_wins).
+FUSED_MIN_ROWS = 1024
+# The link arithmetic of the GPU default (_fused_wins): what the unfused plan's NCCL collective
+# moves per rank per second and its fixed cost (all_gather 225 GB/s on 2x H200 NV18, DESIGN.md),
+# a GEMM's rate, and what a fused call pays besides its GEMM (its first chunk or last tiles).
+NCCL_GBPS = 225.0
+NCCL_US = 20.0
+GEMM_TFLOPS = 750.0
+FUSED_US = 10.0
+# Device-to-device copy rate (bytes read + written; 3.0 TB/s on one H100, 4.3 on one H200,
+# /work/.library/device/KINDS.md): the gathering all-reduce's copy of the peers' segments.
+HBM_GBPS = 3000.0
+# The tiles choose_tile weighs where the output fills the SMs, each with its speed per FLOP
+# relative to WIDE at full waves (benchmarks/gemm_tiles.py --floor on one H100, mean over the
+# floor's 16 GEMMs with >= 1024 rows: 128x224 0.983, 128x192 0.948; 128x128 0.88 never wins).
+TILE_RATES = ((WIDE, 1.0), (WIDE_224, 0.98), (WIDE_192, 0.95))
+
+
+@dataclass(frozen=True)
+class GemmGrid:
+    """The fused GEMM of one call: its ``tile``, each row segment's rows padded to whole row
+    tiles (``padded``), the output tiles per segment (``tiles``) and the parts K is split in
+    (``splits``, each its own block and partial tile)."""
+
+    tile: TileConfig
+    padded: int
+    tiles: int
+    splits: int = 1
+
+
+def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
+    """Row tiles per copy of the copy-engine all-gather: about 8 MB each, at least 2 copies per
+    segment where it has 2 row tiles, so the first tiles of a segment start after a part landed.
+
+    Example::
+
+        chunk_tiles(64, 8192, 128, 2)     # 4: 512 rows of 8192 bf16 = 8 MB
+    """
+    return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
+
+
+def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:
+    check_input(a, "a")
+    check_input(weight, "weight")
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise ValueError(f"need a (M, K) and weight (N, K); got {tuple(a.shape)} and {tuple(weight.shape)}")
+    if a.dtype != weight.dtype:
+        raise TypeError(f"a is {a.dtype} but weight is {weight.dtype}")
+    tl_dtype(a)
+
+
+def kernel_tiles(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...] = (1,)) -> list[int]:
+    """Output tiles of each kernel that computes ``kernels[i]`` row segments of ``rows`` rows
+    (each padded to whole row tiles) by ``n`` columns.
+
+    Example::
+
+        kernel_tiles(512, 14336, WIDE, (1, 1))     # [224, 224]: the all-gather GEMM's two kernels
+    """
+    per_segment = -(-rows // tile.block_M) * -(-n // tile.block_N)
+    return [segments * per_segment for segments in kernels if segments]
+
+
+def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,)) -> TileConfig:
+    """The fused kernels' GEMM tile for row segments of ``rows`` x ``n`` outputs, computed by
+    kernels of ``kernels[i]`` segments each (one kernel of one segment by default; the
+    all-gather GEMM: ``(1, world - 1)``; the reduce-scatter GEMM: ``(world,)``).
+
+    Where ``WIDE`` (128x256, TileLang's fastest) fills every SM at least once: of ``TILE_RATES``
+    the one whose waves, weighted by its speed per FLOP, keep the SMs busiest with outputs
+    (:func:`useful_share`): on one H100 the pick was the fastest of the three at each of
+    the floor's 16 GEMMs with >= 1024 rows, e.g. 1024 x 14336 in 128x224 tiles, 512 of them =
+    3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). Else, for the
+    reduce-scatter and all-reduce GEMMs (``split_k``): ``NARROW`` (128x64) where a segment is
+    one 128-row tile and its tiles give 90% of the SMs a block (decode, K whole); ``TALL``
+    (256x128) for 129-256 rows, so one row tile streams the weight once; otherwise ``WIDE``;
+    these split K (:func:`k_splits`). Else the 128x128 ``DEFAULT``, whose twice as many tiles
+    keep more SMs busy at decode sizes.
+
+    Example::
+
+        choose_tile(8192, 14336)                 # WIDE
+        choose_tile(1024, 14336)                 # WIDE_224 on a 132-SM GPU
+        choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
+    """
+    sms = sm_count()
+    if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
+        return max(TILE_RATES, key=lambda tr: tr[1] * useful_share(rows, n, tr[0], kernels, sms))[0]
+    if split_k:
+        if rows <= NARROW.block_M and 10 * sum(kernel_tiles(rows, n, NARROW, kernels)) >= 9 * sms:
+            return NARROW
+        return TALL if NARROW.block_M < rows <= TALL.block_M else WIDE
+    return DEFAULT
+
+
+def useful_share(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...], sms: int) -> float:
+    """Share of the SMs' time that the kernels of :func:`kernel_tiles` spend on outputs: their
+    waves' idle SMs and the padding of ragged row and column tiles are the rest.
+
+    Example::
+
+        useful_share(8192, 8192, WIDE_224, (1,), 132)    # 0.985: 37 column tiles, the last 4/7 full
+    """
+    tiles = kernel_tiles(rows, n, tile, kernels)
+    waves = sum(-(-t // sms) for t in tiles)
+    return rows * n * sum(kernels) / (waves * sms * tile.block_M * tile.block_N)
+
+
+def wave_efficiency(tiles: list[int], sms: int) -> float:
+    """Share of the SMs' time that kernels of ``tiles[i]`` one-SM blocks each, run one after
+    another, keep busy: each kernel's last, partial wave leaves SMs idle.
+
+    The fused kernels' one-rank floor follows it (one H100, 20261124-191930): 1024 x 14336
+    outputs in 128x256 tiles are 448 tiles, 3.4 waves of 132 SMs, 0.85 busy: 1.21x cuBLAS.
+
+    Example::
+
+        wave_efficiency([448], 132)     # 0.848
+    """
+    return sum(tiles) / (sum(-(-t // sms) for t in tiles) * sms)
+
+
+def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us: float = 0.0) -> bool:
+    """Whether the fused plan should beat NCCL + cuBLAS on GPUs: the fused GEMM loses its
+    waves' idle share (:func:`wave_efficiency`) plus ``FUSED_US`` and what follows its last
+    tiles (``tail_us``); the unfused plan waits for a collective of ``collective_bytes`` per
+    rank after a GEMM at full rate."""
+    gemm_us = flops / (GEMM_TFLOPS * 1e6)
+    fused = gemm_us / wave_efficiency(tiles, sm_count()) + FUSED_US + tail_us
+    return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
+
+
+def _choose(plan: str | None, rows: int, fused_wins: bool) -> str:
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else on GPUs ``fused_wins`` (the op's
+    :func:`_fused_wins`, NVLink's arithmetic: where ranks talk through NVSHMEM calls, across
+    nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
+    """
+    plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
+    if plan not in (None, "fused", "unfused"):
+        raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
+    if runtime.device().type == "cuda":
+        return plan or ("fused" if fused_wins and kernel_lowering() in (None, ADDRESS) else "unfused")
+    return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
+
+
+def k_splits(tiles: int, K: int, block_K: int) -> int:
+    """Parts to split K into so that ``tiles`` output tiles give every SM a block (1, 2, 4 or
+    8; only splits into whole K steps).
+
+    Example::
+
+        k_splits(32, 14336, 64)    # 4 on a 132-SM H200: 128 blocks
+    """
+    splits = 1
+    while tiles * splits * 2 <= sm_count() and K % (splits * 2 * block_K) == 0 and splits < 8:
+        splits *= 2
+    return splits
+
+
+def reduce_grid(m: int, k: int, n: int, owners: int, tile: TileConfig) -> GemmGrid:
+    """The GEMM grid that ``gemm_reduce_scatter`` (``owners`` = world size) or ``gemm_all_reduce``
+    (1) runs for an (m, k) x (n, k) product with ``tile``.
+
+    Example::
+
+        reduce_grid(128, 14336, 8192, 1, WIDE)    # GemmGrid(WIDE, 128, 32, 4) on a 132-SM H200
+    """
+    padded = -(-(m // owners) // tile.block_M) * tile.block_M
+    tiles = (padded // tile.block_M) * -(-n // tile.block_N)
+    return GemmGrid(tile, padded, tiles, k_splits(owners * tiles, k, tile.block_K))

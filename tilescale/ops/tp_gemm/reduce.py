@@ -1,0 +1,189 @@
+"""``gemm_reduce_scatter`` and ``gemm_all_reduce``: the row-parallel GEMMs whose partial
+products are summed across the group (the package's docstring says how)."""
+
+import torch
+import torch.distributed as dist
+
+from tilescale import runtime
+from tilescale.groups import GroupState
+from tilescale.ops._common import call_identity, check_same_across_ranks, signature, sm_count, tl_dtype
+from tilescale.ops._gemm import TileConfig
+from tilescale.ops.tp_gemm.exchange import _exchange
+from tilescale.ops.tp_gemm.kernels import (
+    _panel_dividing,
+    all_reduce_gemm_kernel,
+    gather_segments_kernel,
+    gemm_push_kernel,
+    gemm_reduce_scatter_kernel,
+    sum_received_kernel,
+)
+from tilescale.ops.tp_gemm.plan import (
+    FUSED_MIN_ROWS,
+    HBM_GBPS,
+    NCCL_GBPS,
+    GemmGrid,
+    _check_pair,
+    _choose,
+    _fused_wins,
+    choose_tile,
+    reduce_grid,
+)
+
+
+def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, owners: int, grid: GemmGrid,
+                      ident: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The GEMM pushing partial tiles, then the reduction kernel; ``grid`` is :func:`reduce_grid`'s,
+    ``ident`` the call's board and identity (:func:`call_identity`)."""
+    world, group = state.size, state.process_group
+    (m, k), n = a.shape, weight.shape[0]
+    rows = m // owners
+    tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
+    slots = world * splits
+    ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
+                   world)
+    ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
+    dtype = tl_dtype(a)
+    push = gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)
+    push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    # Row r of a received block is contiguous in both views: padded rows come after it.
+    reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
+    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
+    return out
+
+
+def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
+                        tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce-scatter over rows of ``a @ weight.T`` (row parallel), the sends overlapped with the GEMM.
+
+    Example::
+
+        y = ts.ops.gemm_reduce_scatter(h, w_rows)     # (M // world, N)
+
+    ``a``: (M, K_local), M divisible by the world size and equal on every rank; ``weight``:
+    (N, K_local). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`; K is split
+    where its tiles are too few for the SMs, see :func:`k_splits`). ``group``: the
+    tensor-parallel process group (None: the whole job); ``world`` is its size.
+
+    Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
+    ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
+    """
+    _check_pair(a, weight)
+    state = runtime.group_state(group)
+    world = state.size
+    (m, k), n = a.shape, weight.shape[0]
+    if m % world:
+        raise ValueError(f"gemm_reduce_scatter needs M ({m}) divisible by the group size {world}")
+    check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
+    tile = tile or choose_tile(m // world, n, split_k=True, kernels=(world,))
+    grid = reduce_grid(m, k, n, world, tile)
+    padded, tiles, splits = grid.padded, grid.tiles, grid.splits
+    wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
+    if _choose(plan, m, wins) == "unfused":
+        out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
+        dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
+        return out
+    # Remote writes go only to the peers' copies of this call's own exchange (symmetric, sized
+    # alike on every rank), so a peer whose call differs is not written out of bounds.
+    ident = call_identity(state, signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}"))
+    if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
+        return _gemm_then_reduce(state, a, weight, world, grid, ident)
+    ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
+                   world * tiles)
+    ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
+    out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
+    panel = _panel_dividing(padded // tile.block_M, tile.panel)
+    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+    return out
+
+
+def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
+                    tile: TileConfig | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``all_reduce(a @ weight.T)``: partial tiles are pushed as they finish.
+
+    Example::
+
+        y = ts.ops.gemm_all_reduce(h, w_rows)          # (M, N) on every rank
+
+    Fused, where every block has an SM of its own (decode shapes: output tiles times K
+    splits, :func:`k_splits`), one kernel does it all (:func:`all_reduce_gemm_kernel`).
+    Above, where M divides by the group size and K is not split: the reduce-scatter GEMM with
+    the reduction in the owners' tiles, each of which then sends its summed tile to every
+    peer (``gemm_reduce_scatter_kernel(gather=True)``), and a kernel that copies the peers'
+    summed segments into place (:func:`gather_segments_kernel`): with one rank, only the GEMM.
+    Else a GEMM kernel pushes partial tiles and a second kernel sums them. Every rank gets
+    the same bits: partials are summed in rank order. ``tile``: the fused kernels' GEMM tile
+    (:func:`choose_tile`). ``group``: the tensor-parallel process group (None: the whole job).
+
+    Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
+    on every rank; zero rows on every rank give an empty result.
+    """
+    _check_pair(a, weight)
+    state = runtime.group_state(group)
+    world = state.size
+    (m, k), n = a.shape, weight.shape[0]
+    check_same_across_ranks(state, "gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
+    if m == 0:
+        return a.new_empty(0, n)
+    grid = reduce_grid(m, k, n, 1, tile or choose_tile(m, n, split_k=True))
+    one_kernel = grid.tiles * grid.splits <= sm_count()  # one kernel needs every block resident
+    gather = False
+    if not one_kernel and m % world == 0:
+        scattered = reduce_grid(m, k, n, world, tile or choose_tile(m // world, n, split_k=True, kernels=(world,)))
+        if scattered.splits == 1:  # each owner's tile holds the whole sum
+            grid, gather = scattered, True
+    # On GPUs the one-kernel plan (decode) is fused: as graph replays its floor is 4-20 us over
+    # cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100), while NCCL's
+    # all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
+    # plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
+    # rank) counting, besides its waves, its tail: the last wave's summed tiles to the peers
+    # and the copy of the peers' segments into place.
+    elem = a.element_size()
+    tail_us = (min(grid.tiles, sm_count()) * grid.tile.block_M * grid.tile.block_N * elem * (world - 1)
+               / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
+    wins = one_kernel or gather and world > 1 and _fused_wins(2 * m * k * n, [world * grid.tiles],
+                                                              2 * (world - 1) * m * n * elem / world, tail_us)
+    if _choose(plan, FUSED_MIN_ROWS, wins) == "unfused":
+        out = a @ weight.T
+        dist.all_reduce(out, group=group)
+        return out
+    ident = call_identity(state, signature("gemm_all_reduce", a, f"N={n}", grid.tile, f"splits={grid.splits}",
+                                    "one kernel" if one_kernel else "gather" if gather else "two kernels"))
+    if gather:
+        return _gemm_scatter_gather(state, a, weight, grid, ident)
+    if not one_kernel:
+        return _gemm_then_reduce(state, a, weight, 1, grid, ident)
+    tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
+    # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
+    ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
+                   a.dtype, world * tiles)
+    ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+    return out
+
+
+def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tensor, grid: GemmGrid,
+                         ident: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The all-reduce as the reduce-scatter GEMM whose owners send their summed tiles to every
+    peer, then the copy of the peers' segments (``grid``: :func:`reduce_grid` with ``world``
+    owners; ``ident``: the call's board and identity)."""
+    world, group = state.size, state.process_group
+    (m, k), n = a.shape, weight.shape[0]
+    tile, dtype = grid.tile, tl_dtype(a)
+    # Per buffer set: a slot per sender for the partials, then one per sender for the finals.
+    ex = _exchange(state, ("ar-rs-ag", grid.padded, n, a.dtype, grid.tiles, tile.threads), (2 * world * grid.padded, n),
+                   a.dtype, 2 * world * grid.tiles)
+    ex.advance(tile.threads // 32)  # a sender's consumer warps signal each flag once per call
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    panel = _panel_dividing(grid.padded // tile.block_M, tile.panel)
+    kernel = gemm_reduce_scatter_kernel(world, dtype, m, k, n, tile, panel, True, group=group)
+    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+    if world > 1:
+        copy_in = gather_segments_kernel(world, dtype, m, n, tile, group=group)
+        copy_in(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+    return out
