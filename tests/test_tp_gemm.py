@@ -278,6 +278,8 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert tp_gemm._fused_wins(2 * 8192 * 8192 * 14336, [1792, 1792], 4096 * 8192 * 2)
     # AG 1024 rows: 4 x 56 tiles per kernel leave most of a wave idle twice; 8 MB gather is cheaper.
     assert not tp_gemm._fused_wins(2 * 1024 * 8192 * 14336, [224, 224], 512 * 8192 * 2)
+    # RS 1000 x 1792 x 4096 on 2 ranks: a 20 us GEMM; eager, the fused call's host time decides.
+    assert not tp_gemm._fused_wins(2 * 1000 * 1792 * 4096, [2 * 4 * 16], 1000 * 4096)
 
 
 @pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),

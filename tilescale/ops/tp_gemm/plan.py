@@ -27,6 +27,10 @@ NCCL_GBPS = 225.0
 NCCL_US = 20.0
 GEMM_TFLOPS = 750.0
 FUSED_US = 10.0
+# An eager fused call's host time on one H100 (the floor's eager decode all-reduces and its
+# 1000 x 1792 x 4096 reduce-scatter took 77-83 us whatever their GPU time): below it a fused
+# call waits for the host, so _fused_wins counts at least this much outside a graph capture.
+FUSED_HOST_US = 80.0
 # Device-to-device copy rate (bytes read + written; 3.0 TB/s on one H100, 4.3 on one H200,
 # /work/.library/device/KINDS.md): the gathering all-reduce's copy of the peers' segments.
 HBM_GBPS = 3000.0
@@ -144,9 +148,12 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     """Whether the fused plan should beat NCCL + cuBLAS on GPUs: the fused GEMM loses its
     waves' idle share (:func:`wave_efficiency`) plus ``FUSED_US`` and what follows its last
     tiles (``tail_us``); the unfused plan waits for a collective of ``collective_bytes`` per
-    rank after a GEMM at full rate."""
+    rank after a GEMM at full rate. Eager (not capturing a CUDA graph) the fused call takes
+    at least ``FUSED_HOST_US``."""
     gemm_us = flops / (GEMM_TFLOPS * 1e6)
     fused = gemm_us / wave_efficiency(tiles, sm_count()) + FUSED_US + tail_us
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        fused = max(fused, FUSED_HOST_US)
     return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
 
 
