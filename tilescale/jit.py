@@ -42,6 +42,7 @@ from typing import Any
 import tilelang
 import torch
 from tvm import tirx
+from tvm.runtime import Executable
 
 from tilescale import runtime
 from tilescale.groups import GroupState
@@ -267,10 +268,13 @@ def _fastest_launch(kernel: Any) -> Callable[..., Any]:
     ``Executable.__call__``, both doing per call what a kernel without ``out_idx`` does not
     need (output allocation, a module attribute lookup); anything else is called as it is."""
     adapter = getattr(kernel, "adapter", None)
-    if (getattr(kernel, "execution_backend", None) == "tvm_ffi" and not getattr(adapter, "result_idx", None)
-            and hasattr(adapter, "_get_executable")):
-        return adapter._get_executable().jit().main
-    return kernel
+    if (getattr(kernel, "execution_backend", None) != "tvm_ffi" or getattr(adapter, "result_idx", None)
+            or not hasattr(adapter, "_get_executable")):
+        return kernel
+    executable = adapter._get_executable()
+    # A kernel compiled now holds an Executable; one TileLang loaded from its disk cache, the module.
+    module = executable.jit() if isinstance(executable, Executable) else executable
+    return module.main
 
 
 def _runs_on_cpu(compile_kwargs: dict) -> bool:
