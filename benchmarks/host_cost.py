@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from harness import Report, graphed, time_fn
 from torch.profiler import ProfilerActivity, profile
 
@@ -61,6 +62,58 @@ def capturable(fn: Callable[[], object]) -> Callable[[], object] | None:
     except RuntimeError:
         torch.cuda.synchronize()
         return None
+
+
+def check_results() -> int:
+    """The ops whose host path runs on cached plans, checked against torch.distributed at the
+    benchmark's sizes, each called twice with new inputs (the second call runs on the plan the
+    first built), the decode GEMM all-reduce also replayed from a CUDA graph. Returns the checks."""
+    dev, world, rank = ts.device(), ts.world_size(), ts.rank()
+    close = {"rtol": 2e-2, "atol": 2e-2}
+    checks = 0
+    dst = ts.zeros((2048,), dtype=BF16)  # once: freeing symmetric memory drops every plan
+    for _ in range(2):
+        x = torch.randn(2048, device=dev, dtype=BF16)
+        ref = torch.empty(world * 2048, device=dev, dtype=BF16)
+        dist.all_gather_into_tensor(ref, x)
+        torch.testing.assert_close(ts.ops.all_gather(x), ref, rtol=0, atol=0)
+        for algorithm in ("one_shot", "two_shot"):
+            y, want = x.clone(), x.float()
+            dist.all_reduce(want)
+            ts.ops.all_reduce(y, algorithm=algorithm)
+            torch.testing.assert_close(y.float(), want, **close)
+        want = torch.empty(2048 // world, device=dev)
+        dist.reduce_scatter_tensor(want, x.float())
+        torch.testing.assert_close(ts.ops.reduce_scatter(x).float(), want, **close)
+        got = torch.empty_like(x)
+        ts.ops.put(x, dst, (rank + 1) % world)
+        ts.barrier()
+        ts.ops.get(dst, got, (rank + 1) % world)  # the right neighbour's copy holds my x
+        torch.testing.assert_close(got, x, rtol=0, atol=0)
+        ts.barrier()
+        a, w = torch.randn(128, 1024, device=dev, dtype=BF16), torch.randn(1024, 1024, device=dev, dtype=BF16) / 32
+        want = a.float() @ w.float().T
+        dist.all_reduce(want)
+        torch.testing.assert_close(ts.ops.gemm_all_reduce(a, w).float(), want, **close)
+        rows = torch.randn(world * 64, 1024, device=dev, dtype=BF16)
+        want = torch.empty(64, 1024, device=dev)
+        dist.reduce_scatter_tensor(want, rows.float() @ w.float().T)
+        torch.testing.assert_close(ts.ops.gemm_reduce_scatter(rows, w, plan="fused").float(), want, **close)
+        checks += 7
+    static = torch.randn(128, 1024, device=dev, dtype=BF16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ts.ops.gemm_all_reduce(static, w)
+    for _ in range(2):
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        want = static.float() @ w.float().T
+        dist.all_reduce(want)
+        torch.testing.assert_close(replayed.float(), want, **close)
+        checks += 1
+    torch.cuda.synchronize()
+    ts.barrier()
+    return checks
 
 
 def calls_to_measure() -> dict[str, Callable[[], object]]:
@@ -151,6 +204,8 @@ def main() -> None:
     ts.init()
     if ts.device().type != "cuda":
         raise SystemExit("host_cost.py measures the GPU launch path: run it on a GPU (without --cpu)")
+    with torch.no_grad():
+        print(f"RESULTS-OK {check_results()} checks against torch.distributed", flush=True)
     fns = calls_to_measure()
     with torch.no_grad():
         for fn in fns.values():  # kernels built, buffers allocated, before anything is timed

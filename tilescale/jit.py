@@ -190,7 +190,9 @@ class DistributedKernel:
         waits and disagreeing ranks in."""
         if not self.hidden:
             return self._launch(*args)
-        runtime.check_device_waits()
+        rt = runtime.current()
+        if rt.wait_status_view[0]:  # a kernel recorded a failure: raise it (a host-memory read per call)
+            runtime.check_device_waits()
         if len(args) != len(self.inputs):
             raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
         try:
@@ -202,7 +204,7 @@ class DistributedKernel:
             hidden = self._bind(args, group)
             if key is not None and all(key[1:]):  # address 0: a tensor with no elements, nothing to key by
                 self._plans.put(key, hidden)
-        runtime.current().last_kernel_args = (self.inputs, args)
+        rt.last_kernel_args = (self.inputs, args)
         return self._launch(*args, *hidden)
 
     def _bind(self, args: tuple, group: Any) -> list[Any]:

@@ -29,25 +29,37 @@ TORCH_TO_TL = {
 
 _signatures: dict[tuple, int] = {}
 
-# The ops' call plans (see tilescale.plans): keyed by the op's name, its arguments' tensor_key()s,
+# The ops' call plans (see tilescale.plans): keyed by the op's name, its tensors' layout_key() or tensor_key(),
 # its options and its group; a plan is what the op's first call of that key resolved.
 op_plans = PlanCache(limit=1024)
 
 
-def tensor_key(t: torch.Tensor) -> tuple | None:
-    """What an op's checks of ``t`` depend on (shape, dtype, device, contiguity, group of its
-    symmetric allocation or None): the part of an op's plan key that ``t`` gives.
+def layout_key(t: torch.Tensor) -> tuple | None:
+    """What an op's checks of the tensor ``t`` depend on (shape, dtype, device, contiguity): the
+    part of an op's plan key that ``t`` gives, for tensors whose symmetric allocation (or not)
+    changes nothing in the plan (a kernel's symmetric arguments are checked by address).
 
     Example::
 
-        key = ("all_reduce", *tensor_key(x), algorithm, group)   # the checks of x ran at its first call
+        key = ("gemm_all_reduce", layout_key(a), layout_key(weight), group)   # a and weight checked once
 
     Anything but a tensor gives None: the op's first-call checks then say what is wrong.
     """
     if not isinstance(t, torch.Tensor):
         return None
+    return t.shape, t.dtype, t.get_device(), t.is_contiguous()
+
+
+def tensor_key(t: torch.Tensor) -> tuple | None:
+    """:func:`layout_key` and the group of ``t``'s symmetric allocation (None if it has none),
+    for ops whose plan depends on it (staged or in place).
+
+    Example::
+
+        key = ("all_reduce", tensor_key(x), algorithm, group)
+    """
     found = lookup(t)
-    return t.shape, t.dtype, t.get_device(), t.is_contiguous(), found[0].group if found is not None else None
+    return layout_key(t), found[0].group if found is not None else None
 
 
 def tl_dtype(t: torch.Tensor) -> str:

@@ -33,6 +33,7 @@ from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import (
     check_input,
+    layout_key,
     op_plans,
     poison_value,
     signature,
@@ -167,7 +168,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, *,
     Returns:
         ``out``, or a new tensor of shape ``(group size * x.shape[0], *x.shape[1:])``.
     """
-    key = ("all_gather", tensor_key(x), tensor_key(out) if out is not None else None,
+    key = ("all_gather", layout_key(x), layout_key(out) if out is not None else None,
            out.data_ptr() if out is not None else None, group)
     launch = op_plans.get(key) or op_plans.put(key, _all_gather_plan(x, out, group))
     return launch(x)

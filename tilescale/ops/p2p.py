@@ -11,7 +11,7 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, flat, op_plans, sm_count, tensor_key, tl_dtype, vector_width
+from tilescale.ops._common import check_input, flat, layout_key, op_plans, sm_count, tl_dtype, vector_width
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,9 @@ def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get: bool,
             group: dist.ProcessGroup | None) -> None:
-    # Everything but the launch is checked and resolved at the first call of a plan key.
-    key = ("get" if get else "put", tensor_key(src), tensor_key(dst), peer, plan, group)
+    # Everything but the launch is checked and resolved at the first call of a plan key (the
+    # symmetric tensor's allocation and group by the kernel, at the first call of its address).
+    key = ("get" if get else "put", layout_key(src), layout_key(dst), peer, plan, group)
     kernel = op_plans.get(key)
     if kernel is None:
         local, name = (dst, "dst") if get else (src, "src")

@@ -50,10 +50,10 @@ from tilescale.ops._common import (
     call_identity,
     check_input,
     check_same_across_ranks,
+    layout_key,
     op_plans,
     signature,
     sm_count,
-    tensor_key,
     tl_dtype,
 )
 from tilescale.ops._gemm import DEFAULT, NARROW, THREADS, WIDE, TileConfig, gemm_tile, tile_coords
@@ -875,7 +875,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
     # Fused calls of one kernel keep what their first call resolved (plans, see tilescale.plans).
-    key = ("gemm_reduce_scatter", tensor_key(a), tensor_key(weight), plan, tile, group,
+    key = ("gemm_reduce_scatter", layout_key(a), layout_key(weight), plan, tile, group,
            os.environ.get("TILESCALE_TP_PLAN"))
     launch = op_plans.get(key)
     if launch is not None:
@@ -934,7 +934,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     on every rank; zero rows on every rank give an empty result.
     """
     # Fused one-kernel calls keep what their first call resolved (plans, see tilescale.plans).
-    key = ("gemm_all_reduce", tensor_key(a), tensor_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"))
+    key = ("gemm_all_reduce", layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"))
     launch = op_plans.get(key)
     if launch is not None:
         return launch(a, weight)
