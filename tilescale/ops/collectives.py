@@ -280,7 +280,8 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
         raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
     n = x.numel()
     sig = signature("all_reduce", x, algorithm)
-    if algorithm == "one_shot":
+    one_shot = algorithm == "one_shot"
+    if one_shot:
         rows, chunk = 1, n
         buffer = None if symmetric_in(x, state, "x") else workspace(state, "all_reduce.in", n, x.dtype)
         scratch = workspace(state, "all_reduce.scratch", n, x.dtype).view(1, n)
@@ -292,12 +293,12 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
         kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push", group=group)
     if buffer is not None:  # staged: x copied in, the sum copied back
         staged, staged_rows = buffer[:n].view(x.shape), buffer.view(rows, chunk)
-        staged_out = scratch if rows == 1 else staged_rows[:1]
+        staged_out = scratch if one_shot else staged_rows[:1]
 
     def launch(x: torch.Tensor) -> torch.Tensor:
         if buffer is None:
             src = x.view(rows, chunk)
-            kernel(src, scratch if rows == 1 else src[:1], sig, group=group)
+            kernel(src, scratch if one_shot else src[:1], sig, group=group)
             return x
         staged.copy_(x)
         kernel(staged_rows, staged_out, sig, group=group)
