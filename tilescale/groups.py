@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tilescale import plans
 from tilescale.comm import CommBackend, Group, SymmetricAllocation
 
 
@@ -128,6 +129,7 @@ class GroupState:
                 torch.cuda.synchronize()
             self.comm.barrier()
         self.released = True
+        plans.invalidate()  # plans hold this state and addresses of its allocations
         self.allocations.clear()
         self.workspaces.clear()
         self.verified.clear()

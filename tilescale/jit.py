@@ -42,6 +42,7 @@ from typing import Any
 import tilelang
 import torch
 from tvm import tirx
+from tvm.runtime import Executable
 
 from tilescale import runtime
 from tilescale.groups import GroupState
@@ -55,6 +56,7 @@ from tilescale.language.scale import (
     build_options,
     requested_remote,
 )
+from tilescale.plans import PlanCache
 from tilescale.symmetric import check_group, lookup, peer_table
 from tilescale.tir_fixes import coherent_reads, guard_unit_loops
 
@@ -144,6 +146,9 @@ class DistributedKernel:
         # Per group this kernel has run over (checked at its first call there): the hidden
         # arguments with its fixed values filled in, the tables' slots still None.
         self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}
+        # Hidden arguments by (group, addresses of the symmetric arguments), see __call__.
+        self._plans = PlanCache()
+        self._launch: Callable[..., Any] = self._first_launch
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
@@ -177,13 +182,34 @@ class DistributedKernel:
     def __call__(self, *args: Any, group: Any = None) -> Any:
         """Launch on ``args``; ``group`` (a ``torch.distributed.ProcessGroup``) names the group a
         kernel with no symmetric argument runs over (None: the whole job), and must be the
-        symmetric arguments' group where there are some."""
+        symmetric arguments' group where there are some.
+
+        The first call with given symmetric tensors (by address) and group checks them and
+        keeps the hidden arguments it found (:mod:`tilescale.plans`); later calls with the same
+        ones only look them up. Every call still reads the status the kernels report failed
+        waits and disagreeing ranks in."""
         if not self.hidden:
-            return self.kernel(*args)
+            return self._launch(*args)
         rt = runtime.current()
-        runtime.check_device_waits()
+        if rt.wait_status_view[0]:  # a kernel recorded a failure: raise it (a host-memory read per call)
+            runtime.check_device_waits()
         if len(args) != len(self.inputs):
             raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
+        try:
+            key = (group, *[args[i].data_ptr() for i in self._tables])
+        except AttributeError:  # not a tensor: _bind says what is wrong
+            key = None
+        hidden = self._plans.get(key)
+        if hidden is None:
+            hidden = self._bind(args, group)
+            if key is not None and all(key[1:]):  # address 0: a tensor with no elements, nothing to key by
+                self._plans.put(key, hidden)
+        rt.last_kernel_args = (self.inputs, args)
+        return self._launch(*args, *hidden)
+
+    def _bind(self, args: tuple, group: Any) -> list[Any]:
+        """The hidden arguments of a call on ``args`` over ``group``, every argument and the group checked."""
+        rt = runtime.current()
         tables, state = self._peer_tables(args)
         if state is None or group is not None:
             wanted = runtime.group_state(group)
@@ -196,8 +222,11 @@ class DistributedKernel:
         hidden = found[1].copy()
         for slot, table in zip(self._slots, tables, strict=True):
             hidden[slot] = table
-        rt.last_kernel_args = (self.inputs, args)
-        return self.kernel(*args, *hidden)
+        return hidden
+
+    def _first_launch(self, *args: Any) -> Any:
+        self._launch = _fastest_launch(self.kernel)
+        return self._launch(*args)
 
     def _peer_tables(self, args: tuple) -> tuple[list[torch.Tensor], GroupState | None]:
         """Peer tables of the arguments accessed on other ranks (in ``_tables`` order), and
@@ -232,6 +261,22 @@ class _TableOf:
     """A hidden argument that is the peer table of user argument ``index``."""
 
     index: int
+
+
+def _fastest_launch(kernel: Any) -> Callable[..., Any]:
+    """The launch of a compiled kernel with the least host work: for TileLang's default
+    ``tvm_ffi`` backend, the compiled module's entry function itself (a C function of
+    TVM-FFI), which ``JITKernel.__call__`` reaches through its adapter's Python wrapper and
+    ``Executable.__call__``, both doing per call what a kernel without ``out_idx`` does not
+    need (output allocation, a module attribute lookup); anything else is called as it is."""
+    adapter = getattr(kernel, "adapter", None)
+    if (getattr(kernel, "execution_backend", None) != "tvm_ffi" or getattr(adapter, "result_idx", None)
+            or not hasattr(adapter, "_get_executable")):
+        return kernel
+    executable = adapter._get_executable()
+    # A kernel compiled now holds an Executable; one TileLang loaded from its disk cache, the module.
+    module = executable.jit() if isinstance(executable, Executable) else executable
+    return module.main
 
 
 def _runs_on_cpu(compile_kwargs: dict) -> bool:
@@ -276,6 +321,98 @@ def kernel_lowering() -> str | None:
     return requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
 
 
+class KernelFactory:
+    """What :func:`jit` makes of a kernel factory: calling it builds and compiles a
+    :class:`DistributedKernel` per arguments (cached), as TileLang's ``JITImpl`` does in its lazy mode.
+
+    Example::
+
+        @ts.jit
+        def ring_shift(M, N, block_M, dtype="bfloat16"):
+            ...
+
+        kernel = ring_shift(4096, 1024, 64)               # compiled once, then cached
+        ring_shift.compile(4096, 1024, 64, group=tp)       # the same, built for tp's size
+        print(ring_shift.get_kernel_source(4096, 1024, 64))
+        ring_shift.get_tir(4096, 1024, 64)                 # the T.prim_func, not compiled
+        ring_shift.cache_clear()
+
+    Every method takes the factory's arguments and tilescale's keyword ``group=`` (the
+    process group whose size the kernel is built for; None: the whole job).
+    """
+
+    def __init__(self, factory: Callable[..., Any], out_idx: list[int] | int | None, compile_kwargs: dict):
+        if "group" in inspect.signature(factory).parameters:
+            raise TypeError(f"{factory.__name__}: the factory keyword 'group' is tilescale.jit's (the process group "
+                            "a kernel is built for); rename the factory's parameter")
+        functools.update_wrapper(self, factory)
+        self.factory = factory
+        self.out_idx = out_idx
+        self.compile_kwargs = compile_kwargs
+        self._compiled: dict[tuple, DistributedKernel] = {}  # by arguments, world size and lowering
+        self._by_group = PlanCache()  # by arguments, group and requested lowering: no group size lookup
+
+    def __call__(self, *args: Any, group: Any = None, **kwargs: Any) -> DistributedKernel:
+        """The kernel of these arguments built for ``group``'s size (see :meth:`compile`)."""
+        if not runtime.is_initialized():
+            return self.compile(*args, group=group, **kwargs)
+        try:
+            key = (args, tuple(sorted(kwargs.items())) if kwargs else (), group, requested_remote())
+            kernel = self._by_group.get(key)
+        except TypeError:  # unhashable arguments: compile() says so
+            key, kernel = None, None
+        if kernel is None:
+            kernel = self.compile(*args, group=group, **kwargs)
+            if key is not None:
+                self._by_group.put(key, kernel)
+        return kernel
+
+    def compile(self, *args: Any, group: Any = None, **kwargs: Any) -> DistributedKernel:
+        """Build and compile the kernel of these arguments (once: later calls return the same kernel).
+
+        Args:
+            *args, **kwargs: the factory's arguments.
+            group: the process group the kernel is built for (None: the whole job).
+
+        Returns:
+            The compiled :class:`DistributedKernel`.
+        """
+        world, remote = self._options(group)
+        key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            func = _build(self.factory, args, kwargs, world, remote, _runs_on_cpu(self.compile_kwargs))
+            kernel = self._compiled[key] = DistributedKernel(func, self.out_idx, **self.compile_kwargs)
+        return kernel
+
+    def get_tir(self, *args: Any, group: Any = None, **kwargs: Any) -> tirx.PrimFunc:
+        """The ``T.prim_func`` the factory builds for these arguments (not compiled, not cached).
+
+        Returns:
+            The kernel's ``tirx.PrimFunc``, its remote operations as they are before lowering.
+        """
+        world, remote = self._options(group)
+        return _build(self.factory, args, kwargs, world, remote, _runs_on_cpu(self.compile_kwargs))
+
+    def get_kernel_source(self, *args: Any, group: Any = None, **kwargs: Any) -> str:
+        """The generated device source of the kernel of these arguments (compiled if not yet).
+
+        Returns:
+            CUDA C++ for GPU targets.
+        """
+        return self.compile(*args, group=group, **kwargs).get_kernel_source()
+
+    def cache_clear(self) -> None:
+        """Forget every compiled kernel (the next call of each arguments compiles again)."""
+        self._compiled.clear()
+        self._by_group.clear()
+
+    @staticmethod
+    def _options(group: Any) -> tuple[int | None, str | None]:
+        """(world size, lowering) a kernel built now for ``group`` gets (None, as requested) outside a job."""
+        return (runtime.group_size(group) if runtime.is_initialized() else None), kernel_lowering()
+
+
 def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list[int] | int | None = None,
         **compile_kwargs: Any) -> Any:
     """Compile a kernel factory (or a ``T.prim_func``) into distributed kernels, cached per arguments.
@@ -289,32 +426,24 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
                 ...
             return main
 
-    Keywords are those of ``tilelang.compile`` (``target``, ``execution_backend``,
-    ``pass_configs``, ``compile_flags``, ``verbose``). The factory's keyword ``group=`` is
-    tilescale's: the process group whose size the kernel is built for (None: the whole job).
+        add_one(1024)(a)                       # a DistributedKernel, compiled at its first use
+        add_one.get_kernel_source(1024)         # see KernelFactory for the other methods
+
+    Args:
+        func: the factory (a function returning a ``T.prim_func``), or a ``T.prim_func``.
+        out_idx: parameters the kernel allocates and returns (as ``tilelang.jit``'s).
+        **compile_kwargs: those of ``tilelang.compile`` (``target``, ``execution_backend``,
+            ``pass_configs``, ``compile_flags``, ``verbose``).
+
+    Returns:
+        A :class:`KernelFactory` for a factory, a :class:`DistributedKernel` for a ``T.prim_func``
+        (or, without ``func``, a decorator making one of these). The factory's keyword ``group=``
+        is tilescale's: the process group whose size the kernel is built for (None: the whole job).
     """
 
     def wrap(factory: Callable[..., Any] | tirx.PrimFunc) -> Any:
         if isinstance(factory, tirx.PrimFunc):
             return DistributedKernel(factory, out_idx, **compile_kwargs)
-
-        if "group" in inspect.signature(factory).parameters:
-            raise TypeError(f"{factory.__name__}: the factory keyword 'group' is tilescale.jit's (the process group "
-                            "a kernel is built for); rename the factory's parameter")
-        compiled: dict[tuple, DistributedKernel] = {}
-
-        @functools.wraps(factory)
-        def get_kernel(*args: Any, group: Any = None, **kwargs: Any) -> DistributedKernel:
-            world = runtime.group_size(group) if runtime.is_initialized() else None
-            remote = kernel_lowering()
-            key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
-            kernel = compiled.get(key)
-            if kernel is None:
-                func = _build(factory, args, kwargs, world, remote, _runs_on_cpu(compile_kwargs))
-                kernel = compiled[key] = DistributedKernel(func, out_idx, **compile_kwargs)
-            return kernel
-
-        get_kernel.cache_clear = compiled.clear
-        return get_kernel
+        return KernelFactory(factory, out_idx, compile_kwargs)
 
     return wrap(func) if func is not None else wrap

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tilescale import comm
+from tilescale import comm, plans
 from tilescale.errors import (
     MISMATCH,
     WAIT_STATUS_FIELDS,
@@ -308,6 +308,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         dev = _bind_gpu(env)
     owns = not dist.is_initialized()
     _session += 1
+    plans.invalidate()  # plans name the groups and memory of the last session
     if owns:
         store = _init_process_group(env, dev, timeout_s, timeout_given, gpus_shared)
     else:  # the user's process group: its store, under the prefix torch gave it
@@ -597,6 +598,7 @@ def finalize() -> None:
         rt.group.barrier()
     finally:
         _runtime = None
+        plans.invalidate()
         for state in reversed(list(rt.groups.values())):  # the whole job's last: it was first
             state.release(barrier=False)
         rt.group.store = None  # a runtime object kept by the caller must not keep the store alive

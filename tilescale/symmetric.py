@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from tilescale import plans
 from tilescale.groups import GroupState, SymmetricEntry
 from tilescale.runtime import check_not_capturing, current, group_state, live_groups
 
@@ -77,8 +78,14 @@ def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> to
     storage = local.untyped_storage()
     key = storage.data_ptr()
     state.allocations[key] = SymmetricEntry(allocation, local.device, state)
-    weakref.finalize(storage, state.allocations.pop, key, None)
+    weakref.finalize(storage, _forget, state, key)
     return local.view(dtype).view(dims)
+
+
+def _forget(state: GroupState, key: int) -> None:
+    # The memory of this copy may now be handed out again: plans that know it by address go.
+    state.allocations.pop(key, None)
+    plans.invalidate()
 
 
 def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,

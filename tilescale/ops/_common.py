@@ -15,6 +15,7 @@ from tvm import tirx
 from tilescale import runtime
 from tilescale.errors import call_signature
 from tilescale.groups import GroupState
+from tilescale.plans import PlanCache
 from tilescale.symmetric import allocate, check_group, lookup
 
 TORCH_TO_TL = {
@@ -27,6 +28,38 @@ TORCH_TO_TL = {
 }
 
 _signatures: dict[tuple, int] = {}
+
+# The ops' call plans (see tilescale.plans): keyed by the op's name, its tensors' layout_key() or tensor_key(),
+# its options and its group; a plan is what the op's first call of that key resolved.
+op_plans = PlanCache(limit=1024)
+
+
+def layout_key(t: torch.Tensor) -> tuple | None:
+    """What an op's checks of the tensor ``t`` depend on (shape, dtype, device, contiguity): the
+    part of an op's plan key that ``t`` gives, for tensors whose symmetric allocation (or not)
+    changes nothing in the plan (a kernel's symmetric arguments are checked by address).
+
+    Example::
+
+        key = ("gemm_all_reduce", layout_key(a), layout_key(weight), group)   # a and weight checked once
+
+    Anything but a tensor gives None: the op's first-call checks then say what is wrong.
+    """
+    if not isinstance(t, torch.Tensor):
+        return None
+    return t.shape, t.dtype, t.get_device(), t.is_contiguous()
+
+
+def tensor_key(t: torch.Tensor) -> tuple | None:
+    """:func:`layout_key` and the group of ``t``'s symmetric allocation (None if it has none),
+    for ops whose plan depends on it (staged or in place).
+
+    Example::
+
+        key = ("all_reduce", tensor_key(x), algorithm, group)
+    """
+    found = lookup(t)
+    return layout_key(t), found[0].group if found is not None else None
 
 
 def tl_dtype(t: torch.Tensor) -> str:
@@ -45,6 +78,11 @@ def check_input(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one dimension (``t`` itself when it has one: no view made per call)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def poison_value(dtype: str) -> tirx.PrimExpr:
@@ -90,13 +128,18 @@ def symmetric_in(t: torch.Tensor, state: GroupState, name: str) -> bool:
     return found is not None
 
 
-def symmetric_or_staged(state: GroupState, t: torch.Tensor, key: str, name: str = "x") -> torch.Tensor:
-    """``t`` itself when symmetric over the group, else a symmetric workspace holding a copy of it."""
+def staging(state: GroupState, t: torch.Tensor, key: str, name: str = "x") -> torch.Tensor | None:
+    """None when ``t`` is symmetric over the group (peers read it in place), else a symmetric
+    workspace of the group, viewed as ``t``, that calls copy ``t`` into (reused across calls).
+
+    Example::
+
+        staged = staging(state, x, "reduce_scatter.in")     # at the first call of a shape
+        src = x if staged is None else staged.copy_(x)       # at every call
+    """
     if symmetric_in(t, state, name):
-        return t.reshape(-1)
-    staged = workspace(state, key, t.numel(), t.dtype)
-    staged.copy_(t.reshape(-1))
-    return staged
+        return None
+    return workspace(state, key, t.numel(), t.dtype).view(t.shape)
 
 
 def signature(op: str, t: torch.Tensor, *details: object) -> int:

@@ -23,6 +23,8 @@ spilling into the next rank's row.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -31,11 +33,14 @@ from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import (
     check_input,
+    layout_key,
+    op_plans,
     poison_value,
     signature,
     sm_count,
+    staging,
     symmetric_in,
-    symmetric_or_staged,
+    tensor_key,
     tl_dtype,
     vector_width,
     workspace,
@@ -154,9 +159,24 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, *,
         y = ts.ops.all_gather(x)             # (world * x.shape[0], *x.shape[1:])
         y = ts.ops.all_gather(x, group=tp)   # over the ranks of tp: (tp size * x.shape[0], ...)
 
-    ``out`` (optional) must be symmetric over ``group``; without it a cached symmetric buffer
-    is used and a fresh tensor returned.
+    Args:
+        x: this rank's part, contiguous, the same shape and dtype on every rank.
+        out: optional, symmetric over ``group``; without it a cached symmetric buffer is used
+            and a fresh tensor returned.
+        group: the process group (None: the whole job).
+
+    Returns:
+        ``out``, or a new tensor of shape ``(group size * x.shape[0], *x.shape[1:])``.
     """
+    key = ("all_gather", layout_key(x), layout_key(out) if out is not None else None,
+           out.data_ptr() if out is not None else None, group)
+    launch = op_plans.get(key) or op_plans.put(key, _all_gather_plan(x, out, group))
+    return launch(x)
+
+
+def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None,
+                     group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of all_gather calls like this one, everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
@@ -166,8 +186,13 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, *,
     n = x.numel()
     target = out if out is not None else workspace(state, "all_gather.out", world * n, x.dtype)
     kernel = all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count(), group=group)
-    kernel(x.view(1, n), target.view(world, n), signature("all_gather", x), group=group)
-    return out if out is not None else target.view(shape).clone()
+    rows, result, sig = target.view(world, n), target.view(shape), signature("all_gather", x)
+
+    def launch(x: torch.Tensor) -> torch.Tensor:
+        kernel(x.view(1, n), rows, sig, group=group)
+        return out if out is not None else result.clone()
+
+    return launch
 
 
 def reduce_scatter(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -180,18 +205,40 @@ def reduce_scatter(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -
 
     A symmetric ``x`` (over ``group``) is read in place by the peers; any other is first
     staged into a symmetric buffer.
+
+    Args:
+        x: contiguous, dim 0 divisible by the group size, the same shape on every rank.
+        group: the process group (None: the whole job).
+
+    Returns:
+        A new tensor of shape ``(x.shape[0] // group size, *x.shape[1:])``.
     """
+    key = ("reduce_scatter", tensor_key(x), group)
+    launch = op_plans.get(key) or op_plans.put(key, _reduce_scatter_plan(x, group))
+    return launch(x)
+
+
+def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of reduce_scatter calls like this one, everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
     if x.dim() == 0 or x.shape[0] % world:
         raise ValueError(f"reduce_scatter needs dim 0 ({tuple(x.shape)}) divisible by the group size {world}")
-    src = symmetric_or_staged(state, x, "reduce_scatter.in")
+    staged = staging(state, x, "reduce_scatter.in")
     chunk = x.numel() // world
-    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    shape = (x.shape[0] // world, *x.shape[1:])
     kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter", group=group)
-    kernel(src.view(world, chunk), out.view(1, chunk), signature("reduce_scatter", x), group=group)
-    return out
+    sig = signature("reduce_scatter", x)
+
+    def launch(x: torch.Tensor) -> torch.Tensor:
+        if staged is not None:
+            staged.copy_(x)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
+        return out
+
+    return launch
 
 
 def all_reduce(x: torch.Tensor, algorithm: str | None = None, *,
@@ -208,7 +255,23 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None, *,
     A symmetric ``x`` (over ``group``) is reduced where it is, with no extra copies; any
     other ``x`` is staged through a symmetric buffer (and so is a two-shot ``x`` whose size
     the group size does not divide).
+
+    Args:
+        x: contiguous, the same shape and dtype on every rank.
+        algorithm: ``"one_shot"``, ``"two_shot"``, or None (by size).
+        group: the process group (None: the whole job).
+
+    Returns:
+        ``x``, holding the sum.
     """
+    key = ("all_reduce", tensor_key(x), algorithm, group)
+    launch = op_plans.get(key) or op_plans.put(key, _all_reduce_plan(x, algorithm, group))
+    return launch(x)
+
+
+def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
+                     group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of all_reduce calls like this one, everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
@@ -217,20 +280,29 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None, *,
         raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
     n = x.numel()
     sig = signature("all_reduce", x, algorithm)
-    if algorithm == "one_shot":
-        src = symmetric_or_staged(state, x, "all_reduce.in")
-        scratch = workspace(state, "all_reduce.scratch", n, x.dtype)
+    one_shot = algorithm == "one_shot"
+    if one_shot:
+        rows, chunk = 1, n
+        buffer = None if symmetric_in(x, state, "x") else workspace(state, "all_reduce.in", n, x.dtype)
+        scratch = workspace(state, "all_reduce.scratch", n, x.dtype).view(1, n)
         kernel = reduce_kernel(1, tl_dtype(x), vector_width(n, x), sm_count(), "local", group=group)
-        kernel(src.view(1, n), scratch.view(1, n), sig, group=group)
-    else:
-        chunk = -(-n // world)
-        if symmetric_in(x, state, "x") and chunk * world == n:
-            src = x.reshape(-1)
-        else:
-            src = workspace(state, "all_reduce.in", world * chunk, x.dtype)
-            src[:n].copy_(x.reshape(-1))
+    else:  # reduced row r by rank r, pushed back into row r of every rank's src (``out`` unused)
+        rows, chunk, scratch = world, -(-n // world), None
+        in_place = symmetric_in(x, state, "x") and chunk * world == n
+        buffer = None if in_place else workspace(state, "all_reduce.in", world * chunk, x.dtype)
         kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push", group=group)
-        kernel(src.view(world, chunk), src[:chunk].view(1, chunk), sig, group=group)  # ``out`` unused when pushing
-    if src.data_ptr() != x.data_ptr():
-        x.copy_(src[:n].view(x.shape))
-    return x
+    if buffer is not None:  # staged: x copied in, the sum copied back
+        staged, staged_rows = buffer[:n].view(x.shape), buffer.view(rows, chunk)
+        staged_out = scratch if one_shot else staged_rows[:1]
+
+    def launch(x: torch.Tensor) -> torch.Tensor:
+        if buffer is None:
+            src = x.view(rows, chunk)
+            kernel(src, scratch if one_shot else src[:1], sig, group=group)
+            return x
+        staged.copy_(x)
+        kernel(staged_rows, staged_out, sig, group=group)
+        x.copy_(staged)
+        return x
+
+    return launch

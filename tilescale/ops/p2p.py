@@ -11,7 +11,7 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, sm_count, tl_dtype, vector_width
+from tilescale.ops._common import check_input, flat, layout_key, op_plans, sm_count, tl_dtype, vector_width
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,21 @@ def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get: bool,
             group: dist.ProcessGroup | None) -> None:
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
-    state = runtime.group_state(group)
-    if not 0 <= peer < state.size:
-        raise IndexError(f"peer {peer} out of range for the {state.describe()} of size {state.size}")
-    kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get, group=group)
-    kernel(src.reshape(-1), dst.reshape(-1), peer, group=group)
+    # Everything but the launch is checked and resolved at the first call of a plan key (the
+    # symmetric tensor's allocation and group by the kernel, at the first call of its address).
+    key = ("get" if get else "put", layout_key(src), layout_key(dst), peer, plan, group)
+    kernel = op_plans.get(key)
+    if kernel is None:
+        local, name = (dst, "dst") if get else (src, "src")
+        check_input(local, name)
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ")
+        state = runtime.group_state(group)
+        if not 0 <= peer < state.size:
+            raise IndexError(f"peer {peer} out of range for the {state.describe()} of size {state.size}")
+        kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get, group=group)
+        op_plans.put(key, kernel)
+    kernel(flat(src), flat(dst), peer, group=group)
 
 
 def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN, *,
@@ -82,7 +90,6 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``dst`` was allocated over.
     """
-    check_input(src, "src")
     _launch(src, dst, peer, plan, False, group)
 
 
@@ -96,5 +103,4 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``src`` was allocated over.
     """
-    check_input(dst, "dst")
     _launch(src, dst, peer, plan, True, group)

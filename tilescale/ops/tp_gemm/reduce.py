@@ -1,12 +1,22 @@
 """``gemm_reduce_scatter`` and ``gemm_all_reduce``: the row-parallel GEMMs whose partial
 products are summed across the group (the package's docstring says how)."""
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from tilescale import runtime
 from tilescale.groups import GroupState
-from tilescale.ops._common import call_identity, check_same_across_ranks, signature, sm_count, tl_dtype
+from tilescale.ops._common import (
+    call_identity,
+    check_same_across_ranks,
+    layout_key,
+    op_plans,
+    signature,
+    sm_count,
+    tl_dtype,
+)
 from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange
 from tilescale.ops.tp_gemm.kernels import (
@@ -68,6 +78,12 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
+    # Fused calls of one kernel keep what their first call resolved (plans, see tilescale.plans).
+    key = ("gemm_reduce_scatter", layout_key(a), layout_key(weight), plan, tile, group,
+           os.environ.get("TILESCALE_TP_PLAN"))
+    launch = op_plans.get(key)
+    if launch is not None:
+        return launch(a, weight)
     _check_pair(a, weight)
     state = runtime.group_state(group)
     world = state.size
@@ -87,17 +103,22 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         return out
     # Remote writes go only to the peers' copies of this call's own exchange (symmetric, sized
     # alike on every rank), so a peer whose call differs is not written out of bounds.
-    ident = call_identity(state, signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}"))
+    sig = signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}")
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return _gemm_then_reduce(state, a, weight, world, grid, ident)
+        return _gemm_then_reduce(state, a, weight, world, grid, call_identity(state, sig))
     ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
-    ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
-    out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
     kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-    return out
+
+    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
+        ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
+        out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        return out
+
+    return op_plans.put(key, launch)(a, weight)
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -121,6 +142,11 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
     on every rank; zero rows on every rank give an empty result.
     """
+    # Fused one-kernel calls keep what their first call resolved (plans, see tilescale.plans).
+    key = ("gemm_all_reduce", layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"))
+    launch = op_plans.get(key)
+    if launch is not None:
+        return launch(a, weight)
     _check_pair(a, weight)
     state = runtime.group_state(group)
     world = state.size
@@ -150,21 +176,26 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         out = a @ weight.T
         dist.all_reduce(out, group=group)
         return out
-    ident = call_identity(state, signature("gemm_all_reduce", a, f"N={n}", grid.tile, f"splits={grid.splits}",
-                                    "one kernel" if one_kernel else "gather" if gather else "two kernels"))
+    sig = signature("gemm_all_reduce", a, f"N={n}", grid.tile, f"splits={grid.splits}",
+                    "one kernel" if one_kernel else "gather" if gather else "two kernels")
     if gather:
-        return _gemm_scatter_gather(state, a, weight, grid, ident)
+        return _gemm_scatter_gather(state, a, weight, grid, call_identity(state, sig))
     if not one_kernel:
-        return _gemm_then_reduce(state, a, weight, 1, grid, ident)
+        return _gemm_then_reduce(state, a, weight, 1, grid, call_identity(state, sig))
     tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
     ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
                    a.dtype, world * tiles)
-    ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits, group=group)
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-    return out
+
+    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
+        ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        return out
+
+    return op_plans.put(key, launch)(a, weight)
 
 
 def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tensor, grid: GemmGrid,

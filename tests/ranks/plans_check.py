@@ -1,0 +1,151 @@
+"""Rank program (2 ranks): eager calls reuse their plans (tilescale.plans), and only those.
+
+Each check counts the plans an op builds (its plan builder wrapped, still run) and checks the
+results against torch. Prints ``PLANS-OK rank=<r> builds=<n>`` at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+
+import tilescale as ts
+from tilescale.ops import collectives, p2p
+from tilescale.ops._common import op_plans, sm_count
+
+jit_module = sys.modules["tilescale.jit"]
+builds = {"all_reduce": 0, "put": 0}
+
+
+def counted(fn, name):
+    def build(*args, **kwargs):
+        builds[name] += 1
+        return fn(*args, **kwargs)
+
+    return build
+
+
+collectives._all_reduce_plan = counted(collectives._all_reduce_plan, "all_reduce")
+p2p.transfer_kernel = counted(p2p.transfer_kernel, "put")  # p2p's plan builder looks its kernel up once
+
+
+def all_reduce_checked(make, group=None) -> None:
+    """All-reduce ``make(rank)`` (both ranks are members of ``group``) and check the sum."""
+    want = make(0) + make(1)
+    x = make(ts.rank())
+    ts.ops.all_reduce(x, group=group)
+    assert torch.equal(x, want), (x, want)
+
+
+def expect(error: type, call, what: str) -> str:
+    try:
+        call()
+    except error as err:
+        return str(err)
+    raise AssertionError(f"rank {ts.rank()}: {what}: no {error.__name__}")
+
+
+def main() -> None:
+    ts.init()
+    rank = ts.rank()
+    assert ts.world_size() == 2
+
+    # A second call of a shape reuses the first one's plan; a new shape or dtype builds one.
+    all_reduce_checked(lambda r: torch.full((64,), 1.0 + r))
+    assert builds["all_reduce"] == 1 and len(op_plans) == 1
+    all_reduce_checked(lambda r: torch.full((64,), 2.0 + r))
+    assert builds["all_reduce"] == 1 and len(op_plans) == 1, builds
+    all_reduce_checked(lambda r: torch.full((32,), 1.0))
+    assert builds["all_reduce"] == 2, builds
+    all_reduce_checked(lambda r: torch.full((64,), 3 + r, dtype=torch.int32))
+    assert builds["all_reduce"] == 3, builds
+    all_reduce_checked(lambda r: torch.full((64,), 3 + r, dtype=torch.int32))
+    assert builds["all_reduce"] == 3, builds
+
+    # What one rank decides alone is part of the key: a non-contiguous tensor of a cached shape
+    # still meets the contiguity check, a symmetric one takes its own (in-place) plan.
+    msg = expect(ValueError, lambda: ts.ops.all_reduce(torch.ones(64, 2)[:, 0]), "non-contiguous x")
+    assert "contiguous" in msg, msg
+    assert builds["all_reduce"] == 4, builds  # its checks ran (and failed): no plan kept
+    sym = ts.zeros((64,))
+
+    def symmetric(r: int) -> torch.Tensor:
+        return sym.fill_(1.0 + r) if r == rank else torch.full((64,), 1.0 + r)
+
+    all_reduce_checked(symmetric)
+    assert builds["all_reduce"] == 5, builds
+
+    # Another group (the same ranks, another torch group) builds its own plan.
+    pair = ts.new_group([0, 1])
+    all_reduce_checked(lambda r: torch.full((64,), 1.0), group=pair)
+    assert builds["all_reduce"] == 6, builds
+    all_reduce_checked(lambda r: torch.full((64,), 1.0), group=pair)
+    assert builds["all_reduce"] == 6, builds
+
+    # A kernel's hidden arguments are kept by the addresses of its symmetric arguments.
+    kernel = p2p.transfer_kernel("float32", 4, p2p.DEFAULT_PLAN, sm_count(), False)
+    dst = ts.zeros((256,))
+    src = torch.full((256,), 10.0 + rank)
+    for _ in range(2):
+        kernel(src, dst, 1 - rank)
+    assert len(kernel._plans) == 1
+    ts.barrier()
+    assert torch.equal(dst, torch.full((256,), 11.0 - rank)), dst
+    kernel(src[:128], dst[128:], 1 - rank)  # a view at another offset: another peer table
+    assert len(kernel._plans) == 2
+    msg = expect(TypeError, lambda: kernel(src, torch.zeros(256), 1 - rank), "non-symmetric dst")
+    assert "symmetric" in msg, msg
+    # ts.ops.put: one plan per (shapes, peer, group); a peer out of range is still refused.
+    y = ts.zeros((256,))
+    ts.ops.put(src, y, 1 - rank)
+    ts.ops.put(src, y, 1 - rank)
+    assert builds["put"] == 2, builds  # kernel() above, then the op's first call
+    msg = expect(IndexError, lambda: ts.ops.put(src, y, 2), "peer out of range")
+    assert "out of range" in msg, msg
+    ts.barrier()
+    assert torch.equal(y, torch.full((256,), 11.0 - rank)), y
+
+    # Freeing symmetric memory drops every plan that may know its address.
+    ts.barrier()
+    del dst
+    gc.collect()
+    assert len(kernel._plans) == 0 and len(op_plans) == 0
+
+    # Ranks disagreeing on shapes both cached still get ShapeMismatchError, on every call.
+    for n in (8, 16):
+        all_reduce_checked(lambda r, n=n: torch.ones(n))
+    cached = builds["all_reduce"]
+    for _ in range(2):
+        x = torch.ones(8 if rank == 0 else 16)
+        msg = expect(ts.ShapeMismatchError, lambda x=x: ts.ops.all_reduce(x), "ranks disagreeing")
+        assert "different arguments" in msg, msg
+        assert builds["all_reduce"] == cached, builds  # the calls ran on their cached plans
+        ts.current().wait_status.zero_()  # sound here: both ranks ran the kernel to its end
+        ts.barrier()
+
+    # ts.jit's factory object: compile() is the call's kernel; cache_clear() forgets it.
+    factory = collectives.reduce_kernel
+    first = factory(1, "float32", 4, sm_count(), "local")
+    assert factory.compile(1, "float32", 4, sm_count(), "local") is first
+    assert "main" in factory.get_tir(1, "float32", 4, sm_count(), "local").script()
+    assert isinstance(factory.get_kernel_source(1, "float32", 4, sm_count(), "local"), str)
+    factory.cache_clear()
+    assert factory(1, "float32", 4, sm_count(), "local") is not first
+
+    # After finalize() and init() every plan is built again, and results are right.
+    ts.finalize()
+    ts.init()
+    before = builds["all_reduce"]
+    all_reduce_checked(lambda r: torch.full((64,), 2.0 + r))
+    assert builds["all_reduce"] == before + 1, builds
+    all_reduce_checked(lambda r: torch.full((64,), 2.0 + r))
+    assert builds["all_reduce"] == before + 1, builds
+
+    print(f"PLANS-OK rank={ts.rank()} builds={builds['all_reduce']}", flush=True)
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
