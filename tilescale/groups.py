@@ -58,6 +58,9 @@ class GroupState:
         self.allocations: dict[int, SymmetricEntry] = {}
         # Counters of T.barrier() (see tilescale.language.sync), allocated when the group is created.
         self.sync_workspace: torch.Tensor | None = None
+        # The group's global ranks by rank within it, on the device: kernels lowered to a
+        # library's device calls translate their peers through it (tilescale.comm.base.DeviceLowering).
+        self.pes: torch.Tensor | None = None
         # The ops' symmetric scratch buffers, shape checks done, and exchanges (receive buffers,
         # flags, device-side counters), keyed by what the op needs them for.
         self.workspaces: dict[tuple, torch.Tensor] = {}
@@ -82,6 +85,18 @@ class GroupState:
     def ranks(self) -> list[int]:
         """The group's global ranks, by rank within the group."""
         return self.comm.ranks
+
+    @property
+    def lowering(self) -> str:
+        """How kernels built for this group lower remote operations: ``"address"`` when its ranks
+        share a node, the backend's device calls (e.g. ``"nvshmem"``) when they span nodes.
+
+        Example::
+
+            ts.group_state(tp).lowering      # "address": TP inside a node
+            ts.group_state(ep).lowering      # "nvshmem": EP across two nodes
+        """
+        return self.backend.kernel_lowering()
 
     def describe(self) -> str:
         """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
@@ -133,6 +148,7 @@ class GroupState:
         self.verified.clear()
         self.exchanges.clear()
         self.sync_workspace = None
+        self.pes = None
         self.backend.finalize()
         # Nor may a state the caller keeps hold the job's store (and so its server) or torch's group.
         self.comm.store = None

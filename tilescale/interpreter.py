@@ -18,6 +18,12 @@ enough for tests and debugging, and a checker the GPU cannot be:
 * a construct the interpreter does not know raises ``NotImplementedError`` naming it and
   its source line, never a wrong result.
 
+Kernels built with a library's device-call lowering (a group spanning the nodes a CPU job
+declares, see ``tilescale.comm.host_shm``) run too: their calls are executed by the roles
+of ``tilescale.comm.base.DeviceLowering`` (put, get, signal, wait, fence, barrier, agree,
+announce), a peer given as a global rank and reached at the address of the same offset in
+its copy of the symmetric allocation, as a one-sided library would.
+
 Blocks of a grid run one after another, or as threads when the kernel uses
 ``T.barrier()`` (which needs every block alive at once). In a cluster launch
 (``cluster_dims``) the blocks of each cluster run together as threads: their shared tiles
@@ -42,9 +48,10 @@ import torch
 from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
-from tilescale import runtime
+from tilescale import comm, runtime
 from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
+from tilescale.language.sync import ADDRESS_HELPERS
 from tilescale.symmetric import host_regions
 
 _TORCH_DTYPES = {
@@ -60,6 +67,22 @@ _MATH = {
 }
 # T.wait comparison codes (tilescale.language.sync.COMPARISONS), in order.
 _COMPARE = (operator.eq, operator.ne, operator.ge, operator.gt, operator.le, operator.lt)
+# The roles of a device lowering's helpers (tilescale.comm.base.DeviceLowering).
+_ROLES = ("put", "get", "signal", "warp_signal", "wait", "warp_wait", "fence", "barrier", "agree", "announce")
+
+
+def _peer_address(address: int, pe: int, what: str) -> int:
+    """Where global rank ``pe`` holds what this rank holds at ``address`` in a symmetric
+    allocation: what a one-sided library's call does with a symmetric address and a PE."""
+    for state in runtime.live_groups():
+        for entry in list(state.allocations.values()):
+            own = entry.allocation.peer_ptrs[state.rank]
+            if own <= address < own + entry.allocation.nbytes:
+                if pe not in state.ranks:
+                    raise IndexError(f"rank {runtime.rank()}: {what} addresses rank {pe}, which is not in the "
+                                     f"{state.describe()} of the symmetric tensor")
+                return entry.allocation.peer_ptrs[state.ranks.index(pe)] + address - own
+    raise IndexError(f"rank {runtime.rank()}: {what} at address {address:#x} is in no symmetric tensor")
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -434,23 +457,82 @@ class _Block:
         except threading.BrokenBarrierError:
             raise _Abort() from None
 
+    def span(self, expr: Any, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` bytes at an access pointer (``tvm_access_ptr``) or ``address_of``, as uint8."""
+        if isinstance(expr, tirx.Call) and expr.op.name == "tirx.tvm_access_ptr":
+            t = self.env.get(expr.args[1])
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+                raise self.unsupported(f"access pointer into {expr.args[1]}")
+            dtype = _torch_dtype(expr.args[0].dtype)
+            flat = t.view(-1).view(dtype)
+            start = int(self.eval(expr.args[2]))
+            return flat[start:].view(torch.uint8)[:nbytes]
+        ptr = self.pointer(expr)
+        return ptr.flat.as_strided((ptr.flat.untyped_storage().nbytes() // ptr.flat.element_size(),), (1,),
+                                   ptr.flat.storage_offset()).view(torch.uint8)[:nbytes]
+
+    def on_peer(self, local: torch.Tensor, pe: int, what: str) -> torch.Tensor:
+        """Global rank ``pe``'s copy of the symmetric bytes ``local`` (uint8)."""
+        address = _peer_address(local.data_ptr(), pe, what)
+        memory, offset = self.launch.memory_at(address, local.numel(), what, self._where())
+        return memory.data[offset:offset + local.numel()]
+
+    def device_call(self, role: str, args: list[Any]) -> Any:
+        """A device lowering's helper, by its role (``tilescale.comm.base.DeviceLowering``)."""
+        if role in ("put", "get"):
+            nbytes = int(self.eval(args[2]))
+            if nbytes <= 0:  # a run past the tensor's end
+                return None
+            dst, src = self.span(args[0], nbytes), self.span(args[1], nbytes)
+            pe = int(self.eval(args[3]))
+            if role == "put":
+                self.on_peer(dst, pe, "put destination").copy_(src)
+            else:
+                dst.copy_(self.on_peer(src, pe, "get source"))
+        elif role in ("signal", "warp_signal"):
+            op, pe = int(self.eval(args[2])), int(self.eval(args[3]))
+            value = int(self.eval(args[1])) * (self.launch.kernel.warps if role == "warp_signal" and op == 1 else 1)
+            flag = self.on_peer(self.span(args[0], 4), pe, "signal flag").view(torch.int32)
+            self.signal(_Pointer(flag, f"flag on rank {pe}"), value, op)
+        elif role in ("wait", "warp_wait"):
+            self.extern(ADDRESS_HELPERS["wait"], args)  # the same arguments: a local flag
+        elif role == "fence":
+            pass  # host memory through one coherent address space: program order is enough
+        elif role in ("barrier", "agree"):
+            pes = self.env[args[-1]].tolist()
+            world = int(self.eval(args[2]))
+            own = int(self.env[args[0]][int(self.eval(args[1]))])
+            table = torch.tensor([_peer_address(own, pe, "barrier workspace") for pe in pes[:world]])
+            if role == "barrier":
+                return self.barrier(table, int(self.eval(args[1])), world)
+            return self.agree(table, int(self.eval(args[1])), world, int(self.eval(args[5])))
+        elif role == "announce":
+            pes, world = self.env[args[4]].tolist(), int(self.eval(args[2]))
+            board = self.span(args[0], 16 * world)
+            table = torch.tensor([_peer_address(board.data_ptr(), pe, "board") for pe in pes[:world]])
+            self.announce(table, int(self.eval(args[1])), int(self.eval(args[3])))
+        return None
+
     def extern(self, name: str, args: list[Any]) -> None:
-        if name == "tilescale::block_signal":
+        role = self.launch.kernel.device_roles.get(name)
+        if role is not None:
+            self.device_call(role, args)
+        elif name == ADDRESS_HELPERS["signal"]:
             self.signal(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
-        elif name == "tilescale::warp_signal":  # each warp of the block signals once
+        elif name == ADDRESS_HELPERS["warp_signal"]:  # each warp of the block signals once
             op = int(self.eval(args[2]))
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)
-        elif name in ("tilescale::block_wait", "tilescale::warp_wait"):  # one pass per block runs all warps
+        elif name in (ADDRESS_HELPERS["wait"], ADDRESS_HELPERS["warp_wait"]):  # one pass per block runs all warps
             agree = None
             if len(args) > 6:  # T.wait(..., agree=(board, ident)): the whole board, and the identity
                 agree = (self.tensor(args[6].args[0].buffer), int(self.eval(args[8])))
             self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])), agree)
-        elif name == "tilescale::announce":
+        elif name == ADDRESS_HELPERS["announce"]:
             self.announce(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[3])))
-        elif name == "tilescale::block_fence":
+        elif name == ADDRESS_HELPERS["fence"]:
             pass  # host memory through one coherent address space: program order is enough
-        elif name == "tilescale::grid_barrier":
+        elif name == ADDRESS_HELPERS["barrier"]:
             self.barrier(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == BARRIER_EXTERN:
             self.cluster_barrier()
@@ -531,6 +613,7 @@ class _Block:
             self.env[buf] = self.launch.cluster_tile(self.cluster, self.cta_rank, buf, shape)
         else:
             self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
+        self.env[buf.data] = self.env[buf]  # for access pointers (device calls' local sides)
 
     def loop(self, stmt: tirx.For) -> None:
         extent = int(self.eval(stmt.extent))
@@ -674,7 +757,9 @@ class _Block:
             return self.cta_rank
         if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
             return self.cluster_address(e.args[1], e.args[2])
-        if name == "tirx.call_extern" and e.args[0].value == "tilescale::grid_agree":
+        if name == "tirx.call_extern" and self.launch.kernel.device_roles.get(e.args[0].value) == "agree":
+            return self.device_call("agree", list(e.args[1:]))
+        if name == "tirx.call_extern" and e.args[0].value == ADDRESS_HELPERS["agree"]:
             return self.agree(self.env[e.args[1]], int(self.eval(e.args[2])), int(self.eval(e.args[3])),
                               int(self.eval(e.args[6])))
         if name == "tirx.pow":
@@ -758,9 +843,14 @@ class CpuKernel:
         self.cluster_dims = _cluster_dims(self.body)
         self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
+        # The helpers of the kernel's device lowering (none for the address lowering), by name.
+        lowering = comm.device_lowering(str(func.attrs.get("tilescale.remote", comm.ADDRESS)) if func.attrs else
+                                        comm.ADDRESS)
+        self.device_roles = {getattr(lowering, role): role for role in _ROLES} if lowering is not None else {}
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
-        self.threaded = any(f"tilescale::{sync}" in script
-                            for sync in ("grid_barrier", "grid_agree", "block_wait", "warp_wait"))
+        waits = ("barrier", "agree", "wait", "warp_wait")
+        names = [ADDRESS_HELPERS[r] for r in waits] + [getattr(lowering, r) for r in waits if lowering is not None]
+        self.threaded = any(f'"{name}"' in script for name in names)
         self._refuse_thread_level_code()
         self.warps = self._threads() // 32
 

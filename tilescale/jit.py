@@ -43,11 +43,11 @@ import tilelang
 import torch
 from tvm import tirx
 
-from tilescale import runtime
+from tilescale import comm, runtime
 from tilescale.groups import GroupState
 from tilescale.language.scale import (
     ADDRESS,
-    NVSHMEM_CALLS,
+    PES_PARAM,
     RANK_PARAM,
     STATUS_PARAM,
     SYNC_TABLE_PARAM,
@@ -119,18 +119,15 @@ class DistributedKernel:
             )
         self.grid_blocks = _grid_blocks(func)
         self.remote = str(attrs.get("tilescale.remote", ADDRESS))
-        if self.remote == NVSHMEM_CALLS:
-            from tilescale.nvshmem_kernel import NvshmemKernel
-
-            self.kernel = NvshmemKernel(func, outputs, **compile_kwargs)
-        elif self.remote != ADDRESS:
-            raise NotImplementedError(f"no loader for kernels built with build_options(remote='{self.remote}')")
-        elif _runs_on_cpu(compile_kwargs):
+        lowering = comm.device_lowering(self.remote)  # None: the address lowering
+        if _runs_on_cpu(compile_kwargs):
             if outputs:
                 raise NotImplementedError("CPU path: out_idx is not supported; pass output tensors in")
             from tilescale.interpreter import CpuKernel
 
-            self.kernel = CpuKernel(func)
+            self.kernel = CpuKernel(func)  # runs either lowering's operations
+        elif lowering is not None:
+            self.kernel = lowering.load(func, outputs, **compile_kwargs)
         else:
             # The attribute keeps TileLang's disk cache from serving a kernel generated without it.
             with coherent_reads():
@@ -171,6 +168,7 @@ class DistributedKernel:
             STATUS_PARAM: rt.wait_status.data_ptr(),
             TIMEOUT_PARAM: rt.wait_timeout_ns,
             SYNC_TABLE_PARAM: peer_table(sync, 0),
+            PES_PARAM: state.pes,
         }
         return [None if isinstance(h, _TableOf) else fixed[h] for h in self._layout]
 
@@ -224,7 +222,7 @@ class DistributedKernel:
 
 
 # Hidden arguments that depend on the group (and job), not on the call's tensors.
-_FIXED = (RANK_PARAM, STATUS_PARAM, TIMEOUT_PARAM, SYNC_TABLE_PARAM)
+_FIXED = (RANK_PARAM, STATUS_PARAM, TIMEOUT_PARAM, SYNC_TABLE_PARAM, PES_PARAM)
 
 
 @dataclass(frozen=True)
@@ -263,17 +261,21 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | 
     return func
 
 
-def kernel_lowering() -> str | None:
-    """How remote operations of kernels built now lower: as an enclosing ``build_options(remote=)``
-    asks, else as the job's backend picks (NVSHMEM calls where peers need them); None outside
-    a job.
+def kernel_lowering(group: Any = None) -> str | None:
+    """How remote operations of kernels built now for ``group`` (None: the whole job) lower: as
+    an enclosing ``build_options(remote=)`` asks, else as the group's backend picks
+    (``ts.group_state(group).lowering``: peer addresses inside a node, the backend's device
+    calls across nodes); None outside a job.
 
     Example::
 
-        kernel_lowering()     # "address" on one node, "nvshmem" with TILESCALE_NVSHMEM_CALLS=1
+        kernel_lowering(tp)     # "address": TP inside a node
+        kernel_lowering(ep)     # "nvshmem": EP across nodes on the nvshmem backend
     """
-    rt = runtime.current() if runtime.is_initialized() else None
-    return requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
+    requested = requested_remote()
+    if requested is not None or not runtime.is_initialized():
+        return requested
+    return runtime.group_state(group).lowering
 
 
 def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list[int] | int | None = None,
@@ -306,7 +308,7 @@ def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list
         @functools.wraps(factory)
         def get_kernel(*args: Any, group: Any = None, **kwargs: Any) -> DistributedKernel:
             world = runtime.group_size(group) if runtime.is_initialized() else None
-            remote = kernel_lowering()
+            remote = kernel_lowering(group)
             key = (args, tuple(sorted(kwargs.items())) if kwargs else (), world, remote)
             kernel = compiled.get(key)
             if kernel is None:

@@ -445,6 +445,7 @@ def _allocate_sync_workspace(state: GroupState) -> None:
 
     # After the barrier counters, T.agree's call signatures: two slots per rank of the group.
     state.sync_workspace = allocate(state, (SYNC_WORKSPACE_WORDS + 2 * state.size,), torch.int32)
+    state.pes = torch.tensor(state.ranks, dtype=torch.int32, device=current().device)
 
 
 def _group_ranks(group: dist.ProcessGroup) -> list[int]:
@@ -503,9 +504,6 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
         raise ValueError(f"two process groups named '{group.group_name}' (ranks {rt.groups[group.group_name].ranks} "
                          f"and {ranks}): create groups with dist.new_group, in the same order on every rank")
     check_not_capturing(f"the first use of the process group of ranks {ranks}")
-    if rt.backend.name == "nvshmem":
-        raise NotImplementedError("process groups smaller than the job are not supported on the nvshmem backend yet "
-                                  "(its heap and PE numbering are job-wide); use cuda_ipc on one node")
     me = rt.group.rank
     creation = rt.group_creations.get(tuple(ranks), 0)
     rt.group_creations[tuple(ranks)] = creation + 1
@@ -526,7 +524,7 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
                          "different groups of the same ranks")
     local = [r for r, (_, n) in enumerate(seen) if n == node]
     comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
-    state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type))
+    state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type, rt.backend))
     rt.groups[group.group_name] = state
     try:
         _allocate_sync_workspace(state)

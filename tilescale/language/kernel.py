@@ -58,7 +58,7 @@ logging.getLogger("tilelang.language.eager.builder").addFilter(_DumpForTileLangE
 
 
 def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc:
-    if not ctx.peer_tables and not ctx.scalars and ctx.sync is None:
+    if not ctx.peer_tables and not ctx.scalars and ctx.sync is None and ctx.pes is None:
         return func if ctx.remote == ADDRESS else func.with_attr("tilescale.remote", ctx.remote)
     params = list(func.params)
     buffer_map = dict(func.buffer_map)
@@ -74,11 +74,12 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
         params.append(var)
         buffer_map[var] = table
         hidden[table.name] = name
-    if ctx.sync is not None:
-        var = tirx.Var(ctx.sync.name, "handle")
-        params.append(var)
-        buffer_map[var] = ctx.sync
-        hidden[ctx.sync.name] = ""
+    for table in (ctx.sync, ctx.pes):  # the group's, bound by the jit
+        if table is not None:
+            var = tirx.Var(table.name, "handle")
+            params.append(var)
+            buffer_map[var] = table
+            hidden[table.name] = ""
     for name, var in ctx.scalars.items():
         params.append(var)
         hidden[name] = ""

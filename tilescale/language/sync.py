@@ -48,6 +48,13 @@ from tilescale.language.scale import STATUS_PARAM, TIMEOUT_PARAM, current_contex
 COMPARISONS = {"eq": 0, "ne": 1, "ge": 2, "gt": 3, "le": 4, "lt": 5}
 SIGNAL_OPS = {"set": 0, "add": 1}
 SIGNAL_SCOPES = ("block", "warp")
+# The address lowering's device helpers (PRELUDE), by the roles of a DeviceLowering's
+# (tilescale.comm.base): the interpreter runs either lowering's calls by these roles.
+ADDRESS_HELPERS = {
+    "signal": "tilescale::block_signal", "warp_signal": "tilescale::warp_signal",
+    "wait": "tilescale::block_wait", "warp_wait": "tilescale::warp_wait", "fence": "tilescale::block_fence",
+    "barrier": "tilescale::grid_barrier", "agree": "tilescale::grid_agree", "announce": "tilescale::announce",
+}
 
 PRELUDE = r"""
 namespace tilescale {
@@ -372,15 +379,16 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
         raise ValueError(f"T.signal scope must be one of {SIGNAL_SCOPES}, got {scope!r}")
     flag = _int32_flag(flag, "T.signal")
     lowering = current_context().lowering
-    if lowering is not None:  # NVSHMEM calls: this rank's address of the flag, and the peer
+    if lowering is not None:  # device calls: this rank's address of the flag, and the peer's global rank
         if pe is not None:
             check_remote(flag.buffer, pe, "T.signal's flag")
-        target = pe if pe is not None else current_context().rank
+        target = current_context().global_pe(pe if pe is not None else current_context().rank)
         name = lowering.signal if scope == "block" else lowering.warp_signal
         return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op], target)
     if pe is not None:
         flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
-    return tl.call_extern("handle", f"tilescale::{scope}_signal", tl.address_of(flag), value, SIGNAL_OPS[op])
+    name = ADDRESS_HELPERS["signal" if scope == "block" else "warp_signal"]
+    return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op])
 
 
 def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: str = "block",
@@ -410,11 +418,9 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
     if scope not in SIGNAL_SCOPES:
         raise ValueError(f"T.wait scope must be one of {SIGNAL_SCOPES}, got {scope!r}")
     flag = _int32_flag(flag, "T.wait")
+    role = "wait" if scope == "block" else "warp_wait"
     lowering = current_context().lowering
-    if lowering is not None:
-        name = lowering.wait if scope == "block" else lowering.warp_wait
-    else:
-        name = f"tilescale::{scope}_wait"
+    name = getattr(lowering, role) if lowering is not None else ADDRESS_HELPERS[role]
     check = []
     if agree is not None:
         board, ident = agree
@@ -452,15 +458,15 @@ def announce(board: tirx.Buffer, ident: int | tirx.PrimExpr) -> tirx.PrimExpr:
     ctx = current_context()
     if ctx.lowering is not None:
         return tl.call_extern("handle", ctx.lowering.announce, tl.address_of(tirx.BufferLoad(board, [0])), ctx.rank,
-                              ctx.world, ident)
+                              ctx.world, ident, ctx.pe_table().data)
     table = ctx.peer_table(board)
-    return tl.call_extern("handle", "tilescale::announce", table.data, ctx.rank, ctx.world, ident)
+    return tl.call_extern("handle", ADDRESS_HELPERS["announce"], table.data, ctx.rank, ctx.world, ident)
 
 
 def fence() -> tirx.PrimExpr:
     """Order this block's earlier global writes (local, remote, TMA) before its later ones, system-wide."""
     lowering = current_context().lowering
-    return tl.call_extern("handle", lowering.fence if lowering is not None else "tilescale::block_fence")
+    return tl.call_extern("handle", lowering.fence if lowering is not None else ADDRESS_HELPERS["fence"])
 
 
 def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
@@ -487,8 +493,10 @@ def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
         raise RuntimeError('T.agree() must be inside a T.Scale("device") scope: it checks the ranks of the job')
     table = ctx.sync_table()
     status, rank, timeout = _status_args()
-    name = ctx.lowering.agree if ctx.lowering is not None else "tilescale::grid_agree"
-    return tl.call_extern("int32", name, table.data, rank, ctx.world, status, timeout, signature)
+    if ctx.lowering is not None:
+        return tl.call_extern("int32", ctx.lowering.agree, table.data, rank, ctx.world, status, timeout, signature,
+                              ctx.pe_table().data)
+    return tl.call_extern("int32", ADDRESS_HELPERS["agree"], table.data, rank, ctx.world, status, timeout, signature)
 
 
 def barrier() -> tirx.PrimExpr:
@@ -522,5 +530,7 @@ def barrier() -> tirx.PrimExpr:
         )
     table = ctx.sync_table()
     status, rank, timeout = _status_args()
-    name = ctx.lowering.barrier if ctx.lowering is not None else "tilescale::grid_barrier"
-    return tl.call_extern("handle", name, table.data, rank, ctx.world, status, timeout)
+    if ctx.lowering is not None:
+        return tl.call_extern("handle", ctx.lowering.barrier, table.data, rank, ctx.world, status, timeout,
+                              ctx.pe_table().data)
+    return tl.call_extern("handle", ADDRESS_HELPERS["barrier"], table.data, rank, ctx.world, status, timeout)

@@ -778,7 +778,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         return gathered @ weight.T
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
-    mapped = kernel_lowering() in (None, ADDRESS)
+    mapped = kernel_lowering(group) in (None, ADDRESS)
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     producer = producer or ("sm" if capturing or not mapped else "copy_engine")
     if producer == "copy_engine":
