@@ -467,9 +467,9 @@ class _Block:
             flat = t.view(-1).view(dtype)
             start = int(self.eval(expr.args[2]))
             return flat[start:].view(torch.uint8)[:nbytes]
-        ptr = self.pointer(expr)
-        return ptr.flat.as_strided((ptr.flat.untyped_storage().nbytes() // ptr.flat.element_size(),), (1,),
-                                   ptr.flat.storage_offset()).view(torch.uint8)[:nbytes]
+        flat = self.pointer(expr).flat
+        rest = flat.untyped_storage().nbytes() // flat.element_size() - flat.storage_offset()
+        return flat.as_strided((rest,), (1,)).view(torch.uint8)[:nbytes]
 
     def on_peer(self, local: torch.Tensor, pe: int, what: str) -> torch.Tensor:
         """Global rank ``pe``'s copy of the symmetric bytes ``local`` (uint8)."""

@@ -138,6 +138,8 @@ class DistributedKernel:
                         for name, arg in self.hidden.items()]
         self._tables = [h.index for h in self._layout if isinstance(h, _TableOf)]  # user arguments
         self._slots = [pos for pos, h in enumerate(self._layout) if isinstance(h, _TableOf)]  # where their tables go
+        # User arguments reached by address through device calls: symmetric, but no table to bind.
+        self._by_address = [self.inputs.index(str(n)) for n in attrs.get("tilescale.symmetric", [])]
         # Per group this kernel has run over (checked at its first call there): the hidden
         # arguments with its fixed values filled in, the tables' slots still None.
         self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}
@@ -186,7 +188,7 @@ class DistributedKernel:
         if state is None or group is not None:
             wanted = runtime.group_state(group)
             if state is not None:
-                check_group(state, wanted, f"argument '{self.inputs[self._tables[0]]}'")
+                check_group(state, wanted, f"argument '{self.inputs[[*self._tables, *self._by_address][0]]}'")
             state = wanted
         found = self._fixed.get(id(state))
         if found is None or found[0] is not state:  # a released group's id may be reused
@@ -202,7 +204,8 @@ class DistributedKernel:
         their group (None if none)."""
         tables = []
         state = None
-        for index in self._tables:
+        remote = [*self._tables, *self._by_address]
+        for index in remote:
             found = lookup(args[index])
             if found is None:
                 raise TypeError(
@@ -213,9 +216,11 @@ class DistributedKernel:
             if state is None:
                 state = entry.group
             elif entry.group is not state:
-                first = self.inputs[self._tables[0]]
+                first = self.inputs[remote[0]]
                 raise ValueError(f"one kernel call mixes symmetric tensors of two groups: '{first}' of the "
                                  f"{state.describe()}, '{self.inputs[index]}' of the {entry.group.describe()}")
+            if index in self._by_address:
+                continue
             table = entry.ptr_tables.get(offset)
             tables.append(table if table is not None else peer_table(entry, offset))
         return tables, state

@@ -85,6 +85,11 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
         hidden[name] = ""
     out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
     out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
+    # Symmetric arguments that device calls reach by this rank's address (no peer table): the
+    # jit still checks them, and takes the kernel's group from them.
+    by_address = [name for name in ctx.remote_args if name not in ctx.peer_tables]
+    if by_address:
+        out = out.with_attr("tilescale.symmetric", by_address)
     if ctx.remote != ADDRESS:
         out = out.with_attr("tilescale.remote", ctx.remote)
     if hasattr(func, "orig_func"):

@@ -50,6 +50,7 @@ def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
             "kernel (passed as symmetric tensors) live on other ranks"
         )
     ctx = current_context()
+    ctx.remote_args[buf.name] = buf
     if isinstance(pe, int) and not 0 <= pe < ctx.world:
         raise IndexError(f"{what} '{buf.name}': peer {pe} out of range for world size {ctx.world}")
     if isinstance(pe, tirx.IntImm) and not 0 <= pe.value < ctx.world:

@@ -61,6 +61,8 @@ class BuildContext:
     scales: list[str] = field(default_factory=list)
     cluster_size: int | None = None  # set while a T.Scale("cta_cluster") is open
     peer_tables: dict[str, tuple[tirx.Buffer, tirx.Buffer]] = field(default_factory=dict)
+    # Arguments accessed on other ranks (symmetric tensors), with or without a peer table.
+    remote_args: dict[str, tirx.Buffer] = field(default_factory=dict)
     scalars: dict[str, tirx.Var] = field(default_factory=dict)
     sync: tirx.Buffer | None = None
     pes: tirx.Buffer | None = None
