@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tilescale.comm import CommBackend, Group, SymmetricAllocation
+from tilescale.errors import WAIT_STATUS_FIELDS
 
 
 @dataclass
@@ -48,7 +49,8 @@ class GroupState:
         state.rank, state.size, state.ranks      # 1, 2, [2, 3] on global rank 3
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend):
+    def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend,
+                 pinned: bool = False):
         self.process_group = process_group
         self.whole_job = process_group is None
         self.comm = comm
@@ -58,6 +60,12 @@ class GroupState:
         self.allocations: dict[int, SymmetricEntry] = {}
         # Counters of T.barrier() (see tilescale.language.sync), allocated when the group is created.
         self.sync_workspace: torch.Tensor | None = None
+        # Where the group's kernels report a failed wait or a disagreement (tilescale.errors.WAIT_STATUS_FIELDS):
+        # host memory the GPU writes directly (``pinned``: mapped through UVA), read without
+        # synchronising. One per group, so a failure is reported against its group, and ends
+        # the waits of that group's kernels only.
+        self.wait_status = torch.zeros(len(WAIT_STATUS_FIELDS), dtype=torch.int64, pin_memory=pinned)
+        self.wait_status_view = self.wait_status.numpy()  # read before every launch: no torch dispatch
         # The group's global ranks by rank within it, on the device: kernels lowered to a
         # library's device calls translate their peers through it (tilescale.comm.base.DeviceLowering).
         self.pes: torch.Tensor | None = None

@@ -51,6 +51,7 @@ from tvm import tirx
 from tilescale import comm, runtime
 from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
+from tilescale.language.scale import STATUS_PARAM
 from tilescale.language.sync import ADDRESS_HELPERS
 from tilescale.symmetric import host_regions
 
@@ -117,9 +118,12 @@ class _Abort(Exception):
 class _Launch:
     """State shared by the blocks of one kernel launch."""
 
-    def __init__(self, kernel: CpuKernel, memories: list[_Memory], blocks: int, threaded: bool):
+    def __init__(self, kernel: CpuKernel, memories: list[_Memory], blocks: int, threaded: bool,
+                 status: torch.Tensor | None = None):
         self.kernel = kernel
         self.memories = memories
+        # The wait-status record of the kernel's group (its ts_status argument).
+        self.status = status
         self.blocks = blocks
         self.block_barrier = threading.Barrier(blocks) if threaded else None
         self.failed = threading.Event()
@@ -375,7 +379,7 @@ class _Block:
     def disagrees(self, board: torch.Tensor, ident: int) -> bool:
         """As ``tilescale::disagrees``: a rank announced this call number with another signature
         (recorded in the wait-status record, which ends every wait of the job)."""
-        status = runtime.current().wait_status
+        status = self.launch.status
         with self.launch.lock:
             if int(status[0]) != 0:
                 return True
@@ -390,7 +394,7 @@ class _Block:
     def _record_mismatch(self, peer: int, mine: int, theirs: int) -> None:
         record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0, expected=mine,
                       observed=theirs, kind=MISMATCH)
-        runtime.current().wait_status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+        self.launch.status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
 
     def announce(self, table: torch.Tensor, rank: int, ident: int) -> None:
         """``T.announce``: ``ident`` into slot ``rank`` (this rank's in the kernel's group) of every
@@ -439,7 +443,7 @@ class _Block:
             for w in words:
                 w[slots + rank] = signature
         self.barrier(table, rank, world)
-        status = runtime.current().wait_status
+        status = self.launch.status
         with self.launch.lock:
             if int(status[0]) != 0:
                 return 0
@@ -948,7 +952,7 @@ class CpuKernel:
             while not done():
                 if launch.failed.is_set():
                     raise _Abort()
-                if rt.wait_status_view[0] != 0:
+                if launch.status[0] != 0:
                     return  # the kernel runs on, as on a GPU; the host raises the record's error
                 if time.monotonic() - start > timeout:
                     with launch.lock:
@@ -964,13 +968,21 @@ class CpuKernel:
             with launch.lock:
                 store.set(key, "")
 
+    def _status(self, env: dict) -> torch.Tensor:
+        """The wait-status record the kernel is given (its group's), by the address bound to ``ts_status``."""
+        address = next((env[p] for p in self.params if p.name == STATUS_PARAM and p in env), None)
+        for state in runtime.live_groups():
+            if state.wait_status.data_ptr() == address:
+                return state.wait_status
+        return runtime.current().wait_status  # a kernel without waits: never written
+
     def __call__(self, *args: Any) -> None:
         if len(args) != len(self.params):
             raise TypeError(f"kernel takes {len(self.params)} arguments, got {len(args)}")
         env, memories = self._bind(args)
         extents = [int(_Block(_Launch(self, memories, 1, False), env, 0).eval(f.extent)) for f in self.grid]
         blocks = math.prod(extents)
-        launch = _Launch(self, memories, blocks, self.threaded and blocks > 1)
+        launch = _Launch(self, memories, blocks, self.threaded and blocks > 1, self._status(env))
         tags = [loop.thread_binding.thread_tag[-1] for loop in self.grid]
         sizes = dict(zip(tags, extents, strict=True))
         for axis, d in zip("xyz", self.cluster_dims, strict=True):

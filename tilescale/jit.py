@@ -167,7 +167,7 @@ class DistributedKernel:
         sync = state.allocations[state.sync_workspace.untyped_storage().data_ptr()]
         fixed = {
             RANK_PARAM: state.rank,
-            STATUS_PARAM: rt.wait_status.data_ptr(),
+            STATUS_PARAM: state.wait_status.data_ptr(),
             TIMEOUT_PARAM: rt.wait_timeout_ns,
             SYNC_TABLE_PARAM: peer_table(sync, 0),
             PES_PARAM: state.pes,
