@@ -49,10 +49,20 @@ from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
 from tilescale import comm, runtime
-from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
+from tilescale.errors import WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.language.scale import STATUS_PARAM
 from tilescale.language.sync import ADDRESS_HELPERS
+from tilescale.protocol import (
+    ARRIVALS_WORD,
+    COMPARISON_TEXT,
+    COMPARISONS,
+    EPOCH_WORD,
+    MISMATCH,
+    SYNC_WORKSPACE_WORDS,
+    WAIT_STATUS_FIELDS,
+    sync_workspace_words,
+)
 from tilescale.symmetric import host_regions
 
 _TORCH_DTYPES = {
@@ -66,8 +76,8 @@ _MATH = {
     "tirx.fabs": torch.abs, "tirx.abs": torch.abs, "tirx.floor": torch.floor, "tirx.ceil": torch.ceil,
     "tirx.round": torch.round, "tirx.sin": torch.sin, "tirx.cos": torch.cos, "tirx.erf": torch.erf,
 }
-# T.wait comparison codes (tilescale.language.sync.COMPARISONS), in order.
-_COMPARE = (operator.eq, operator.ne, operator.ge, operator.gt, operator.le, operator.lt)
+# T.wait's comparisons by code.
+_COMPARE = {COMPARISONS[name]: getattr(operator, name) for name in COMPARISONS}
 # The roles of a device lowering's helpers (tilescale.comm.base.DeviceLowering).
 _ROLES = ("put", "get", "signal", "warp_signal", "wait", "warp_wait", "fence", "barrier", "agree", "announce")
 
@@ -415,20 +425,20 @@ class _Block:
             kernel = launch.kernel
             words = self._sync_words(table)
             mine = words[rank]
-            epoch = int(mine[32])
+            epoch = int(mine[EPOCH_WORD])
             with kernel.atomic():
                 for w in words:
-                    w[64] += 1
+                    w[ARRIVALS_WORD] += 1
             target = world * (epoch + 1)
-            kernel.spin(lambda: int(mine[64]) >= target, lambda: int(mine[64]),
+            kernel.spin(lambda: int(mine[ARRIVALS_WORD]) >= target, lambda: int(mine[ARRIVALS_WORD]),
                         f"T.barrier() #{epoch + 1} (arrivals >= {target})", launch)
-            mine[32] = epoch + 1
+            mine[EPOCH_WORD] = epoch + 1
         if launch.block_barrier is not None:
             self._block_barrier()
 
     def _sync_words(self, table: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's barrier workspace (int32 words), from the kernel's table of them."""
-        nbytes = 4 * (runtime.SYNC_WORKSPACE_WORDS + 2 * len(table))
+        nbytes = 4 * sync_workspace_words(len(table))
         areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
         return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
 
@@ -438,7 +448,7 @@ class _Block:
         difference is recorded in the wait-status record."""
         words = self._sync_words(table)
         mine = words[rank]
-        slots = runtime.SYNC_WORKSPACE_WORDS + int(mine[32]) % 2 * world  # before the barrier: one epoch
+        slots = SYNC_WORKSPACE_WORDS + int(mine[EPOCH_WORD]) % 2 * world  # before the barrier: one epoch
         if self.block_id == 0:
             for w in words:
                 w[slots + rank] = signature

@@ -48,6 +48,7 @@ from tilescale.errors import (
 from tilescale.groups import GroupState
 from tilescale.launch import rendezvous
 from tilescale.launch.environment import LaunchEnv, detect
+from tilescale.protocol import sync_workspace_words
 
 
 @dataclass
@@ -98,9 +99,6 @@ UNMARKED_TIMEOUT_S, UNMARKED_PROGRESS_S = 30.0, 2.0
 _hosts_store = False
 HOST_LINGER_S = 1.0
 
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line; after
-# them T.agree's call signatures, two slots per rank (tilescale.language.sync).
-SYNC_WORKSPACE_WORDS = 96
 
 
 def _choose_device(device: str | None) -> torch.device:
@@ -439,7 +437,7 @@ def _allocate_sync_workspace(state: GroupState) -> None:
     from tilescale.symmetric import allocate  # symmetric imports this module
 
     # After the barrier counters, T.agree's call signatures: two slots per rank of the group.
-    state.sync_workspace = allocate(state, (SYNC_WORKSPACE_WORDS + 2 * state.size,), torch.int32)
+    state.sync_workspace = allocate(state, (sync_workspace_words(state.size),), torch.int32)
     state.pes = torch.tensor(state.ranks, dtype=torch.int32, device=current().device)
 
 
