@@ -818,8 +818,8 @@ def test_the_device_headers_write_the_protocols_numbers():
         assert f"{case}: return observed {COMPARISON_TEXT[code]} expected;" in device, name
         assert f"{case}: return NVSHMEM_CMP_{name.upper()};" in NVSHMEM_PRELUDE, name
     written = dict(re.findall(r"status\[(\d)\] = (\w+)", device))
-    record = {"state": "1", "rank": "rank", "block": "block_id", "address": "addr", "comparison": "cmp", "expected": "expected",
-              "observed": "observed", "kind": "kind"}
+    record = {"state": "1", "rank": "rank", "block": "block_id", "address": "addr", "comparison": "cmp",
+              "expected": "expected", "observed": "observed", "kind": "kind"}
     assert {WAIT_STATUS_FIELDS[int(i)]: v for i, v in written.items()} == record
     for source in (device, NVSHMEM_PRELUDE):
         assert f"ws + {EPOCH_WORD}" in source and f"+ {ARRIVALS_WORD}" in source
