@@ -309,8 +309,8 @@ def test_link_module_builds_the_launcher_and_the_linked_cubin(tmp_path, monkeypa
     assert module.cubin.parent.parent == tmp_path / "tilescale-nvshmem"
     assert module.cubin.with_suffix(".py").read_text() == module.launcher
     # Hidden arguments follow the user's; the launcher passes all of them to the kernel.
-    assert re.search(r"def call\(kernels, src, dst, flags, sig, ts_sync_peers, ts_rank, ts_status, ts_timeout_ns, "
-                     r"stream=0\)", module.launcher)
+    assert re.search(r"def call\(kernels, src, dst, flags, sig, ts_sync_peers, ts_pes, ts_rank, ts_status, "
+                     r"ts_timeout_ns, stream=0\)", module.launcher)
     assert 'cuLaunchKernelEx(config, kernels["main_kernel"]' in module.launcher
     assert link_module(built("nvshmem")[0], "sm_90a").cubin == module.cubin  # cached by source
     data = module.cubin.read_bytes()
