@@ -10,6 +10,11 @@ nvshmem   cuda        the NVSHMEM heap through nvshmem4py (``tilescale[nvshmem]`
 ========  ==========  ===========================================================
 
 What a backend must provide is documented in :mod:`tilescale.comm.base` and comm/README.md.
+
+This module is the one registry of backends and of device lowerings (how a kernel's remote
+operations reach peers without an address: ``build_options(remote=name)``). The language
+and the jit look lowerings up here by name and name no vendor: adding one is a package
+under ``comm/`` and an entry in :data:`_LOWERINGS` (and :data:`_BACKENDS` for its host side).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from tilescale.comm.base import CommBackend, DeviceLowering, SymmetricAllocation
+from tilescale.comm.base import ADDRESS, CommBackend, DeviceLowering, SymmetricAllocation
 from tilescale.comm.group import Group
 
 _BACKENDS = {
@@ -25,8 +30,48 @@ _BACKENDS = {
     "host_shm": ("tilescale.comm.host_shm", "HostShmBackend", "cpu"),
     "nvshmem": ("tilescale.comm.nvshmem", "NvshmemBackend", "cuda"),
 }
+# Device lowerings: name -> (module, attribute holding its DeviceLowering). Imported at first use.
+_LOWERINGS = {"nvshmem": ("tilescale.comm.nvshmem.lowering", "NVSHMEM_LOWERING")}
 # Python packages a backend needs beyond tilescale's own dependencies: (import name, install command).
 _REQUIRES = {"nvshmem": ("nvshmem.core", 'pip install "tilescale[nvshmem]" (nvshmem4py-cu13, nvidia-nvshmem-cu13)')}
+
+
+def lowering_names() -> tuple[str, ...]:
+    """Every registered device lowering, the language's own ``"address"`` first.
+
+    Example::
+
+        lowering_names()     # ("address", "nvshmem")
+    """
+    return (ADDRESS, *_LOWERINGS)
+
+
+def device_lowering(name: str) -> DeviceLowering | None:
+    """The registered :class:`DeviceLowering` called ``name``; None for ``"address"``.
+
+    Example::
+
+        device_lowering("nvshmem").put      # "tilescale::nvshmem_put_block"
+    """
+    if name == ADDRESS:
+        return None
+    if name not in _LOWERINGS:
+        raise ValueError(f"unknown device lowering {name!r}; registered: {list(lowering_names())}")
+    module, attribute = _LOWERINGS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def backend_with_lowering(lowering: str) -> str:
+    """The first registered GPU backend whose kernels may use ``lowering`` (for error messages).
+
+    Example::
+
+        backend_with_lowering("nvshmem")     # "nvshmem"
+    """
+    for name, (module, cls, device_type) in _BACKENDS.items():
+        if device_type == "cuda" and lowering in getattr(importlib.import_module(module), cls).lowerings:
+            return name
+    return "?"
 
 
 def default_backend(device_type: str) -> str:
@@ -64,8 +109,9 @@ def _importable(module: str) -> bool:
         return False
 
 
-def create(name: str, group: Group, device_type: str) -> CommBackend:
-    """Instantiate backend ``name`` for ``group`` on ``device_type`` ("cuda" or "cpu").
+def create(name: str, group: Group, device_type: str, parent: CommBackend | None = None) -> CommBackend:
+    """Instantiate backend ``name`` for ``group`` on ``device_type`` ("cuda" or "cpu"); ``parent``:
+    the whole job's backend when ``group`` is a smaller process group.
 
     Example::
 
@@ -75,7 +121,8 @@ def create(name: str, group: Group, device_type: str) -> CommBackend:
     """
     check(name, device_type)
     module, cls, _ = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(group)
+    return getattr(importlib.import_module(module), cls)(group, parent)
 
 
-__all__ = ["CommBackend", "DeviceLowering", "Group", "SymmetricAllocation", "check", "create", "default_backend"]
+__all__ = ["ADDRESS", "CommBackend", "DeviceLowering", "Group", "SymmetricAllocation", "backend_with_lowering", "check",
+           "create", "default_backend", "device_lowering", "lowering_names"]

@@ -62,8 +62,8 @@ class CudaIpcBackend(CommBackend):
     name = "cuda_ipc"
     device_type = "cuda"
 
-    def __init__(self, group: Group):
-        super().__init__(group)
+    def __init__(self, group: Group, parent: CommBackend | None = None):
+        super().__init__(group, parent)
         if group.local_world_size != group.world_size:
             raise RuntimeError(
                 f"the cuda_ipc backend reaches GPUs of one node only, but the job spans "

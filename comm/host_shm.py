@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import re
+import socket
 from collections.abc import Iterator
 
 import torch
@@ -105,15 +106,31 @@ class HostShmAllocation(SymmetricAllocation):
 
 
 class HostShmBackend(CommBackend):
-    """Symmetric memory in POSIX shared memory: the CPU path's backend (ranks on one host)."""
+    """Symmetric memory in POSIX shared memory: the CPU path's backend (ranks on one host).
+
+    Every peer has an address here, but a job may declare several nodes on this host
+    (``tilescale run --nnodes 2 --node-rank R`` twice): a group spanning the declared nodes
+    then gets the device-call lowering a multi-node GPU job would (:attr:`call_lowering`,
+    ``TILESCALE_CPU_CALL_LOWERING`` or the first registered one), and the interpreter runs
+    its calls (``tilescale.interpreter``), so the cross-node path is exercised without a
+    second node.
+    """
 
     name = "host_shm"
     device_type = "cpu"
 
-    def __init__(self, group: Group):
-        super().__init__(group)
-        if group.local_world_size != group.world_size:
-            raise RuntimeError("the host_shm backend needs every rank on one host")
+    def __init__(self, group: Group, parent: CommBackend | None = None):
+        super().__init__(group, parent)
+        from tilescale.comm import lowering_names  # the registry imports this module lazily
+
+        self.lowerings = lowering_names()
+        self.call_lowering = os.environ.get("TILESCALE_CPU_CALL_LOWERING") or self.lowerings[1]
+        if self.call_lowering not in self.lowerings[1:]:
+            raise ValueError(f"TILESCALE_CPU_CALL_LOWERING must be one of {list(self.lowerings[1:])}, "
+                             f"got {self.call_lowering!r}")
+        hosts = group.exchange(group.next_tag("host"), socket.gethostname())
+        if len(set(hosts)) > 1:
+            raise RuntimeError(f"the host_shm backend needs every rank on one host; they run on {sorted(set(hosts))}")
         if group.rank == 0:
             remove_stale()
         # The job-wide lock: rank 0 creates the file, every rank opens it, rank 0 unlinks it.

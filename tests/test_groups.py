@@ -34,6 +34,14 @@ def test_several_groups_at_once_match_gloo_and_reinit_starts_clean(ranks):
     assert len(set(re.findall(r"JOB ([0-9a-f]+)", result.stdout))) == 2, "the re-init must be a new job"
 
 
+@pytest.mark.timeout(300)
+def test_a_groups_failure_is_reported_against_that_group_and_reinit_starts_clean():
+    result = run_cpu(f"{RANKS}/group_status.py", 4)
+    assert result.returncode == 0, _explain(result)
+    for r in range(4):
+        assert f"GROUP-STATUS-OK rank={r}" in result.stdout, _explain(result)
+
+
 @pytest.fixture(scope="module")
 def errors():
     result = run_cpu(f"{RANKS}/groups_errors.py", 4)

@@ -796,3 +796,31 @@ def test_jit_refuses_bad_arguments_before_launching(tmp_path):
     assert "built for 4: RuntimeError: kernel built for 4 ranks called in a job of 1" in out, explain
     assert "LAUNCHED True" not in out, explain  # every call was refused before the launch
     assert out.count("LAUNCHED False") == 2, explain
+
+
+def test_the_device_headers_write_the_protocols_numbers():
+    """The CUDA of the protocol (device.cuh, the NVSHMEM helpers) writes tilescale.protocol's
+    numbers as literals: each one is checked here against its one definition in Python."""
+    from tilescale.comm.nvshmem.lowering import NVSHMEM_PRELUDE
+    from tilescale.protocol import (
+        ARRIVALS_WORD,
+        COMPARISON_TEXT,
+        COMPARISONS,
+        DEVICE_HEADER,
+        EPOCH_WORD,
+        SYNC_WORKSPACE_WORDS,
+        WAIT_STATUS_FIELDS,
+    )
+
+    device = DEVICE_HEADER.read_text()
+    for name, code in COMPARISONS.items():
+        case = "default" if code == max(COMPARISONS.values()) else f"case {code}"
+        assert f"{case}: return observed {COMPARISON_TEXT[code]} expected;" in device, name
+        assert f"{case}: return NVSHMEM_CMP_{name.upper()};" in NVSHMEM_PRELUDE, name
+    written = dict(re.findall(r"status\[(\d)\] = (\w+)", device))
+    record = {"state": "1", "rank": "rank", "block": "block_id", "address": "addr", "comparison": "cmp",
+              "expected": "expected", "observed": "observed", "kind": "kind"}
+    assert {WAIT_STATUS_FIELDS[int(i)]: v for i, v in written.items()} == record
+    for source in (device, NVSHMEM_PRELUDE):
+        assert f"ws + {EPOCH_WORD}" in source and f"+ {ARRIVALS_WORD}" in source
+    assert f"slots = {SYNC_WORKSPACE_WORDS} + (poll<false>(ws + {EPOCH_WORD}) & 1) * world" in device

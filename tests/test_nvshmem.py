@@ -24,11 +24,12 @@ from tvm import tirx
 import tilescale.language as T
 from tilescale import comm
 from tilescale.comm.base import CommBackend
+from tilescale.comm.group import Group
 from tilescale.comm.nvshmem import NvshmemAllocation, NvshmemBackend
+from tilescale.comm.nvshmem.loader import link_module
+from tilescale.comm.nvshmem.lowering import NVSHMEM_LOWERING
 from tilescale.jit import DistributedKernel
 from tilescale.language import build_options
-from tilescale.language.nvshmem import NVSHMEM_LOWERING
-from tilescale.nvshmem_kernel import link_module
 
 HAS_NVSHMEM_LIB = importlib.util.find_spec("nvidia.nvshmem") is not None
 needs_nvshmem_lib = pytest.mark.skipif(not HAS_NVSHMEM_LIB, reason='needs pip "nvidia-nvshmem-cu13==3.4.5"')
@@ -164,17 +165,19 @@ def test_remote_operations_lower_to_the_nvshmem_helpers():
     func, src = built("nvshmem")
     body = kernel_body(src)
     assert str(func.attrs["tilescale.remote"]) == "nvshmem"
-    # Remote sides are this rank's symmetric addresses and a peer: no peer tables but the barrier's.
+    # Remote sides are this rank's symmetric addresses and a peer's global rank (ts_pes: the
+    # group's ranks): no peer tables but the barrier's.
     assert "__peers" not in body and "ts_sync_peers" in body
     bf16_tile = 64 * 256 * 2
+    next_pe, prev_pe = r"ts_pes\[\(\(ts_rank \+ 1\) & 3\)\]", r"ts_pes\[\(\(ts_rank \+ 3\) & 3\)\]"
     expected = [
-        rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[.*\]\)\), \(&\(tile\[0\]\)\), {bf16_tile}, \(\(ts_rank \+ 1\) & 3\)\)",
-        rf"{NVSHMEM_LOWERING.signal}\(\(&\(flags\[.*\]\)\), 1, 1, \(\(ts_rank \+ 1\) & 3\)\)",
+        rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[.*\]\)\), \(&\(tile\[0\]\)\), {bf16_tile}, {next_pe}\)",
+        rf"{NVSHMEM_LOWERING.signal}\(\(&\(flags\[.*\]\)\), 1, 1, {next_pe}\)",
         rf"{NVSHMEM_LOWERING.wait}\(\(&\(flags\[.*\]\)\), 2, 1, ts_status, ts_rank, ts_timeout_ns\)",
-        rf"{NVSHMEM_LOWERING.get}\(\(&\(tile\[0\]\)\), \(&\(dst\[.*\]\)\), {bf16_tile}, \(\(ts_rank \+ 3\) & 3\)\)",
+        rf"{NVSHMEM_LOWERING.get}\(\(&\(tile\[0\]\)\), \(&\(dst\[.*\]\)\), {bf16_tile}, {prev_pe}\)",
         rf"{NVSHMEM_LOWERING.fence}\(\)",
         r"tilescale::nvshmem_put_signal_block\(",
-        rf"{NVSHMEM_LOWERING.barrier}\(ts_sync_peers, ts_rank, 4, ts_status, ts_timeout_ns\)",
+        rf"{NVSHMEM_LOWERING.barrier}\(ts_sync_peers, ts_rank, 4, ts_status, ts_timeout_ns, ts_pes\)",
     ]
     positions = []
     for pattern in expected:
@@ -252,12 +255,37 @@ def test_build_options_remote_nests_and_restores():
 
 def test_the_backend_picks_peer_addresses_unless_a_peer_needs_calls(monkeypatch):
     backend = object.__new__(NvshmemBackend)
+    backend.group = Group(0, 4, 0, 4, None, "job")
     backend.unreachable, backend.force_calls = [], False
     assert backend.kernel_lowering() == "address"
     backend.unreachable = [3]
     assert backend.kernel_lowering() == "nvshmem"
     backend.unreachable, backend.force_calls = [], True
     assert backend.kernel_lowering() == "nvshmem"
+    # A group spanning nodes (2 of its 4 ranks on this one) gets the calls though all have addresses.
+    backend.group, backend.force_calls = Group(0, 4, 0, 2, None, "job"), False
+    assert backend.kernel_lowering() == "nvshmem"
+
+
+def test_group_allocations_take_an_offset_free_on_every_member():
+    """The NVSHMEM arena of process groups: the same heap offset on all of a group's ranks, disjoint
+    from what each rank holds for its other groups, ranges merged again when released."""
+    from tilescale.comm.nvshmem import GROUP_ALIGN, Arena, parse_size
+
+    assert parse_size("256M") == 256 << 20 and parse_size("4G") == 4 << 30 and parse_size("1024") == 1024
+    r0, r1, r2 = Arena(8 * GROUP_ALIGN), Arena(8 * GROUP_ALIGN), Arena(8 * GROUP_ALIGN)
+    tp = Arena.first_fit([r0.free, r1.free], 3 * GROUP_ALIGN)          # group {0, 1}
+    r0.take(tp, 3 * GROUP_ALIGN)
+    r1.take(tp, 3 * GROUP_ALIGN)
+    other = Arena.first_fit([r2.free], 100)                             # group {2, 3}: rank 2 from 0
+    r2.take(other, 100)
+    dp = Arena.first_fit([r0.free, r2.free], 2 * GROUP_ALIGN)          # group {0, 2}: free on both
+    assert (tp, other, dp) == (0, 0, 3 * GROUP_ALIGN)
+    r0.take(dp, 2 * GROUP_ALIGN)
+    assert Arena.first_fit([r0.free, r1.free], 4 * GROUP_ALIGN) is None  # 3 left on rank 0
+    r0.give_back(tp, 3 * GROUP_ALIGN)
+    r0.give_back(dp, 2 * GROUP_ALIGN)
+    assert r0.free == [[0, 8 * GROUP_ALIGN]]
 
 
 def test_nvshmem_kernels_need_a_gpu(monkeypatch):
@@ -281,8 +309,8 @@ def test_link_module_builds_the_launcher_and_the_linked_cubin(tmp_path, monkeypa
     assert module.cubin.parent.parent == tmp_path / "tilescale-nvshmem"
     assert module.cubin.with_suffix(".py").read_text() == module.launcher
     # Hidden arguments follow the user's; the launcher passes all of them to the kernel.
-    assert re.search(r"def call\(kernels, src, dst, flags, sig, ts_sync_peers, ts_rank, ts_status, ts_timeout_ns, "
-                     r"stream=0\)", module.launcher)
+    assert re.search(r"def call\(kernels, src, dst, flags, sig, ts_sync_peers, ts_pes, ts_rank, ts_status, "
+                     r"ts_timeout_ns, stream=0\)", module.launcher)
     assert 'cuLaunchKernelEx(config, kernels["main_kernel"]' in module.launcher
     assert link_module(built("nvshmem")[0], "sm_90a").cubin == module.cubin  # cached by source
     data = module.cubin.read_bytes()
@@ -307,7 +335,7 @@ def test_link_module_builds_the_launcher_and_the_linked_cubin(tmp_path, monkeypa
 def test_dynamic_dimensions_reach_the_launcher():
     """TileLang's Python launcher passes bare dynamic dimensions only; tilescale solves the
     ``n * c`` ones (the ops' vectorised sizes) from the arguments' shapes."""
-    from tilescale.nvshmem_kernel import _shape_symbols
+    from tilescale.comm.nvshmem.loader import _shape_symbols
 
     @T.prim_func
     def main(src: T.Tensor((T.dynamic("n_vectors") * 8,), "bfloat16"), rows: T.Tensor((T.dynamic("m"), 4), "int32")):
@@ -401,7 +429,7 @@ def test_every_op_kernel_lowers_to_nvshmem_calls(name):
 
 
 def test_kernels_without_a_dynamic_shared_buffer_are_left_alone():
-    from tilescale.nvshmem_kernel import align_dynamic_shared
+    from tilescale.comm.nvshmem.loader import align_dynamic_shared
 
     _, src = built("nvshmem")
     assert "buf_dyn_shmem" not in src

@@ -260,8 +260,8 @@ def test_agreement_through_nvshmem_calls_compiles_and_links(tmp_path):
     (nvshmem_longlong_atomic_set) with T.wait(agree=), device-linked with libnvshmem_device."""
     import tilelang.env
 
+    from tilescale.comm.nvshmem.lowering import build_cubin
     from tilescale.language import build_options
-    from tilescale.language.nvshmem import build_cubin
 
     names = ["all_gather_bf16", "moe_dispatch"]
     with build_options(world_size=2, remote="nvshmem"):

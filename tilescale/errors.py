@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import zlib
 
+# The status record's layout and codes are the device protocol's (re-exported for the host).
+from tilescale.protocol import BARRIER, COMPARISON_TEXT, MISMATCH, WAIT, WAIT_STATUS_FIELDS  # noqa: F401
+
 
 class WaitTimeoutError(RuntimeError):
     """A device-side wait (``T.wait`` or ``T.barrier``) did not see its value within the timeout.
@@ -23,13 +26,6 @@ class ShapeMismatchError(ValueError):
     """
 
 
-# Layout of the int64 record a failed device wait or agreement fills in (see tilescale.language.sync).
-WAIT_STATUS_FIELDS = ("state", "rank", "block", "address", "comparison", "expected", "observed", "kind")
-# ``kind`` of a record: T.wait, T.barrier(), T.agree (then ``address`` is the peer rank and
-# ``expected``/``observed`` are this rank's and the peer's call signatures).
-WAIT, BARRIER, MISMATCH = 0, 1, 2
-# T.wait comparison codes (tilescale.language.sync.COMPARISONS) as text.
-COMPARISON_TEXT = ("==", "!=", ">=", ">", "<=", "<")
 
 # What each call signature this process computed stands for, to name a peer's call in messages.
 _described: dict[int, str] = {}

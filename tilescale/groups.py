@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tilescale import plans
 from tilescale.comm import CommBackend, Group, SymmetricAllocation
+from tilescale.errors import WAIT_STATUS_FIELDS
 
 
 @dataclass
@@ -49,7 +50,8 @@ class GroupState:
         state.rank, state.size, state.ranks      # 1, 2, [2, 3] on global rank 3
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend):
+    def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend,
+                 pinned: bool = False):
         self.process_group = process_group
         self.whole_job = process_group is None
         self.comm = comm
@@ -59,6 +61,15 @@ class GroupState:
         self.allocations: dict[int, SymmetricEntry] = {}
         # Counters of T.barrier() (see tilescale.language.sync), allocated when the group is created.
         self.sync_workspace: torch.Tensor | None = None
+        # Where the group's kernels report a failed wait or a disagreement (tilescale.errors.WAIT_STATUS_FIELDS):
+        # host memory the GPU writes directly (``pinned``: mapped through UVA), read without
+        # synchronising. One per group, so a failure is reported against its group, and ends
+        # the waits of that group's kernels only.
+        self.wait_status = torch.zeros(len(WAIT_STATUS_FIELDS), dtype=torch.int64, pin_memory=pinned)
+        self.wait_status_view = self.wait_status.numpy()  # read before every launch: no torch dispatch
+        # The group's global ranks by rank within it, on the device: kernels lowered to a
+        # library's device calls translate their peers through it (tilescale.comm.base.DeviceLowering).
+        self.pes: torch.Tensor | None = None
         # The ops' symmetric scratch buffers, shape checks done, and exchanges (receive buffers,
         # flags, device-side counters), keyed by what the op needs them for.
         self.workspaces: dict[tuple, torch.Tensor] = {}
@@ -83,6 +94,18 @@ class GroupState:
     def ranks(self) -> list[int]:
         """The group's global ranks, by rank within the group."""
         return self.comm.ranks
+
+    @property
+    def lowering(self) -> str:
+        """How kernels built for this group lower remote operations: ``"address"`` when its ranks
+        share a node, the backend's device calls (e.g. ``"nvshmem"``) when they span nodes.
+
+        Example::
+
+            ts.group_state(tp).lowering      # "address": TP inside a node
+            ts.group_state(ep).lowering      # "nvshmem": EP across two nodes
+        """
+        return self.backend.kernel_lowering()
 
     def describe(self) -> str:
         """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
@@ -116,7 +139,8 @@ class GroupState:
         With ``barrier`` (the default) the group's ranks first meet (after this rank's queued
         GPU work), so no rank frees memory a peer may still write into. Symmetric tensors of
         the group that the caller still holds stay valid local tensors but are no longer
-        symmetric (peer views and kernels refuse them).
+        symmetric (peer views and kernels refuse them); on the ``nvshmem`` backend, whose
+        frees cannot follow the tensors, their memory goes back to the heap: drop them first.
         """
         if self.released:
             return
@@ -135,6 +159,7 @@ class GroupState:
         self.verified.clear()
         self.exchanges.clear()
         self.sync_workspace = None
+        self.pes = None
         self.backend.finalize()
         # Nor may a state the caller keeps hold the job's store (and so its server) or torch's group.
         self.comm.store = None

@@ -18,6 +18,12 @@ enough for tests and debugging, and a checker the GPU cannot be:
 * a construct the interpreter does not know raises ``NotImplementedError`` naming it and
   its source line, never a wrong result.
 
+Kernels built with a library's device-call lowering (a group spanning the nodes a CPU job
+declares, see ``tilescale.comm.host_shm``) run too: their calls are executed by the roles
+of ``tilescale.comm.base.DeviceLowering`` (put, get, signal, wait, fence, barrier, agree,
+announce), a peer given as a global rank and reached at the address of the same offset in
+its copy of the symmetric allocation, as a one-sided library would.
+
 Blocks of a grid run one after another, or as threads when the kernel uses
 ``T.barrier()`` (which needs every block alive at once). In a cluster launch
 (``cluster_dims``) the blocks of each cluster run together as threads: their shared tiles
@@ -42,9 +48,21 @@ import torch
 from tilelang.ir import get_stmt_span, span_to_location
 from tvm import tirx
 
-from tilescale import runtime
-from tilescale.errors import COMPARISON_TEXT, MISMATCH, WAIT_STATUS_FIELDS, WaitTimeoutError
+from tilescale import comm, runtime
+from tilescale.errors import WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
+from tilescale.language.scale import STATUS_PARAM
+from tilescale.language.sync import ADDRESS_HELPERS
+from tilescale.protocol import (
+    ARRIVALS_WORD,
+    COMPARISON_TEXT,
+    COMPARISONS,
+    EPOCH_WORD,
+    MISMATCH,
+    SYNC_WORKSPACE_WORDS,
+    WAIT_STATUS_FIELDS,
+    sync_workspace_words,
+)
 from tilescale.symmetric import host_regions
 
 _TORCH_DTYPES = {
@@ -58,8 +76,24 @@ _MATH = {
     "tirx.fabs": torch.abs, "tirx.abs": torch.abs, "tirx.floor": torch.floor, "tirx.ceil": torch.ceil,
     "tirx.round": torch.round, "tirx.sin": torch.sin, "tirx.cos": torch.cos, "tirx.erf": torch.erf,
 }
-# T.wait comparison codes (tilescale.language.sync.COMPARISONS), in order.
-_COMPARE = (operator.eq, operator.ne, operator.ge, operator.gt, operator.le, operator.lt)
+# T.wait's comparisons by code.
+_COMPARE = {COMPARISONS[name]: getattr(operator, name) for name in COMPARISONS}
+# The roles of a device lowering's helpers (tilescale.comm.base.DeviceLowering).
+_ROLES = ("put", "get", "signal", "warp_signal", "wait", "warp_wait", "fence", "barrier", "agree", "announce")
+
+
+def _peer_address(address: int, pe: int, what: str) -> int:
+    """Where global rank ``pe`` holds what this rank holds at ``address`` in a symmetric
+    allocation: what a one-sided library's call does with a symmetric address and a PE."""
+    for state in runtime.live_groups():
+        for entry in list(state.allocations.values()):
+            own = entry.allocation.peer_ptrs[state.rank]
+            if own <= address < own + entry.allocation.nbytes:
+                if pe not in state.ranks:
+                    raise IndexError(f"rank {runtime.rank()}: {what} addresses rank {pe}, which is not in the "
+                                     f"{state.describe()} of the symmetric tensor")
+                return entry.allocation.peer_ptrs[state.ranks.index(pe)] + address - own
+    raise IndexError(f"rank {runtime.rank()}: {what} at address {address:#x} is in no symmetric tensor")
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -94,9 +128,12 @@ class _Abort(Exception):
 class _Launch:
     """State shared by the blocks of one kernel launch."""
 
-    def __init__(self, kernel: CpuKernel, memories: list[_Memory], blocks: int, threaded: bool):
+    def __init__(self, kernel: CpuKernel, memories: list[_Memory], blocks: int, threaded: bool,
+                 status: torch.Tensor | None = None):
         self.kernel = kernel
         self.memories = memories
+        # The wait-status record of the kernel's group (its ts_status argument).
+        self.status = status
         self.blocks = blocks
         self.block_barrier = threading.Barrier(blocks) if threaded else None
         self.failed = threading.Event()
@@ -352,7 +389,7 @@ class _Block:
     def disagrees(self, board: torch.Tensor, ident: int) -> bool:
         """As ``tilescale::disagrees``: a rank announced this call number with another signature
         (recorded in the wait-status record, which ends every wait of the job)."""
-        status = runtime.current().wait_status
+        status = self.launch.status
         with self.launch.lock:
             if int(status[0]) != 0:
                 return True
@@ -367,7 +404,7 @@ class _Block:
     def _record_mismatch(self, peer: int, mine: int, theirs: int) -> None:
         record = dict(state=1, rank=self.rank, block=self.block_id, address=peer, comparison=0, expected=mine,
                       observed=theirs, kind=MISMATCH)
-        runtime.current().wait_status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
+        self.launch.status.copy_(torch.tensor([record[f] for f in WAIT_STATUS_FIELDS]))
 
     def announce(self, table: torch.Tensor, rank: int, ident: int) -> None:
         """``T.announce``: ``ident`` into slot ``rank`` (this rank's in the kernel's group) of every
@@ -388,20 +425,20 @@ class _Block:
             kernel = launch.kernel
             words = self._sync_words(table)
             mine = words[rank]
-            epoch = int(mine[32])
+            epoch = int(mine[EPOCH_WORD])
             with kernel.atomic():
                 for w in words:
-                    w[64] += 1
+                    w[ARRIVALS_WORD] += 1
             target = world * (epoch + 1)
-            kernel.spin(lambda: int(mine[64]) >= target, lambda: int(mine[64]),
+            kernel.spin(lambda: int(mine[ARRIVALS_WORD]) >= target, lambda: int(mine[ARRIVALS_WORD]),
                         f"T.barrier() #{epoch + 1} (arrivals >= {target})", launch)
-            mine[32] = epoch + 1
+            mine[EPOCH_WORD] = epoch + 1
         if launch.block_barrier is not None:
             self._block_barrier()
 
     def _sync_words(self, table: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's barrier workspace (int32 words), from the kernel's table of them."""
-        nbytes = 4 * (runtime.SYNC_WORKSPACE_WORDS + 2 * len(table))
+        nbytes = 4 * sync_workspace_words(len(table))
         areas = [self.launch.memory_at(int(a), nbytes, "barrier workspace", "") for a in table.tolist()]
         return [memory.data[offset:offset + nbytes].view(torch.int32) for memory, offset in areas]
 
@@ -411,12 +448,12 @@ class _Block:
         difference is recorded in the wait-status record."""
         words = self._sync_words(table)
         mine = words[rank]
-        slots = runtime.SYNC_WORKSPACE_WORDS + int(mine[32]) % 2 * world  # before the barrier: one epoch
+        slots = SYNC_WORKSPACE_WORDS + int(mine[EPOCH_WORD]) % 2 * world  # before the barrier: one epoch
         if self.block_id == 0:
             for w in words:
                 w[slots + rank] = signature
         self.barrier(table, rank, world)
-        status = runtime.current().wait_status
+        status = self.launch.status
         with self.launch.lock:
             if int(status[0]) != 0:
                 return 0
@@ -434,23 +471,82 @@ class _Block:
         except threading.BrokenBarrierError:
             raise _Abort() from None
 
+    def span(self, expr: Any, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` bytes at an access pointer (``tvm_access_ptr``) or ``address_of``, as uint8."""
+        if isinstance(expr, tirx.Call) and expr.op.name == "tirx.tvm_access_ptr":
+            t = self.env.get(expr.args[1])
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+                raise self.unsupported(f"access pointer into {expr.args[1]}")
+            dtype = _torch_dtype(expr.args[0].dtype)
+            flat = t.view(-1).view(dtype)
+            start = int(self.eval(expr.args[2]))
+            return flat[start:].view(torch.uint8)[:nbytes]
+        flat = self.pointer(expr).flat
+        rest = flat.untyped_storage().nbytes() // flat.element_size() - flat.storage_offset()
+        return flat.as_strided((rest,), (1,)).view(torch.uint8)[:nbytes]
+
+    def on_peer(self, local: torch.Tensor, pe: int, what: str) -> torch.Tensor:
+        """Global rank ``pe``'s copy of the symmetric bytes ``local`` (uint8)."""
+        address = _peer_address(local.data_ptr(), pe, what)
+        memory, offset = self.launch.memory_at(address, local.numel(), what, self._where())
+        return memory.data[offset:offset + local.numel()]
+
+    def device_call(self, role: str, args: list[Any]) -> Any:
+        """A device lowering's helper, by its role (``tilescale.comm.base.DeviceLowering``)."""
+        if role in ("put", "get"):
+            nbytes = int(self.eval(args[2]))
+            if nbytes <= 0:  # a run past the tensor's end
+                return None
+            dst, src = self.span(args[0], nbytes), self.span(args[1], nbytes)
+            pe = int(self.eval(args[3]))
+            if role == "put":
+                self.on_peer(dst, pe, "put destination").copy_(src)
+            else:
+                dst.copy_(self.on_peer(src, pe, "get source"))
+        elif role in ("signal", "warp_signal"):
+            op, pe = int(self.eval(args[2])), int(self.eval(args[3]))
+            value = int(self.eval(args[1])) * (self.launch.kernel.warps if role == "warp_signal" and op == 1 else 1)
+            flag = self.on_peer(self.span(args[0], 4), pe, "signal flag").view(torch.int32)
+            self.signal(_Pointer(flag, f"flag on rank {pe}"), value, op)
+        elif role in ("wait", "warp_wait"):
+            self.extern(ADDRESS_HELPERS["wait"], args)  # the same arguments: a local flag
+        elif role == "fence":
+            pass  # host memory through one coherent address space: program order is enough
+        elif role in ("barrier", "agree"):
+            pes = self.env[args[-1]].tolist()
+            world = int(self.eval(args[2]))
+            own = int(self.env[args[0]][int(self.eval(args[1]))])
+            table = torch.tensor([_peer_address(own, pe, "barrier workspace") for pe in pes[:world]])
+            if role == "barrier":
+                return self.barrier(table, int(self.eval(args[1])), world)
+            return self.agree(table, int(self.eval(args[1])), world, int(self.eval(args[5])))
+        elif role == "announce":
+            pes, world = self.env[args[4]].tolist(), int(self.eval(args[2]))
+            board = self.span(args[0], 16 * world)
+            table = torch.tensor([_peer_address(board.data_ptr(), pe, "board") for pe in pes[:world]])
+            self.announce(table, int(self.eval(args[1])), int(self.eval(args[3])))
+        return None
+
     def extern(self, name: str, args: list[Any]) -> None:
-        if name == "tilescale::block_signal":
+        role = self.launch.kernel.device_roles.get(name)
+        if role is not None:
+            self.device_call(role, args)
+        elif name == ADDRESS_HELPERS["signal"]:
             self.signal(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
-        elif name == "tilescale::warp_signal":  # each warp of the block signals once
+        elif name == ADDRESS_HELPERS["warp_signal"]:  # each warp of the block signals once
             op = int(self.eval(args[2]))
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)
-        elif name in ("tilescale::block_wait", "tilescale::warp_wait"):  # one pass per block runs all warps
+        elif name in (ADDRESS_HELPERS["wait"], ADDRESS_HELPERS["warp_wait"]):  # one pass per block runs all warps
             agree = None
             if len(args) > 6:  # T.wait(..., agree=(board, ident)): the whole board, and the identity
                 agree = (self.tensor(args[6].args[0].buffer), int(self.eval(args[8])))
             self.wait(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])), agree)
-        elif name == "tilescale::announce":
+        elif name == ADDRESS_HELPERS["announce"]:
             self.announce(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[3])))
-        elif name == "tilescale::block_fence":
+        elif name == ADDRESS_HELPERS["fence"]:
             pass  # host memory through one coherent address space: program order is enough
-        elif name == "tilescale::grid_barrier":
+        elif name == ADDRESS_HELPERS["barrier"]:
             self.barrier(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == BARRIER_EXTERN:
             self.cluster_barrier()
@@ -531,6 +627,7 @@ class _Block:
             self.env[buf] = self.launch.cluster_tile(self.cluster, self.cta_rank, buf, shape)
         else:
             self.env[buf] = torch.zeros(shape, dtype=_torch_dtype(buf.dtype))
+        self.env[buf.data] = self.env[buf]  # for access pointers (device calls' local sides)
 
     def loop(self, stmt: tirx.For) -> None:
         extent = int(self.eval(stmt.extent))
@@ -674,7 +771,9 @@ class _Block:
             return self.cta_rank
         if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
             return self.cluster_address(e.args[1], e.args[2])
-        if name == "tirx.call_extern" and e.args[0].value == "tilescale::grid_agree":
+        if name == "tirx.call_extern" and self.launch.kernel.device_roles.get(e.args[0].value) == "agree":
+            return self.device_call("agree", list(e.args[1:]))
+        if name == "tirx.call_extern" and e.args[0].value == ADDRESS_HELPERS["agree"]:
             return self.agree(self.env[e.args[1]], int(self.eval(e.args[2])), int(self.eval(e.args[3])),
                               int(self.eval(e.args[6])))
         if name == "tirx.pow":
@@ -758,9 +857,14 @@ class CpuKernel:
         self.cluster_dims = _cluster_dims(self.body)
         self.clustered = math.prod(self.cluster_dims) > 1
         script = func.script()
+        # The helpers of the kernel's device lowering (none for the address lowering), by name.
+        lowering = comm.device_lowering(str(func.attrs.get("tilescale.remote", comm.ADDRESS)) if func.attrs else
+                                        comm.ADDRESS)
+        self.device_roles = {getattr(lowering, role): role for role in _ROLES} if lowering is not None else {}
         # Blocks that wait for each other (barriers, or flags another block may set) run as threads.
-        self.threaded = any(f"tilescale::{sync}" in script
-                            for sync in ("grid_barrier", "grid_agree", "block_wait", "warp_wait"))
+        waits = ("barrier", "agree", "wait", "warp_wait")
+        names = [ADDRESS_HELPERS[r] for r in waits] + [getattr(lowering, r) for r in waits if lowering is not None]
+        self.threaded = any(f'"{name}"' in script for name in names)
         self._refuse_thread_level_code()
         self.warps = self._threads() // 32
 
@@ -858,7 +962,7 @@ class CpuKernel:
             while not done():
                 if launch.failed.is_set():
                     raise _Abort()
-                if rt.wait_status_view[0] != 0:
+                if launch.status[0] != 0:
                     return  # the kernel runs on, as on a GPU; the host raises the record's error
                 if time.monotonic() - start > timeout:
                     with launch.lock:
@@ -874,13 +978,21 @@ class CpuKernel:
             with launch.lock:
                 store.set(key, "")
 
+    def _status(self, env: dict) -> torch.Tensor:
+        """The wait-status record the kernel is given (its group's), by the address bound to ``ts_status``."""
+        address = next((env[p] for p in self.params if p.name == STATUS_PARAM and p in env), None)
+        for state in runtime.live_groups():
+            if state.wait_status.data_ptr() == address:
+                return state.wait_status
+        return runtime.current().wait_status  # a kernel without waits: never written
+
     def __call__(self, *args: Any) -> None:
         if len(args) != len(self.params):
             raise TypeError(f"kernel takes {len(self.params)} arguments, got {len(args)}")
         env, memories = self._bind(args)
         extents = [int(_Block(_Launch(self, memories, 1, False), env, 0).eval(f.extent)) for f in self.grid]
         blocks = math.prod(extents)
-        launch = _Launch(self, memories, blocks, self.threaded and blocks > 1)
+        launch = _Launch(self, memories, blocks, self.threaded and blocks > 1, self._status(env))
         tags = [loop.thread_binding.thread_tag[-1] for loop in self.grid]
         sizes = dict(zip(tags, extents, strict=True))
         for axis, d in zip("xyz", self.cluster_dims, strict=True):

@@ -44,11 +44,11 @@ import torch
 from tvm import tirx
 from tvm.runtime import Executable
 
-from tilescale import runtime
+from tilescale import comm, runtime
 from tilescale.groups import GroupState
 from tilescale.language.scale import (
     ADDRESS,
-    NVSHMEM_CALLS,
+    PES_PARAM,
     RANK_PARAM,
     STATUS_PARAM,
     SYNC_TABLE_PARAM,
@@ -121,18 +121,15 @@ class DistributedKernel:
             )
         self.grid_blocks = _grid_blocks(func)
         self.remote = str(attrs.get("tilescale.remote", ADDRESS))
-        if self.remote == NVSHMEM_CALLS:
-            from tilescale.nvshmem_kernel import NvshmemKernel
-
-            self.kernel = NvshmemKernel(func, outputs, **compile_kwargs)
-        elif self.remote != ADDRESS:
-            raise NotImplementedError(f"no loader for kernels built with build_options(remote='{self.remote}')")
-        elif _runs_on_cpu(compile_kwargs):
+        lowering = comm.device_lowering(self.remote)  # None: the address lowering
+        if _runs_on_cpu(compile_kwargs):
             if outputs:
                 raise NotImplementedError("CPU path: out_idx is not supported; pass output tensors in")
             from tilescale.interpreter import CpuKernel
 
-            self.kernel = CpuKernel(func)
+            self.kernel = CpuKernel(func)  # runs either lowering's operations
+        elif lowering is not None:
+            self.kernel = lowering.load(func, outputs, **compile_kwargs)
         else:
             # The attribute keeps TileLang's disk cache from serving a kernel generated without it.
             with coherent_reads():
@@ -143,6 +140,8 @@ class DistributedKernel:
                         for name, arg in self.hidden.items()]
         self._tables = [h.index for h in self._layout if isinstance(h, _TableOf)]  # user arguments
         self._slots = [pos for pos, h in enumerate(self._layout) if isinstance(h, _TableOf)]  # where their tables go
+        # User arguments reached by address through device calls: symmetric, but no table to bind.
+        self._by_address = [self.inputs.index(str(n)) for n in attrs.get("tilescale.symmetric", [])]
         # Per group this kernel has run over (checked at its first call there): the hidden
         # arguments with its fixed values filled in, the tables' slots still None.
         self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}
@@ -173,9 +172,10 @@ class DistributedKernel:
         sync = state.allocations[state.sync_workspace.untyped_storage().data_ptr()]
         fixed = {
             RANK_PARAM: state.rank,
-            STATUS_PARAM: rt.wait_status.data_ptr(),
+            STATUS_PARAM: state.wait_status.data_ptr(),
             TIMEOUT_PARAM: rt.wait_timeout_ns,
             SYNC_TABLE_PARAM: peer_table(sync, 0),
+            PES_PARAM: state.pes,
         }
         return [None if isinstance(h, _TableOf) else fixed[h] for h in self._layout]
 
@@ -191,8 +191,7 @@ class DistributedKernel:
         if not self.hidden:
             return self._launch(*args)
         rt = runtime.current()
-        if rt.wait_status_view[0]:  # a kernel recorded a failure: raise it (a host-memory read per call)
-            runtime.check_device_waits()
+        runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads per group)
         if len(args) != len(self.inputs):
             raise TypeError(f"kernel takes {len(self.inputs)} arguments ({', '.join(self.inputs)}), got {len(args)}")
         try:
@@ -214,7 +213,7 @@ class DistributedKernel:
         if state is None or group is not None:
             wanted = runtime.group_state(group)
             if state is not None:
-                check_group(state, wanted, f"argument '{self.inputs[self._tables[0]]}'")
+                check_group(state, wanted, f"argument '{self.inputs[[*self._tables, *self._by_address][0]]}'")
             state = wanted
         found = self._fixed.get(id(state))
         if found is None or found[0] is not state:  # a released group's id may be reused
@@ -233,7 +232,8 @@ class DistributedKernel:
         their group (None if none)."""
         tables = []
         state = None
-        for index in self._tables:
+        remote = [*self._tables, *self._by_address]
+        for index in remote:
             found = lookup(args[index])
             if found is None:
                 raise TypeError(
@@ -244,16 +244,18 @@ class DistributedKernel:
             if state is None:
                 state = entry.group
             elif entry.group is not state:
-                first = self.inputs[self._tables[0]]
+                first = self.inputs[remote[0]]
                 raise ValueError(f"one kernel call mixes symmetric tensors of two groups: '{first}' of the "
                                  f"{state.describe()}, '{self.inputs[index]}' of the {entry.group.describe()}")
+            if index in self._by_address:
+                continue
             table = entry.ptr_tables.get(offset)
             tables.append(table if table is not None else peer_table(entry, offset))
         return tables, state
 
 
 # Hidden arguments that depend on the group (and job), not on the call's tensors.
-_FIXED = (RANK_PARAM, STATUS_PARAM, TIMEOUT_PARAM, SYNC_TABLE_PARAM)
+_FIXED = (RANK_PARAM, STATUS_PARAM, TIMEOUT_PARAM, SYNC_TABLE_PARAM, PES_PARAM)
 
 
 @dataclass(frozen=True)
@@ -308,17 +310,21 @@ def _build(factory: Callable[..., Any], args: tuple, kwargs: dict, world: int | 
     return func
 
 
-def kernel_lowering() -> str | None:
-    """How remote operations of kernels built now lower: as an enclosing ``build_options(remote=)``
-    asks, else as the job's backend picks (NVSHMEM calls where peers need them); None outside
-    a job.
+def kernel_lowering(group: Any = None) -> str | None:
+    """How remote operations of kernels built now for ``group`` (None: the whole job) lower: as
+    an enclosing ``build_options(remote=)`` asks, else as the group's backend picks
+    (``ts.group_state(group).lowering``: peer addresses inside a node, the backend's device
+    calls across nodes); None outside a job.
 
     Example::
 
-        kernel_lowering()     # "address" on one node, "nvshmem" with TILESCALE_NVSHMEM_CALLS=1
+        kernel_lowering(tp)     # "address": TP inside a node
+        kernel_lowering(ep)     # "nvshmem": EP across nodes on the nvshmem backend
     """
-    rt = runtime.current() if runtime.is_initialized() else None
-    return requested_remote() or (rt.backend.kernel_lowering() if rt is not None else None)
+    requested = requested_remote()
+    if requested is not None or not runtime.is_initialized():
+        return requested
+    return runtime.group_state(group).lowering
 
 
 class KernelFactory:
@@ -410,7 +416,7 @@ class KernelFactory:
     @staticmethod
     def _options(group: Any) -> tuple[int | None, str | None]:
         """(world size, lowering) a kernel built now for ``group`` gets (None, as requested) outside a job."""
-        return (runtime.group_size(group) if runtime.is_initialized() else None), kernel_lowering()
+        return (runtime.group_size(group) if runtime.is_initialized() else None), kernel_lowering(group)
 
 
 def jit(func: Callable[..., Any] | tirx.PrimFunc | None = None, *, out_idx: list[int] | int | None = None,

@@ -48,6 +48,7 @@ from tilescale.errors import (
 from tilescale.groups import GroupState
 from tilescale.launch import rendezvous
 from tilescale.launch.environment import LaunchEnv, detect
+from tilescale.protocol import sync_workspace_words
 
 
 @dataclass
@@ -59,9 +60,6 @@ class Runtime:
     group: comm.Group
     backend: comm.CommBackend
     owns_process_group: bool
-    # Where device-side waits report a timeout: host memory the GPU writes directly (pinned,
-    # mapped through UVA), so the host reads it without synchronising. See tilescale.language.sync.
-    wait_status: torch.Tensor
     # Bound of every device-side wait, in ns (TILESCALE_WAIT_TIMEOUT_S when init ran, default 60 s).
     wait_timeout_ns: int = 60_000_000_000
     # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
@@ -83,11 +81,9 @@ class Runtime:
         return state.sync_workspace if state is not None else None
 
     @property
-    def wait_status_view(self):
-        """``wait_status`` as a numpy array (reading it costs no torch dispatch)."""
-        if not hasattr(self, "_status_np"):
-            self._status_np = self.wait_status.numpy()
-        return self._status_np
+    def wait_status(self) -> torch.Tensor:
+        """The whole job's wait-status record (each group has its own: ``group_state(g).wait_status``)."""
+        return self.groups[None].wait_status
 
 
 
@@ -103,9 +99,6 @@ UNMARKED_TIMEOUT_S, UNMARKED_PROGRESS_S = 30.0, 2.0
 _hosts_store = False
 HOST_LINGER_S = 1.0
 
-# int32 words of the barrier workspace: three counters, each on its own 128-byte line; after
-# them T.agree's call signatures, two slots per rank (tilescale.language.sync).
-SYNC_WORKSPACE_WORDS = 96
 
 
 def _choose_device(device: str | None) -> torch.device:
@@ -322,12 +315,10 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         group_store = dist.PrefixStore(f"tilescale/{_restart()}.{_session}", store)
         group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, group_store,
                            _job_id(group_store, env.rank, timeout_s), exits=store)
-        # Host memory the kernels write a timed-out wait into (pinned on GPUs), whatever the default device.
-        status = torch.zeros(8, dtype=torch.int64, device="cpu", pin_memory=dev.type == "cuda")
-        _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns, status,
+        _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
                            gpus_shared=gpus_shared)
-        _runtime.groups[None] = GroupState(None, group, _runtime.backend)
+        _runtime.groups[None] = GroupState(None, group, _runtime.backend, dev.type == "cuda")
         _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:
         _runtime = None
@@ -382,14 +373,16 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
     memory only, never synchronising), passing ``name_address`` to name the flag.
     """
     rt = current()
-    if rt.wait_status_view[0] == 1:  # a plain host-memory read: this runs before every launch
-        values = rt.wait_status.tolist()
-        record = dict(zip(WAIT_STATUS_FIELDS, values, strict=True))
+    for state in rt.groups.values():
+        if state.wait_status_view[0] != 1:  # a plain host-memory read: this runs before every launch
+            continue
+        record = dict(zip(WAIT_STATUS_FIELDS, state.wait_status.tolist(), strict=True))
         rt.failure_reported = True
+        where = "" if state.whole_job else f" (in the {state.describe()}: ranks within it)"
         if record["kind"] == MISMATCH:
-            raise ShapeMismatchError(describe_mismatch(record))
+            raise ShapeMismatchError(describe_mismatch(record) + where)
         name = (name_address or _name_in_last_kernel)(record["address"])
-        raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9))
+        raise WaitTimeoutError(describe_timeout(record, name, rt.wait_timeout_ns / 1e9) + where)
 
 
 def check_not_capturing(what: str) -> None:
@@ -445,7 +438,8 @@ def _allocate_sync_workspace(state: GroupState) -> None:
     from tilescale.symmetric import allocate  # symmetric imports this module
 
     # After the barrier counters, T.agree's call signatures: two slots per rank of the group.
-    state.sync_workspace = allocate(state, (SYNC_WORKSPACE_WORDS + 2 * state.size,), torch.int32)
+    state.sync_workspace = allocate(state, (sync_workspace_words(state.size),), torch.int32)
+    state.pes = torch.tensor(state.ranks, dtype=torch.int32, device=current().device)
 
 
 def _group_ranks(group: dist.ProcessGroup) -> list[int]:
@@ -504,9 +498,6 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
         raise ValueError(f"two process groups named '{group.group_name}' (ranks {rt.groups[group.group_name].ranks} "
                          f"and {ranks}): create groups with dist.new_group, in the same order on every rank")
     check_not_capturing(f"the first use of the process group of ranks {ranks}")
-    if rt.backend.name == "nvshmem":
-        raise NotImplementedError("process groups smaller than the job are not supported on the nvshmem backend yet "
-                                  "(its heap and PE numbering are job-wide); use cuda_ipc on one node")
     me = rt.group.rank
     creation = rt.group_creations.get(tuple(ranks), 0)
     rt.group_creations[tuple(ranks)] = creation + 1
@@ -527,7 +518,8 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
                          "different groups of the same ranks")
     local = [r for r, (_, n) in enumerate(seen) if n == node]
     comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
-    state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type))
+    state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type, rt.backend),
+                       rt.device.type == "cuda")
     rt.groups[group.group_name] = state
     try:
         _allocate_sync_workspace(state)

@@ -58,7 +58,7 @@ logging.getLogger("tilelang.language.eager.builder").addFilter(_DumpForTileLangE
 
 
 def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc:
-    if not ctx.peer_tables and not ctx.scalars and ctx.sync is None:
+    if not ctx.peer_tables and not ctx.scalars and ctx.sync is None and ctx.pes is None:
         return func if ctx.remote == ADDRESS else func.with_attr("tilescale.remote", ctx.remote)
     params = list(func.params)
     buffer_map = dict(func.buffer_map)
@@ -74,16 +74,22 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
         params.append(var)
         buffer_map[var] = table
         hidden[table.name] = name
-    if ctx.sync is not None:
-        var = tirx.Var(ctx.sync.name, "handle")
-        params.append(var)
-        buffer_map[var] = ctx.sync
-        hidden[ctx.sync.name] = ""
+    for table in (ctx.sync, ctx.pes):  # the group's, bound by the jit
+        if table is not None:
+            var = tirx.Var(table.name, "handle")
+            params.append(var)
+            buffer_map[var] = table
+            hidden[table.name] = ""
     for name, var in ctx.scalars.items():
         params.append(var)
         hidden[name] = ""
     out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
     out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
+    # Symmetric arguments that device calls reach by this rank's address (no peer table): the
+    # jit still checks them, and takes the kernel's group from them.
+    by_address = [name for name in ctx.remote_args if name not in ctx.peer_tables]
+    if by_address:
+        out = out.with_attr("tilescale.symmetric", by_address)
     if ctx.remote != ADDRESS:
         out = out.with_attr("tilescale.remote", ctx.remote)
     if hasattr(func, "orig_func"):

@@ -14,9 +14,10 @@ pipelining) and offsets and peers may be runtime values.
 ``dst_cta``/``src_cta`` do the same between the shared-memory tiles of the blocks of a
 thread-block cluster (see ``tilescale.language.cluster``).
 
-Kernels built with ``build_options(remote="nvshmem")`` lower a remote copy to calls of the
-backend's block-level put or get (``tilescale.comm.base.DeviceLowering``) on this rank's
-address of the symmetric tensor: one call per contiguous run that both sides share (one
+Kernels built with ``build_options(remote=<a device lowering>)`` lower a remote copy to
+calls of its block-level put or get (``tilescale.comm.base.DeviceLowering``) on this rank's
+address of the symmetric tensor and the peer's global rank (``pes[pe]``, see
+``BuildContext.global_pe``): one call per contiguous run that both sides share (one
 for whole trailing dimensions, one per row otherwise), clipped where a tile hangs over a
 tensor's end. Extents must be constants; a local side in registers (fragment, local) is
 staged through a shared-memory tile.
@@ -49,6 +50,7 @@ def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
             "kernel (passed as symmetric tensors) live on other ranks"
         )
     ctx = current_context()
+    ctx.remote_args[buf.name] = buf
     if isinstance(pe, int) and not 0 <= pe < ctx.world:
         raise IndexError(f"{what} '{buf.name}': peer {pe} out of range for world size {ctx.world}")
     if isinstance(pe, tirx.IntImm) and not 0 <= pe.value < ctx.world:
@@ -87,7 +89,7 @@ def _extents(region: Any) -> tuple[tirx.Buffer, list[tirx.PrimExpr], list[int] |
 
 def _const(extent: tirx.PrimExpr, buf: tirx.Buffer) -> int:
     if not isinstance(extent, (int, tirx.IntImm)):
-        raise NotImplementedError(f"remote copy of '{buf.name}' through NVSHMEM calls needs constant extents, "
+        raise NotImplementedError(f"remote copy of '{buf.name}' through device calls needs constant extents, "
                                   f"got {extent}")
     return int(extent)
 
@@ -99,7 +101,7 @@ def _run(buf: tirx.Buffer, extents: list[int]) -> int:
         for i, stride in enumerate(buf.strides):
             row_major = math.prod(buf.shape[i + 1:]) if i + 1 < len(buf.shape) else 1
             if not analyzer.can_prove_equal(stride, row_major):
-                raise NotImplementedError(f"T.copy through NVSHMEM calls: '{buf.name}' is not a row-major tensor")
+                raise NotImplementedError(f"T.copy through device calls: '{buf.name}' is not a row-major tensor")
     run = 1
     for extent, dim in zip(reversed(extents), reversed(buf.shape), strict=True):
         run *= extent
@@ -153,7 +155,7 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
     dext = dext if dext is not None else [1] * (len(dbuf.shape) - len(sext)) + sext[-len(dbuf.shape):]
     count = math.prod(sext)
     if count != math.prod(dext):
-        raise ValueError(f"T.copy through NVSHMEM calls: {sbuf.name}{sext} and {dbuf.name}{dext} differ in size")
+        raise ValueError(f"T.copy through device calls: {sbuf.name}{sext} and {dbuf.name}{dext} differ in size")
     # The library reads and writes its local side by address: registers go through a shared tile.
     stage = None
     local = sbuf if put else dbuf
@@ -167,6 +169,7 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
         else:
             dbuf, (dmin, dext) = stage, whole
     run = math.gcd(_run(sbuf, sext), _run(dbuf, dext))
+    target = current_context().global_pe(pe)
     elem_bytes = tvm.DataType(str(sbuf.dtype)).bits // 8
     call = lowering.put if put else lowering.get
 
@@ -177,7 +180,7 @@ def _call_copy(src: Any, dst: Any, pe: int | tirx.PrimExpr, put: bool) -> tirx.P
         valid = run if not limits else limits[0] if len(limits) == 1 else tl.min(*limits)
         nbytes = valid * elem_bytes
         return tl.call_extern("handle", call, _pointer(dbuf, d_at, run, "w"), _pointer(sbuf, s_at, run, "r"),
-                              nbytes, pe)
+                              nbytes, target)
 
     fetched = stage is not None and not put  # the get lands in the stage, then goes to the registers
     if count == run:

@@ -28,7 +28,6 @@ kernel's signature and ``tilescale.jit`` binds on every call.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import threading
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ import tilelang.language as tl
 from tilelang.language.kernel import KernelLaunchFrame
 from tvm import tirx
 
-from tilescale.comm.base import DeviceLowering
+from tilescale.comm import ADDRESS, DeviceLowering, device_lowering, lowering_names
 from tilescale.runtime import is_initialized, world_size
 
 SCALES = ("device", "cta_cluster", "warpgroup", "warp")
@@ -51,11 +50,8 @@ RANK_PARAM = "ts_rank"
 STATUS_PARAM = "ts_status"
 TIMEOUT_PARAM = "ts_timeout_ns"
 SYNC_TABLE_PARAM = "ts_sync_peers"
+PES_PARAM = "ts_pes"
 PEER_TABLE_SUFFIX = "__peers"
-# The default lowering of remote operations, and the ones a DeviceLowering provides.
-ADDRESS = "address"
-NVSHMEM_CALLS = "nvshmem"
-REMOTE_LOWERINGS = {NVSHMEM_CALLS: ("tilescale.language.nvshmem", "NVSHMEM_LOWERING")}
 
 
 @dataclass
@@ -65,11 +61,14 @@ class BuildContext:
     scales: list[str] = field(default_factory=list)
     cluster_size: int | None = None  # set while a T.Scale("cta_cluster") is open
     peer_tables: dict[str, tuple[tirx.Buffer, tirx.Buffer]] = field(default_factory=dict)
+    # Arguments accessed on other ranks (symmetric tensors), with or without a peer table.
+    remote_args: dict[str, tirx.Buffer] = field(default_factory=dict)
     scalars: dict[str, tirx.Var] = field(default_factory=dict)
     sync: tirx.Buffer | None = None
+    pes: tirx.Buffer | None = None
     _world: int | None = None
-    # How remote operations lower: "address" (loads/stores through peer tables) or a
-    # DeviceLowering's name (set by build_options(remote=...); see tilescale.comm.base).
+    # How remote operations lower: "address" (loads/stores through peer tables) or a registered
+    # DeviceLowering's name (set by build_options(remote=...); see tilescale.comm).
     remote: str = field(default_factory=lambda: getattr(_state, "remote", None) or ADDRESS)
 
     @property
@@ -100,10 +99,18 @@ class BuildContext:
     @property
     def lowering(self) -> DeviceLowering | None:
         """The device calls remote operations lower to, or None for the address lowering."""
-        if self.remote == ADDRESS:
-            return None
-        module, name = REMOTE_LOWERINGS[self.remote]
-        return getattr(importlib.import_module(module), name)
+        return device_lowering(self.remote)
+
+    def pe_table(self) -> tirx.Buffer:
+        """The global rank of every rank of the kernel's group (a hidden int32 parameter), which
+        a library's device calls address peers by."""
+        if self.pes is None:
+            self.pes = tirx.decl_buffer((self.world,), "int32", name=PES_PARAM)
+        return self.pes
+
+    def global_pe(self, pe: int | tirx.PrimExpr) -> tirx.PrimExpr:
+        """The library's number of rank ``pe`` of the kernel's group: ``pes[pe]``."""
+        return tirx.BufferLoad(self.pe_table(), [tirx.const(pe, "int32") if isinstance(pe, int) else pe])
 
     def sync_table(self) -> tirx.Buffer:
         """Addresses of the runtime's barrier workspace on every rank."""
@@ -164,14 +171,15 @@ def build_options(world_size: int | None = None, remote: str | None = None) -> I
             func = my_prim_func_factory(...)
 
     ``remote`` is ``"address"`` (the default: loads and stores through peer addresses) or
-    ``"nvshmem"`` (see ``tilescale.language.nvshmem``); None keeps the enclosing setting.
-    Around calls of ``tilescale.jit`` kernels (and ``ts.ops``) in a running job, ``remote``
-    overrides the lowering the job's backend would pick (``backend.kernel_lowering()``).
+    a registered device lowering (``tilescale.comm.lowering_names()``: ``"nvshmem"``, see
+    ``tilescale.comm.nvshmem.lowering``); None keeps the enclosing setting. Around calls of
+    ``tilescale.jit`` kernels (and ``ts.ops``) in a running job, ``remote`` overrides the
+    lowering the group's backend picks (``ts.group_state(group).lowering``).
     """
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if remote not in (None, ADDRESS, *REMOTE_LOWERINGS):
-        raise ValueError(f"remote must be one of {[ADDRESS, *REMOTE_LOWERINGS]}, got {remote!r}")
+    if remote is not None and remote not in lowering_names():
+        raise ValueError(f"remote must be one of {list(lowering_names())}, got {remote!r}")
     saved = getattr(_state, "world_size", None), getattr(_state, "remote", None)
     _state.world_size = world_size if world_size is not None else saved[0]
     _state.remote = remote if remote is not None else saved[1]

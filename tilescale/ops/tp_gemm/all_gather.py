@@ -156,13 +156,13 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     seg_tiles = padded // tile.block_M * -(-n // tile.block_N)  # own segment, then the peers' in a second kernel
     wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
                        (world - 1) * m * k * a_shard.element_size())
-    if _choose(plan, world * m, wins) == "unfused":
+    if _choose(plan, world * m, wins, group) == "unfused":
         gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
         dist.all_gather_into_tensor(gathered, a_shard, group=group)
         return gathered @ weight.T
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
-    mapped = kernel_lowering() in (None, ADDRESS)
+    mapped = kernel_lowering(group) in (None, ADDRESS)
     out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     producer = producer or ("sm" if capturing or not mapped else "copy_engine")
     if producer == "copy_engine":

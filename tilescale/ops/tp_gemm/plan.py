@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tilescale import runtime
 from tilescale.jit import kernel_lowering
@@ -157,16 +158,16 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
 
 
-def _choose(plan: str | None, rows: int, fused_wins: bool) -> str:
+def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None) -> str:
     """The plan: as asked, else ``TILESCALE_TP_PLAN``, else on GPUs ``fused_wins`` (the op's
-    :func:`_fused_wins`, NVLink's arithmetic: where ranks talk through NVSHMEM calls, across
-    nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
+    :func:`_fused_wins`, NVLink's arithmetic: where ``group``'s ranks talk through NVSHMEM calls,
+    across nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
     if runtime.device().type == "cuda":
-        return plan or ("fused" if fused_wins and kernel_lowering() in (None, ADDRESS) else "unfused")
+        return plan or ("fused" if fused_wins and kernel_lowering(group) in (None, ADDRESS) else "unfused")
     return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
 
 

@@ -97,7 +97,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     grid = reduce_grid(m, k, n, world, tile)
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
-    if _choose(plan, m, wins) == "unfused":
+    if _choose(plan, m, wins, group) == "unfused":
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
         return out
@@ -172,7 +172,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
     wins = one_kernel or gather and world > 1 and _fused_wins(2 * m * k * n, [world * grid.tiles],
                                                               2 * (world - 1) * m * n * elem / world, tail_us)
-    if _choose(plan, FUSED_MIN_ROWS, wins) == "unfused":
+    if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
         out = a @ weight.T
         dist.all_reduce(out, group=group)
         return out

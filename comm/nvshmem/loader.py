@@ -6,7 +6,7 @@ load the result inside their runtime, so they can neither device-link
 This module takes the route of TileLang's ``nvrtc`` backend instead: the prim func is
 lowered with ``tilelang.lower``, TileLang's Python launcher is generated for it, the
 device source is compiled relocatably and device-linked against NVSHMEM
-(``tilescale.language.nvshmem.build_cubin``), the cubin is loaded as a ``CUlibrary``, and
+(``tilescale.comm.nvshmem.lowering.build_cubin``), the cubin is loaded as a ``CUlibrary``, and
 NVSHMEM's device state is written into it (``nvshmem.bindings.culibrary_init``) before the
 first launch. Launch configuration, TMA descriptors and dynamic shared memory are
 TileLang's own (its launcher, told here about dynamic dimensions such as
@@ -42,7 +42,7 @@ from tilelang import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from tilescale.language.nvshmem import build_cubin, nvshmem_home
+from tilescale.comm.nvshmem.lowering import build_cubin, nvshmem_home
 from tilescale.tir_fixes import coherent_reads
 
 

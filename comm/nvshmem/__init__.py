@@ -12,12 +12,24 @@ rank. Peers that NVSHMEM maps into this process (same node, P2P or NVLink) get a
 from ``nvshmem_ptr``, so kernels lowered the default way (loads and stores through the
 peer-address table) run unchanged. Peers on other nodes have no address (0 in the table);
 kernels that touch them must be built with ``build_options(remote="nvshmem")``, which
-lowers remote operations to NVSHMEM device calls (see ``tilescale.language.nvshmem``).
+lowers remote operations to NVSHMEM device calls (see ``tilescale.comm.nvshmem.lowering``).
 Launching an address-lowered kernel in such a job raises (``check_lowering``).
 
-``tilescale.jit`` builds kernels with the peer-address lowering when every peer has an
-address (the fast path) and with NVSHMEM calls otherwise; ``TILESCALE_NVSHMEM_CALLS=1``
-forces the calls for every peer, so the path that crosses nodes runs on one node too.
+The lowering is chosen per process group (one backend per group): ``tilescale.jit`` builds
+a group's kernels with the peer-address lowering when its ranks share a node and every
+peer has an address (the fast path), and with NVSHMEM calls otherwise (a group spanning
+nodes); ``TILESCALE_NVSHMEM_CALLS=1`` forces the calls for every group, so the path that
+crosses nodes runs on one node too.
+
+Process groups smaller than the job: NVSHMEM is initialised once per process, over the
+whole job (the job's backend), and a group's backend shares it (``parent``). But
+``nvshmem_malloc`` is collective over every PE of the job, and a group allocates with its
+own ranks only. So the job's backend reserves, at init, an arena on the heap
+(``TILESCALE_NVSHMEM_GROUP_HEAP``, default 256M; ``0``: no groups), every rank keeps its
+own list of the arena's free ranges, and a group allocation takes the first range free on
+*all* of the group's ranks (they exchange their lists): the same heap offset on each
+member, which is what NVSHMEM's one-sided calls need (they address the peer's copy at the
+caller's offset), and disjoint from the rank's allocations of its other groups.
 
 Example::
 
@@ -34,14 +46,18 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from tilescale.comm.base import CommBackend, SymmetricAllocation
+from tilescale.comm.base import ADDRESS, CommBackend, SymmetricAllocation
 from tilescale.comm.group import Group
 
 INSTALL_HINT = 'pip install "tilescale[nvshmem]" (nvshmem4py-cu13 and nvidia-nvshmem-cu13)'
-ADDRESS, NVSHMEM_CALLS = "address", "nvshmem"
+NVSHMEM_CALLS = "nvshmem"
 # Set to 1: kernels use NVSHMEM device calls for every peer, also those reachable by address
 # (the path that crosses nodes, exercised on one node).
 FORCE_CALLS_ENV = "TILESCALE_NVSHMEM_CALLS"
+# Bytes of the heap reserved at init for the allocations of process groups smaller than the job.
+GROUP_HEAP_ENV, GROUP_HEAP_DEFAULT = "TILESCALE_NVSHMEM_GROUP_HEAP", "256M"
+# Group allocations start at multiples of this (TMA and vector accesses need 128-byte alignment at most).
+GROUP_ALIGN = 512
 
 
 def import_nvshmem() -> tuple[ModuleType, ModuleType]:
@@ -111,15 +127,83 @@ class NvshmemAllocation(SymmetricAllocation):
         return view
 
 
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``"256M"``, ``"4G"`` or ``"1048576"`` (NVSHMEM's own notation).
+
+    Example::
+
+        parse_size("256M")    # 268435456
+    """
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B")
+    if text[-1:] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+class Arena:
+    """Free ranges of one rank's share of the group heap; a group allocation takes a range free on all of its ranks.
+
+    Example::
+
+        arena = Arena(1 << 20)
+        start = arena.first_fit([arena.free, peer_free_list], 4096)
+        arena.take(start, 4096)
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.free: list[list[int]] = [[0, nbytes]] if nbytes else []
+
+    @staticmethod
+    def first_fit(free_lists: list[list[list[int]]], nbytes: int) -> int | None:
+        """The lowest offset where ``nbytes`` are free in every list (aligned), or None."""
+        size = -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        candidates = sorted({start for free in free_lists for start, _ in free})
+        for start in candidates:
+            if all(any(s <= start and start + size <= e for s, e in free) for free in free_lists):
+                return start
+        return None
+
+    def take(self, start: int, nbytes: int) -> None:
+        end = start + -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        for i, (s, e) in enumerate(self.free):
+            if s <= start and end <= e:
+                self.free[i:i + 1] = [r for r in ([s, start], [end, e]) if r[1] > r[0]]
+                return
+        raise AssertionError(f"heap range {start}..{end} is not free")
+
+    def give_back(self, start: int, nbytes: int) -> None:
+        end = start + -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        merged = sorted([*self.free, [start, end]])
+        self.free = []
+        for s, e in merged:
+            if self.free and self.free[-1][1] == s:
+                self.free[-1][1] = e
+            else:
+                self.free.append([s, e])
+
+
 class NvshmemBackend(CommBackend):
     """Symmetric memory on the NVSHMEM heap; peers within one node are also reachable by address."""
 
     name = "nvshmem"
     device_type = "cuda"
     lowerings = (ADDRESS, NVSHMEM_CALLS)
+    call_lowering = NVSHMEM_CALLS
 
-    def __init__(self, group: Group):
-        super().__init__(group)
+    def __init__(self, group: Group, parent: CommBackend | None = None):
+        super().__init__(group, parent)
+        self.unreachable: list[int] = []  # peers without an address, known after the first allocation
+        self.force_calls = os.environ.get(FORCE_CALLS_ENV, "0") not in ("", "0")
+        self._live: list[torch.Tensor] = []
+        self._ranges: list[tuple[int, int]] = []  # a group's ranges of the job's arena
+        if parent is not None:  # a process group: NVSHMEM and the arena are the job's
+            if not isinstance(parent, NvshmemBackend) or parent.arena is None:
+                raise RuntimeError("a process group on the nvshmem backend needs the job's nvshmem backend")
+            self._core, self._bindings = parent._core, parent._bindings
+            self.arena, self.arena_tensor = parent.arena, parent.arena_tensor
+            return
         self._core, self._bindings = import_nvshmem()
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'nvshmem' needs a CUDA GPU, and torch sees none")
@@ -141,9 +225,9 @@ class NvshmemBackend(CommBackend):
             self._core.finalize()
             raise RuntimeError(f"NVSHMEM made this process PE {pe} of {npes}, but it is rank {group.rank} of "
                                f"{group.world_size}: start NVSHMEM and torch.distributed with the same ranks")
-        self.unreachable: list[int] = []  # peers without an address, known after the first allocation
-        self.force_calls = os.environ.get(FORCE_CALLS_ENV, "0") not in ("", "0")
-        self._live: list[torch.Tensor] = []
+        self.arena = Arena(parse_size(os.environ.get(GROUP_HEAP_ENV, GROUP_HEAP_DEFAULT)))
+        # Collective over every PE, so here, while the whole job is: the groups' allocations come from it.
+        self.arena_tensor = self._core.tensor((self.arena.nbytes,), dtype=torch.uint8) if self.arena.nbytes else None
 
     def _exchange_uid(self) -> object:
         """Rank 0's unique id, carried to every rank through the job's store."""
@@ -154,22 +238,41 @@ class NvshmemBackend(CommBackend):
             np.copyto(uid._data.view(np.uint8), np.frombuffer(bytes.fromhex(sent), dtype=np.uint8))
         return uid
 
+    def _group_range(self, nbytes: int, tag: str) -> torch.Tensor:
+        """A range of the job's arena at the same offset on every rank of this group (collective over it)."""
+        lists = self.group.exchange(f"{tag}/free", self.arena.free)
+        start = Arena.first_fit(lists, nbytes)
+        if start is None:
+            raise RuntimeError(f"{nbytes} bytes do not fit in the NVSHMEM heap reserved for process groups on all of "
+                               f"ranks {self.group.ranks} ({self.arena.nbytes} bytes): raise {GROUP_HEAP_ENV} (and "
+                               "NVSHMEM_SYMMETRIC_SIZE with it)")
+        self.arena.take(start, nbytes)
+        self._ranges.append((start, nbytes))
+        return self.arena_tensor[start:start + nbytes]
+
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
-        local = self._core.tensor((max(nbytes, 1),), dtype=torch.uint8)
+        if self.parent is None:
+            local = self._core.tensor((max(nbytes, 1),), dtype=torch.uint8)
+            self._live.append(local)
+            base = local
+        else:
+            local = self._group_range(max(nbytes, 1), tag)
+            base = self.arena_tensor
         local.zero_()
+        offset = local.data_ptr() - base.data_ptr()
         me = self.group.rank
         peers: list[torch.Tensor | None] = []
         ptrs: list[int] = []
-        for r in range(self.group.world_size):
-            address = local.data_ptr() if r == me else self._bindings.ptr(local.data_ptr(), r)
-            view = None if r == me or not address else self._core.get_peer_tensor(local, r)[:nbytes]
+        for r, pe in enumerate(self.group.ranks):  # NVSHMEM numbers PEs by global rank
+            address = local.data_ptr() if r == me else self._bindings.ptr(local.data_ptr(), pe)
+            view = None if r == me or not address else \
+                self._core.get_peer_tensor(base, pe)[offset:offset + nbytes]
             peers.append(view)
             ptrs.append(address or 0)
         self.unreachable = [r for r, p in enumerate(ptrs) if p == 0]
         # A peer may write into our copy as soon as it returns: our zero_() must be done first.
         torch.cuda.synchronize()
         self.group.barrier(f"{tag}/zeroed")
-        self._live.append(local)
         local = local[:nbytes]
         return local, NvshmemAllocation(local, peers, ptrs, me)
 
@@ -183,12 +286,20 @@ class NvshmemBackend(CommBackend):
             )
 
     def kernel_lowering(self) -> str:
-        """Peer addresses when every peer has one (the fast path), NVSHMEM calls otherwise or when forced."""
-        return NVSHMEM_CALLS if self.force_calls or self.unreachable else ADDRESS
+        """Peer addresses when the group's ranks share a node and every peer has one (the fast path),
+        NVSHMEM calls otherwise or when forced."""
+        return NVSHMEM_CALLS if self.force_calls or self.unreachable or self.spans_nodes else ADDRESS
 
     def finalize(self) -> None:
         torch.cuda.synchronize()
+        for start, nbytes in self._ranges:  # the group's ranks met before this (GroupState.release)
+            self.arena.give_back(start, nbytes)
+        self._ranges.clear()
+        if self.parent is not None:
+            return
         for t in self._live:
             self._core.free_tensor(t)
         self._live.clear()
+        if self.arena_tensor is not None:
+            self._core.free_tensor(self.arena_tensor)
         self._core.finalize()
