@@ -17,6 +17,8 @@ The modules, by role:
 * ``dispatch``: the dispatch kernel, sending and receiving at once; ``layout``: the grouped
   layout it leaves (one flat ``(rows, hidden)`` tensor in which local expert ``l`` owns rows
   ``offsets[l]:offsets[l] + counts[l]``, segments padded to 128-row tiles).
+* ``fp8``: FP8 rows in DeepEP's layout (e4m3 values, a float32 scale per 128 channels),
+  moved as bytes by the same dispatch kernel.
 * ``combine``: the combine kernel, each token's weighted expert outputs back on its rank.
 * ``buffer``: ``Buffer``, the symmetric buffers of one group sized up front (DeepEP's
   ``Buffer``), and its host API; ``api``: the functional ops over a per-group cached buffer.
@@ -32,6 +34,7 @@ from tilescale.ops.moe.api import cached_buffer, moe_combine, moe_dispatch, moe_
 from tilescale.ops.moe.buffer import Buffer, DispatchHandle
 from tilescale.ops.moe.combine import combine_kernel, exchange_blocks
 from tilescale.ops.moe.dispatch import GROUP_ROWS, dispatch_kernel, dispatch_plan
+from tilescale.ops.moe.fp8 import dequantize_fp8, quantize_fp8
 from tilescale.ops.moe.layout import ROW_TILE, grouped_rows
 from tilescale.ops.moe.routing import SCAN_COLS, SCAN_ROWS, route_kernel
 
@@ -45,11 +48,13 @@ __all__ = [
     "cached_buffer",
     "combine_kernel",
     "dispatch_kernel",
+    "dequantize_fp8",
     "dispatch_plan",
     "exchange_blocks",
     "grouped_rows",
     "moe_combine",
     "moe_dispatch",
     "moe_redispatch",
+    "quantize_fp8",
     "route_kernel",
 ]

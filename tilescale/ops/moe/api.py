@@ -8,6 +8,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.ops._common import check_input, check_same_across_ranks
 from tilescale.ops.moe.buffer import Buffer, DispatchHandle, _check_routing
+from tilescale.ops.moe.fp8 import Rows, is_fp8
 from tilescale.ops.moe.layout import grouped_rows
 from tilescale.ops.moe.routing import expert_ids
 
@@ -21,9 +22,10 @@ def cached_buffer(group: dist.ProcessGroup | None, max_tokens: int, hidden: int,
                           lambda: Buffer(group, max_tokens, hidden, topk, num_experts, dtype))
 
 
-def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                 low_latency: bool = False, *, group: dist.ProcessGroup | None = None, max_tokens: int | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, num_experts: int, low_latency: bool = False, *,
+                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None,
+                 ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
     Example::
@@ -33,7 +35,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         # recv_x[o[l]:o[l] + counts[l]] are the tokens of local expert l; recv_w their routing weights
 
     Args:
-        x: this rank's (tokens, hidden) rows.
+        x: this rank's (tokens, hidden) rows, or FP8 rows as DeepEP passes them: a pair
+            ``(values, scales)``, (tokens, hidden) ``torch.float8_e4m3fn`` and (tokens, hidden
+            // 128) float32 (``ts.ops.moe.quantize_fp8``). FP8 halves the bytes on the link;
+            ``recv_x`` is then such a pair too (views of one byte tensor, grouped alike), which
+            ``ts.ops.grouped_gemm(..., scales=)`` takes; combine stays bf16.
         topk_idx: (tokens, topk) integer expert ids (TypeError otherwise); experts are split
             evenly over the group's ranks.
         topk_weights: (tokens, topk) routing weights.
@@ -76,11 +82,15 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     and replayed; each call's state lives on the device. Calls captured into a graph do not
     check expert ids (out-of-range ids are still routed nowhere).
     """
-    tokens = _check_routing(x, topk_idx, topk_weights)
+    values = x[0] if is_fp8(x) else x
+    tokens = _check_routing(values, topk_idx, topk_weights)
     capacity = tokens if max_tokens is None else max_tokens
     if capacity == 0:  # zero tokens on every rank: nothing to exchange
+        if is_fp8(x):
+            raise ValueError("moe_dispatch: FP8 rows need tokens (or max_tokens) on some rank")
         return _empty_dispatch(x, topk_idx, topk_weights, num_experts, low_latency, group)
-    buf = cached_buffer(group, capacity, x.shape[1], topk_idx.shape[1], num_experts, x.dtype)
+    dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+    buf = cached_buffer(group, capacity, values.shape[1], topk_idx.shape[1], num_experts, dtype)
     return buf.dispatch(x, topk_idx, topk_weights, low_latency=low_latency)
 
 

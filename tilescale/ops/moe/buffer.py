@@ -29,6 +29,7 @@ from tilescale import runtime
 from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
+from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, watch_ids
 from tilescale.symmetric import allocate
@@ -78,6 +79,9 @@ class Buffer:
             (DeepEP's ``num_max_dispatch_tokens_per_rank``); each rank passes any count up to
             it, 0 included.
         hidden, topk, num_experts, dtype: what every dispatch through the buffer passes.
+            ``torch.float8_e4m3fn``: FP8 dispatch (``tilescale.ops.moe.fp8``: e4m3 rows and
+            per-128-channel float32 scales, passed as a ``(values, scales)`` pair or as bf16
+            rows quantised on the way in), bf16 combine.
 
     Collective: every rank of the group constructs it with the same arguments (checked), and
     calls its methods in the same order. Calls that do not fit (more tokens, another top-k,
@@ -95,7 +99,11 @@ class Buffer:
             raise ValueError(f"moe Buffer: need max_tokens >= 1, hidden >= 1, 1 <= topk <= num_experts and "
                              f"num_experts divisible by the group size {state.size}; got max_tokens={max_tokens}, "
                              f"hidden={hidden}, topk={topk}, num_experts={num_experts}")
-        tl_dtype(torch.empty(0, dtype=dtype))  # TypeError for dtypes the kernels do not move
+        self.fp8 = dtype == torch.float8_e4m3fn
+        if self.fp8 and hidden % BLOCK:
+            raise ValueError(f"moe Buffer: FP8 rows need hidden divisible by {BLOCK}, got {hidden}")
+        if not self.fp8:
+            tl_dtype(torch.empty(0, dtype=dtype))  # TypeError for dtypes the kernels do not move
         self.max_tokens, self.hidden, self.topk, self.num_experts, self.dtype = (max_tokens, hidden, topk,
                                                                                   num_experts, dtype)
         self.per_rank = num_experts // state.size
@@ -118,8 +126,9 @@ class Buffer:
                                         allocate(state, (world, blocks), torch.int32))
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
-        self._received(hidden, dtype)
-        self._returned(hidden, dtype)
+        # FP8 rows travel as bytes (values, then scales), and come back bf16.
+        self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
+        self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
         device = runtime.device()
         self._sends = torch.zeros(1, dtype=torch.int32, device=device)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
@@ -179,24 +188,31 @@ class Buffer:
             self._rows_back[key] = allocate(self.state, (2, self.world, self.max_tokens, hidden), dtype)
         return self._rows_back[key]
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 low_latency: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+    def dispatch(self, x: Rows, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, low_latency: bool = False,
+                 ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
         Args:
-            x: this rank's (tokens, hidden) rows, tokens <= ``max_tokens`` (0 allowed).
+            x: this rank's (tokens, hidden) rows, tokens <= ``max_tokens`` (0 allowed); for an
+                FP8 buffer a ``(values, scales)`` pair (``quantize_fp8``) or rows to quantise.
             topk_idx: (tokens, topk) integer expert ids.
             topk_weights: (tokens, topk) routing weights.
             low_latency: announce every row on its own (decode batches); the same on every rank.
 
         Returns:
-            ``(recv_x, recv_w, counts, handle)`` as ``ts.ops.moe_dispatch`` documents.
+            ``(recv_x, recv_w, counts, handle)`` as ``ts.ops.moe_dispatch`` documents; for FP8
+            ``recv_x`` is a ``(values, scales)`` pair of views of the grouped bytes.
         """
         self._check_live()
-        tokens = _check_routing(x, topk_idx, topk_weights)
-        if not self.fits(tokens, x.shape[1], topk_idx.shape[1], self.num_experts, x.dtype):
-            raise ValueError(f"moe dispatch: {tokens} tokens x {x.shape[1]} ({x.dtype}), top-{topk_idx.shape[1]}, "
-                             f"do not fit {self!r}")
+        if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
+            x = quantize_fp8(x)
+        values = x[0] if is_fp8(x) else x
+        tokens = _check_routing(values, topk_idx, topk_weights)
+        dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+        if not self.fits(tokens, values.shape[1], topk_idx.shape[1], self.num_experts, dtype):
+            raise ValueError(f"moe dispatch: {tokens} tokens x {values.shape[1]} ({dtype}), "
+                             f"top-{topk_idx.shape[1]}, do not fit {self!r}")
         check_same_across_ranks(self.state, "moe_dispatch", [self.max_tokens, self.hidden, self.topk, str(self.dtype),
                                                              self.num_experts, f"low_latency={low_latency}",
                                                              f"SMs={self.sms}"])
@@ -208,7 +224,7 @@ class Buffer:
             watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
         idx, weights = _padded(idx, -1), _padded(weights, 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(x, 0), idx, weights, routes, tokens, low_latency)
+            _padded(pack(x) if self.fp8 else x, 0), idx, weights, routes, tokens, low_latency)
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
@@ -216,7 +232,7 @@ class Buffer:
                                 source_row=source_row, group=self.group, buffer=self)
         if not capturing:
             raise_bad_ids()
-        return recv_x, weight, counts, handle
+        return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
 
     def _route(self, idx: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
         """The routing kernel's outputs; for no tokens, those of one token routed nowhere."""
