@@ -84,6 +84,37 @@ if ts.device().type == "cuda":  # a dispatch + combine step captured once, repla
         mode = "low-latency" if low_latency else "normal"
         print(f"rank {rank}: CUDA graph ({mode}), 3 replays: MOE-OK", flush=True)
 
+# FP8 dispatch (DeepEP's layout) against the bf16 path, counts differing per rank: the same
+# routes and grouping; each row arrives as exactly its quantised values and scales, within
+# e4m3's precision of the bf16 row; the bf16 combine and the grouped GEMM consume them.
+moe = ts.ops.moe
+fp8_hidden, ffn = 256, 64
+for low_latency in (False, True):
+    tokens = uneven(16)
+    x = (torch.randn(tokens, fp8_hidden) * 3).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+    ref_x, ref_w, ref_counts, ref = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                        max_tokens=16)
+    (values, scales), recv_w, counts, h = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
+                                                              low_latency=low_latency, max_tokens=16)
+    assert values.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (values.shape[0], fp8_hidden // 128)
+    valid = h.row_expert >= 0
+    assert torch.equal(h.row_expert, ref.row_expert) and torch.equal(counts, ref_counts), low_latency
+    assert torch.equal(recv_w, ref_w) and torch.equal(h.source_row, ref.source_row), low_latency
+    got = moe.dequantize_fp8(values[valid], scales[valid])
+    assert torch.equal(got, moe.dequantize_fp8(*moe.quantize_fp8(ref_x[valid]))), low_latency
+    error = (got.float() - ref_x[valid].float()).norm() / ref_x[valid].float().norm().clamp(min=1e-6)
+    assert error < 0.04, float(error)  # e4m3: 3 mantissa bits
+    y = ts.ops.moe_combine(moe.dequantize_fp8(values, scales), recv_w, h)  # bf16 back
+    y_ref = ts.ops.moe_combine(ref_x, ref_w, ref)
+    assert (y.float() - y_ref.float()).norm() <= 0.04 * y_ref.float().norm() + 1e-3, low_latency
+    w = (torch.randn(per_rank, ffn, fp8_hidden) / 16).to(torch.bfloat16)
+    out = ts.ops.grouped_gemm(values, w, h.row_expert, scales=scales)[valid].float()
+    out_ref = ts.ops.grouped_gemm(ref_x, w, ref.row_expert)[valid].float()
+    assert (out - out_ref).norm() <= 0.05 * out_ref.norm() + 1e-3, low_latency
+    mode = "low-latency" if low_latency else "normal"
+    print(f"rank {rank}: FP8 ({mode}) tokens={tokens} error {float(error):.4f}: FP8-OK", flush=True)
+
 # An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
 # own; a call that does not fit is refused; after release() it is gone.
 buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)

@@ -219,7 +219,7 @@ class Buffer:
         idx = expert_ids(topk_idx, self.num_experts)
         weights = topk_weights.to(torch.float32).contiguous()
         routes = self._route(idx, tokens)
-        capturing = _capturing(x)
+        capturing = _capturing(values)
         if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
             watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
         idx, weights = _padded(idx, -1), _padded(weights, 0)
