@@ -162,7 +162,8 @@ class Buffer:
 
     def _drop(self) -> None:
         self.released = True
-        self.state.exchanges.pop(self._key, None)
+        for key in [k for k, v in self.state.exchanges.items() if v is self]:  # its own key, and the ops' cache
+            del self.state.exchanges[key]
         self._flags, self._rows_in, self._rows_back = {}, {}, {}
         self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
 
