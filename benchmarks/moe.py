@@ -11,6 +11,12 @@ baseline cannot be captured: it reads the split sizes on the host).
 
     tilescale run -n 2 benchmarks/moe.py                  # DeepEP's size and a decode batch
     tilescale run -n 2 --cpu benchmarks/moe.py --small
+    tilescale run -n 1 benchmarks/moe.py --floor          # each step's own cost beside its floor
+
+``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a
+CUDA graph replay, bf16 and FP8 dispatch, beside the step's floor: the bytes it must move
+over the copy bandwidth measured in the same run (``torch`` copy of 1 GiB), and for the
+layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^3).
 """
 
 import argparse
@@ -22,7 +28,7 @@ from harness import Report, check_close, graphed, time_fn
 import tilescale as ts
 
 CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
-SMALL = {"normal": (64, 96, 4, 16), "low-latency": (8, 96, 4, 16)}
+SMALL = {"normal": (64, 128, 4, 16), "low-latency": (8, 128, 4, 16)}  # hidden: whole FP8 scale blocks
 
 
 def routing(tokens: int, num_experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,12 +196,97 @@ def measure_layer(shape: tuple[int, int, int, int, int], iters: int) -> dict:
             "layer_speedup": theirs.median_ms / ours.median_ms, "checks": checks}
 
 
+def copy_bandwidth(iters: int, small: bool) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), 1 GiB (8 MiB ``small``)."""
+    src = torch.empty(2**22 if small else 2**29, dtype=torch.bfloat16, device=ts.device())
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (time_fn(lambda: dst.copy_(src), iters=iters).median_ms / 1e3)
+
+
+def gemm_rate(iters: int, small: bool) -> float:
+    """bf16 FLOP per second of ``torch.mm`` at 8192^3 (cuBLAS; 512^3 ``small``)."""
+    n = 512 if small else 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=ts.device())
+    return 2 * n**3 / (time_fn(lambda: a @ a, iters=iters).median_ms / 1e3)
+
+
+def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth: float, iters: int) -> list[dict]:
+    """One dispatch and its combine on one rank, eager and replayed, beside their HBM floors."""
+    tokens, hidden, topk, num_experts = shape
+    experts, weights = routing(tokens, num_experts, topk)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    rows_in = ts.ops.moe.quantize_fp8(x) if fp8 else x
+
+    def dispatch():
+        return ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, low_latency=case == "low-latency")
+
+    recv, recv_w, _, handle = dispatch()
+    expert_out = ts.ops.moe.dequantize_fp8(*recv) if fp8 else recv
+
+    def combine():
+        return ts.ops.moe_combine(expert_out, recv_w, handle)
+
+    # Identity experts: each token comes back as its rows (as sent: FP8 rows dequantised) times its weights' sum.
+    sent = ts.ops.moe.dequantize_fp8(*rows_in) if fp8 else x
+    checks = [check_close(f"{case}{' fp8' if fp8 else ''} combine (identity experts)", combine().float(),
+                          sent.float() * weights.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)]
+    # Bytes each step must move: the dispatch reads every token row once and writes one
+    # grouped row per entry; the combine reads the entries' rows and writes, reads back and
+    # writes each token's row.
+    width = ts.ops.moe.fp8.packed_width(hidden) if fp8 else 2 * hidden
+    entries = tokens * topk
+    moved = {"dispatch": (tokens + entries) * width, "combine": (entries + 3 * tokens) * 2 * hidden}
+    rows = []
+    for step, fn in (("dispatch", dispatch), ("combine", combine)):
+        eager = time_fn(fn, iters=iters).median_ms * 1e3
+        replay = time_fn(graphed(fn), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
+        floor = moved[step] / bandwidth * 1e6
+        rows.append({"step": f"{case} {step}{' fp8' if fp8 else ''}", "tokens": tokens, "hidden": hidden,
+                     "topk": topk, "experts": num_experts, "eager_us": eager, "graph_us": replay, "floor_us": floor,
+                     "graph_over_floor": replay / floor, "bytes": moved[step],
+                     **({"checks": checks} if step == "combine" else {})})
+    return rows
+
+
+def floor_rows(iters: int, small: bool) -> list[dict]:
+    """One rank: dispatch (bf16, FP8, low-latency), combine and the layer, each eager and
+    replayed, beside the HBM / tensor-core floor of what it must move or compute."""
+    if ts.world_size() != 1:
+        raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/moe.py --floor")
+    bandwidth, rate = copy_bandwidth(iters, small), gemm_rate(iters, small)
+    rows = []
+    for case, fp8 in (("normal", False), ("normal", True), ("low-latency", False), ("low-latency", True)):
+        rows += floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters)
+    tokens, hidden, ffn, num_experts, topk = SMALL_LAYER if small else LAYER
+    with torch.no_grad():
+        layer = measure_layer((tokens, hidden, ffn, num_experts, topk), iters)
+    flops = 2 * tokens * topk * 2 * hidden * ffn
+    floor = flops / rate * 1e6
+    rows.append({"step": "layer forward", "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
+                 "eager_us": layer["layer_ms"] * 1e3, "graph_us": layer.get("graph_layer_ms", float("nan")) * 1e3,
+                 "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
+                 "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"]})
+    for row in rows:
+        row["copy_GBps"], row["gemm_TFLOPs"] = bandwidth / 1e9, rate / 1e12
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--floor", action="store_true", help="one rank: each step's own cost beside its floor")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     ts.init()
+    if args.floor:
+        report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
+                                              "floor_us", "graph_over_floor", "torch_layer_us"])
+        for row in floor_rows(args.iters, args.small):
+            report.add(row)
+        report.print_table()
+        report.save()
+        ts.finalize()
+        return
     report = Report("moe", columns=["case", "tokens", "hidden", "topk", "experts", "dispatch_us", "a2a_dispatch_us",
                                     "combine_us", "a2a_combine_us", "graph_dispatch_us", "graph_combine_us",
                                     "dispatch_GBps", "combine_GBps"])

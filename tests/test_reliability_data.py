@@ -145,8 +145,9 @@ def test_moe_zero_tokens_give_empty_results(moe_job):
 
 
 @pytest.mark.parametrize(("op", "mine", "theirs"), [
-    ("moe_dispatch", "moe_dispatch (8, 32) float32", "moe_dispatch (16, 32) float32"),
-    ("moe_combine", "moe_combine (384, 32) float32", "moe_combine (384, 16) float32"),
+    # Signed with the receive buffers (ranks, max tokens, hidden) and dtype, not this rank's count.
+    ("moe_dispatch", "moe_dispatch (2, 8, 32) float32", "moe_dispatch (2, 16, 32) float32"),
+    ("moe_combine", "moe_combine (2, 2, 16, 32) float32", "moe_combine (2, 2, 16, 16) float32"),
 ])
 def test_moe_disagreement_raises_on_every_rank(moe_job, op, mine, theirs):
     assert moe_job.returncode == 0, moe_job.stdout[-3000:] + moe_job.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Rank program: MoE dispatch/combine against a single-process reference, with skewed routing."""
+"""Rank program: MoE dispatch/combine against a single-process reference: skewed routing, different
+token counts per rank (a rank with none, one with the most), an explicit buffer reused and released."""
 
 import torch
 import torch.distributed as dist
@@ -11,15 +12,26 @@ rank, world = ts.rank(), ts.world_size()
 per_rank = max(4, 8 // world)  # top-8 needs 8 experts, also in a one-rank job
 num_experts = per_rank * world
 hidden = 40
-cases = [(13, 1, False), (29, 2, False), (17, 8, False), (11, 2, False), (13, 2, True), (9, 8, True), (13, 2, True)]
-for case, (tokens, topk, low_latency) in enumerate(cases):
+# (tokens, topk, low_latency, max_tokens); max_tokens set: rank 0 sends none, the last rank the
+# most, the others a few.
+cases = [(13, 1, False, None), (29, 2, False, None), (17, 8, False, None), (11, 2, False, None), (13, 2, True, None),
+         (9, 8, True, None), (13, 2, True, None), (None, 2, False, 19), (None, 8, True, 12)]
+
+
+def uneven(max_tokens: int) -> int:
+    return 0 if rank == 0 else max_tokens if rank == world - 1 else max_tokens // 3
+
+
+for case, (tokens, topk, low_latency, max_tokens) in enumerate(cases):
+    tokens = uneven(max_tokens) if max_tokens else tokens
     g = torch.Generator(device=ts.device()).manual_seed(100 * case + rank)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     scores = torch.rand(tokens, num_experts, generator=g)
     if case == 3:  # skewed: every token goes to rank 0's experts only; other ranks receive nothing
         scores[:, per_rank:] = -1
     topk_w, topk_idx = scores.topk(topk, dim=1)
-    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
+    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                         max_tokens=max_tokens)
 
     # Expert e multiplies by (e + 1): easy to check, different per expert.
     scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
@@ -48,20 +60,22 @@ for case, (tokens, topk, low_latency) in enumerate(cases):
         torch.testing.assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
-    mode = "low-latency" if low_latency else "normal"
+    mode = ("low-latency" if low_latency else "normal") + (", uneven" if max_tokens else "")
     print(f"rank {rank}: case {case} ({mode}) tokens={tokens} topk={topk} received {int(counts.sum())} rows: MOE-OK",
           flush=True)
 
 if ts.device().type == "cuda":  # a dispatch + combine step captured once, replayed on new tokens
     for low_latency in (False, True):
-        tokens, topk = 21, 2
+        tokens, topk = 21 if rank == 0 else 5, 2  # different counts per rank, up to 21
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         topk_w, topk_idx = torch.rand(tokens, num_experts).topk(topk, dim=1)
-        recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
+        recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                        max_tokens=21)
         ts.ops.moe_combine(recv_x, recv_w, handle)  # builds the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
+            recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                            max_tokens=21)
             y = ts.ops.moe_combine(recv_x, recv_w, handle)  # identity experts
         for _ in range(3):  # each replay alternates the buffer sets on the device
             x.copy_(torch.randn(tokens, hidden))
@@ -69,6 +83,66 @@ if ts.device().type == "cuda":  # a dispatch + combine step captured once, repla
             torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
         mode = "low-latency" if low_latency else "normal"
         print(f"rank {rank}: CUDA graph ({mode}), 3 replays: MOE-OK", flush=True)
+
+# FP8 dispatch (DeepEP's layout) against the bf16 path, counts differing per rank: the same
+# routes and grouping; each row arrives as exactly its quantised values and scales, within
+# e4m3's precision of the bf16 row; the bf16 combine and the grouped GEMM consume them.
+moe = ts.ops.moe
+fp8_hidden, ffn = 256, 64
+for low_latency in (False, True):
+    tokens = uneven(16)
+    x = (torch.randn(tokens, fp8_hidden) * 3).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+    ref_x, ref_w, ref_counts, ref = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                        max_tokens=16)
+    (values, scales), recv_w, counts, h = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
+                                                              low_latency=low_latency, max_tokens=16)
+    assert values.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (values.shape[0], fp8_hidden // 128)
+    valid = h.row_expert >= 0
+    assert torch.equal(h.row_expert, ref.row_expert) and torch.equal(counts, ref_counts), low_latency
+    assert torch.equal(recv_w, ref_w) and torch.equal(h.source_row, ref.source_row), low_latency
+    got = moe.dequantize_fp8(values[valid], scales[valid])
+    assert torch.equal(got, moe.dequantize_fp8(*moe.quantize_fp8(ref_x[valid]))), low_latency
+    error = (got.float() - ref_x[valid].float()).norm() / ref_x[valid].float().norm().clamp(min=1e-6)
+    assert error < 0.04, float(error)  # e4m3: 3 mantissa bits
+    y = ts.ops.moe_combine(moe.dequantize_fp8(values, scales), recv_w, h)  # bf16 back
+    y_ref = ts.ops.moe_combine(ref_x, ref_w, ref)
+    assert (y.float() - y_ref.float()).norm() <= 0.04 * y_ref.float().norm() + 1e-3, low_latency
+    w = (torch.randn(per_rank, ffn, fp8_hidden) / 16).to(torch.bfloat16)
+    out = ts.ops.grouped_gemm(values, w, h.row_expert, scales=scales)[valid].float()
+    out_ref = ts.ops.grouped_gemm(ref_x, w, ref.row_expert)[valid].float()
+    assert (out - out_ref).norm() <= 0.05 * out_ref.norm() + 1e-3, low_latency
+    mode = "low-latency" if low_latency else "normal"
+    print(f"rank {rank}: FP8 ({mode}) tokens={tokens} error {float(error):.4f}: FP8-OK", flush=True)
+
+# An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
+# own; a call that does not fit is refused; after release() it is gone.
+buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)
+allocations = len(ts.group_state().allocations)
+for step, tokens in enumerate((24, 0 if rank == 0 else 3, 11 + rank)):
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+    recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=step == 1)
+    y = buf.combine(recv_x, recv_w, handle)  # identity experts
+    torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
+for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),
+                                                      torch.zeros(25, 2, dtype=torch.long), torch.ones(25, 2))),
+                   ("top-1", lambda: buf.dispatch(torch.randn(4, hidden).to(torch.bfloat16),
+                                                  torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)))):
+    try:
+        call()
+        raise AssertionError(f"rank {rank}: {what}: no error")
+    except ValueError as err:
+        assert "do not fit Buffer(max_tokens=24" in str(err), err
+buf.release()
+assert len(ts.group_state().allocations) < allocations, "release() kept the buffers"
+try:
+    buf.dispatch(x, topk_idx, topk_w)
+    raise AssertionError(f"rank {rank}: a released buffer dispatched")
+except RuntimeError as err:
+    assert "is released" in str(err), err
+print(f"rank {rank}: BUFFER-OK", flush=True)
 
 try:
     ts.ops.moe_dispatch(torch.randn(4, hidden), torch.full((4, 1), num_experts), torch.ones(4, 1), num_experts)

@@ -61,28 +61,31 @@ class ExpertParallelMoE(nn.Module):
     The constructor draws GELU FFN experts from ``seed`` (:func:`moe_weights`);
     :meth:`from_weights` takes a model's router and expert weights (SwiGLU by default).
     Inputs: this rank's tokens, any leading dimensions (``(..., hidden)``), the same number
-    of tokens on every rank.
+    of tokens on every rank unless ``max_tokens`` is given.
 
     ``low_latency=True``: dispatch in low-latency mode (decode batches, see
-    ``ts.ops.moe_dispatch``). The forward has no host synchronisation, so a decode step can
+    ``ts.ops.moe_dispatch``). ``max_tokens``: the most tokens any rank passes, the same on
+    every rank; each rank then passes its own count, 0 included (None: the same count on
+    every rank). The forward has no host synchronisation, so a decode step can
     be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
     experts are split over (None: the job).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None):
         super().__init__()
         # Every rank draws the same full weights and keeps its experts: no broadcast needed.
         router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
         self._setup(router, w1.to(dtype), w2.to(dtype), topk, activation="gelu", normalize_topk=True,
-                    device=device, low_latency=low_latency, group=group)
+                    device=device, low_latency=low_latency, group=group, max_tokens=max_tokens)
 
     @classmethod
     def from_weights(cls, router: torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      gate_up: torch.Tensor, down: torch.Tensor, topk: int, *, activation: str = "silu_and_mul",
                      normalize_topk: bool = True, group: dist.ProcessGroup | None = None,
-                     low_latency: bool = False, device: torch.device | None = None) -> ExpertParallelMoE:
+                     low_latency: bool = False, device: torch.device | None = None,
+                     max_tokens: int | None = None) -> ExpertParallelMoE:
         """The layer of a model's router and experts, in Hugging Face Mixtral's / Qwen-MoE's layout.
 
         Example::
@@ -105,7 +108,7 @@ class ExpertParallelMoE(nn.Module):
             topk: experts per token.
             activation: ``"silu_and_mul"`` (SwiGLU) or ``"gelu"``.
             normalize_topk: renormalise the top-k routing weights to sum to 1.
-            group, low_latency: as the constructor's.
+            group, low_latency, max_tokens: as the constructor's.
             device: where the layer lives (default: this rank's device).
 
         Every rank may pass the full weights: each keeps (copies) its experts' slices. The
@@ -117,12 +120,12 @@ class ExpertParallelMoE(nn.Module):
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
         moe._setup(router, gate_up, down, topk, activation=activation, normalize_topk=normalize_topk, device=device,
-                   low_latency=low_latency, group=group)
+                   low_latency=low_latency, group=group, max_tokens=max_tokens)
         return moe
 
     def _setup(self, router: torch.Tensor | Callable, w1: torch.Tensor, w2: torch.Tensor, topk: int, *,
                activation: str, normalize_topk: bool, device: torch.device | None, low_latency: bool,
-               group: dist.ProcessGroup | None) -> None:
+               group: dist.ProcessGroup | None, max_tokens: int | None = None) -> None:
         world, rank = world_and_rank(group)
         num_experts, hidden = w2.shape[0], w2.shape[1]
         if activation not in _ACTIVATIONS:
@@ -138,6 +141,7 @@ class ExpertParallelMoE(nn.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.num_experts, self.topk, self.low_latency, self.group = num_experts, topk, low_latency, group
+        self.max_tokens = max_tokens
         self.activation, self.normalize_topk = activation, normalize_topk
         device = device or runtime.device()
         if isinstance(router, torch.Tensor):
@@ -163,7 +167,8 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
-        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency, self.group)
+        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency, self.group,
+                                                   self.max_tokens)
         h = _ACTIVATIONS[self.activation](_GroupedGemm.apply(recv_x, self.w1, handle)).to(x.dtype)
         out = _GroupedGemm.apply(h, self.w2, handle)
         return _Combine.apply(out, recv_w, handle).reshape(*lead, out.shape[-1])
@@ -179,9 +184,9 @@ class _Dispatch(torch.autograd.Function):
     combine), and each routing weight's gradient sent back from the row that carried it."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, num_experts, low_latency, group):  # noqa: ANN001, ANN205 - autograd signature
+    def forward(ctx, x, weights, experts, num_experts, low_latency, group, max_tokens):  # noqa: ANN001, ANN205
         recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
-                                                     group=group)
+                                                     group=group, max_tokens=max_tokens)
         ctx.handle = handle  # remembers the group: the combines of the backward run over it
         return recv_x, recv_w, handle
 
@@ -199,7 +204,7 @@ class _Dispatch(torch.autograd.Function):
         by_k = torch.zeros(rows + 1, topk, dtype=torch.float32, device=d_recv_w.device)
         by_k[target, torch.arange(topk, device=target.device).expand_as(target)] = padded[target]
         d_weights = ops.moe_combine(by_k[:rows].contiguous(), ones, handle)
-        return d_x, d_weights, None, None, None, None
+        return d_x, d_weights, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -9,6 +9,7 @@ import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, tl_dtype
 from tilescale.ops._gemm import BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
+from tilescale.ops.moe.fp8 import dequantize_fp8
 
 
 @jit
@@ -28,7 +29,8 @@ def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
     return main
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = x[i] @ w[row_expert[i]].T`` for rows grouped by expert in 128-row tiles.
 
     Example::
@@ -38,7 +40,23 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor) -> 
 
     Every 128-row tile of ``x`` belongs to one expert (the expert of its first row; -1:
     no expert, the tile's output rows are left undefined), as ``moe_dispatch`` lays rows out.
+
+    Args:
+        x: (rows, K) rows in ``w``'s dtype, or FP8 rows (``torch.float8_e4m3fn``, e.g. an FP8
+            dispatch's grouped values) with their ``scales``.
+        w: (experts, N, K) expert weights.
+        row_expert: (rows,) expert of each row.
+        scales: (rows, K // 128) float32 scales of FP8 ``x`` (``ts.ops.moe.quantize_fp8``):
+            the rows are dequantised to ``w``'s dtype first (one pass over them, not yet inside
+            the GEMM's loads).
+
+    Returns:
+        (rows, N) in ``w``'s dtype.
     """
+    if x.dtype == torch.float8_e4m3fn:
+        if scales is None:
+            raise ValueError("grouped_gemm: FP8 rows need their scales")
+        x = dequantize_fp8(x, scales, w.dtype)
     check_input(x, "x")
     check_input(w, "w")
     check_input(row_expert, "row_expert")

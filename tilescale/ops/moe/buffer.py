@@ -1,0 +1,337 @@
+"""The MoE exchange's buffers, sized up front: ``Buffer``, as DeepEP's (host API, torch tensors in and out).
+
+Example::
+
+    buf = ts.ops.moe.Buffer(ep, max_tokens=4096, hidden=7168, topk=8, num_experts=256)
+    recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_weights)   # any tokens <= 4096
+    y = buf.combine(expert_out, recv_w, handle)
+    buf.release()                                   # every rank of ep; ts.finalize() releases it too
+
+No host state changes from call to call, so a step can be captured in a CUDA graph and
+replayed. Each buffer keeps device-side counts of its dispatches and its combines. A source's
+``arrived`` flag holds its dispatch count + 1, set once per call and compared for equality (so
+it survives the count's wrap-around); a ``progress`` flag holds the groups sent so far in this
+call, and its receiver puts it back to 0 after the last one. Dispatch reads its receive
+buffers before its closing barrier, so the next call, which starts after that barrier on every
+rank, may overwrite them and raise the flags again; combine alternates two sets of return rows
+(``combine.py``). No opening barrier is needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tilescale import runtime
+from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
+from tilescale.ops.moe.combine import combine_kernel
+from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
+from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
+from tilescale.ops.moe.layout import ROW_TILE
+from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, watch_ids
+from tilescale.symmetric import allocate
+
+_serial = itertools.count()  # keys of explicit buffers in their group's state
+
+
+@dataclass
+class DispatchHandle:
+    """What combine (and a re-dispatch along the same routes) needs: returned by a dispatch.
+
+    Received row ``src * capacity + j`` is slot j of source rank ``src`` (``capacity``: the
+    buffer's ``max_tokens``); rows and pairs are as the module ``tilescale.ops.moe`` describes.
+    """
+
+    tokens: int  # this rank's tokens (0 allowed)
+    topk_idx: torch.Tensor  # (max(tokens, 1), topk) int32 expert ids this rank dispatched (-1: padding row)
+    topk_w: torch.Tensor  # (max(tokens, 1), topk) float32 their routing weights
+    expert_slot: torch.Tensor  # (max(tokens, 1), topk) order of entry (t, k) among this rank's entries of its expert
+    dest: torch.Tensor  # (world * max(tokens, 1),) destination of pair (rank r, token t) at r * tokens + t, or -1
+    slot: torch.Tensor  # (world * max(tokens, 1),) the pair's slot at its destination (-1 where no pair)
+    send_counts: torch.Tensor  # (world,) rows sent to each rank
+    expert_send_counts: torch.Tensor  # (num_experts,) entries sent to each expert
+    recv_counts: torch.Tensor  # (world,) rows received from each rank
+    position: torch.Tensor  # (world * capacity, topk) grouped row of each received row's local experts, -1 if none
+    counts: torch.Tensor  # (local_experts,) grouped rows holding tokens of each local expert
+    offsets: torch.Tensor  # (local_experts,) first grouped row of each local expert
+    row_expert: torch.Tensor  # (grouped rows,) local expert of each grouped row, -1 for rows holding no token
+    source_row: torch.Tensor  # (grouped rows,) received row (source * capacity + slot) of each, -1 if none
+    group: dist.ProcessGroup | None = None  # the expert-parallel group the dispatch ran over (None: the whole job)
+    buffer: Buffer | None = None  # the buffer it went through (None: nothing was exchanged)
+
+
+class Buffer:
+    """Symmetric buffers for MoE dispatch and combine over one group, allocated once.
+
+    Example::
+
+        buf = ts.ops.moe.Buffer(ep, max_tokens=128, hidden=7168, topk=8, num_experts=256)
+        recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=True)
+        y = buf.combine(expert_out, recv_w, handle)
+
+    Args:
+        group: the expert-parallel process group (None: the whole job); experts are split
+            evenly over its ranks (expert ``e`` on rank ``e // (num_experts // size)``).
+        max_tokens: the most tokens any rank passes to one dispatch, the same on every rank
+            (DeepEP's ``num_max_dispatch_tokens_per_rank``); each rank passes any count up to
+            it, 0 included.
+        hidden, topk, num_experts, dtype: what every dispatch through the buffer passes.
+            ``torch.float8_e4m3fn``: FP8 dispatch (``tilescale.ops.moe.fp8``: e4m3 rows and
+            per-128-channel float32 scales, passed as a ``(values, scales)`` pair or as bf16
+            rows quantised on the way in), bf16 combine.
+
+    Collective: every rank of the group constructs it with the same arguments (checked), and
+    calls its methods in the same order. Calls that do not fit (more tokens, another top-k,
+    hidden size or dtype) raise ValueError. Combines and re-dispatches of another hidden size
+    or dtype (a layer's backward combines float32 weight gradients) get their own rows at
+    first use, outside CUDA graph capture. :meth:`release` frees it; ``ts.finalize()``
+    releases every buffer left.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, max_tokens: int, hidden: int, topk: int, num_experts: int,
+                 dtype: torch.dtype = torch.bfloat16):
+        self.state = state = runtime.group_state(group)
+        self.group, self.world = group, state.size
+        if max_tokens < 1 or hidden < 1 or not 1 <= topk <= num_experts or num_experts % state.size:
+            raise ValueError(f"moe Buffer: need max_tokens >= 1, hidden >= 1, 1 <= topk <= num_experts and "
+                             f"num_experts divisible by the group size {state.size}; got max_tokens={max_tokens}, "
+                             f"hidden={hidden}, topk={topk}, num_experts={num_experts}")
+        self.fp8 = dtype == torch.float8_e4m3fn
+        if self.fp8 and hidden % BLOCK:
+            raise ValueError(f"moe Buffer: FP8 rows need hidden divisible by {BLOCK}, got {hidden}")
+        if not self.fp8:
+            tl_dtype(torch.empty(0, dtype=dtype))  # TypeError for dtypes the kernels do not move
+        self.max_tokens, self.hidden, self.topk, self.num_experts, self.dtype = (max_tokens, hidden, topk,
+                                                                                  num_experts, dtype)
+        self.per_rank = num_experts // state.size
+        hits = state.size * max_tokens * min(topk, self.per_rank)
+        self.rows = -(-(hits + self.per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE  # grouped rows, worst case
+        self.sms = sm_count()
+        runtime.check_not_capturing(f"the MoE buffer of {max_tokens} tokens x {hidden} ({dtype})")
+        check_same_across_ranks(state, "moe Buffer", [max_tokens, hidden, topk, num_experts, str(dtype),
+                                                      f"SMs={self.sms}"])
+        world, meta = state.size, (state.size, max_tokens, topk)
+        self._idx, self._w = allocate(state, meta, torch.int32), allocate(state, meta, torch.float32)
+        self._slot = allocate(state, meta, torch.int32)
+        self._counts = allocate(state, (world,), torch.int32)
+        self._expert_counts = allocate(state, (world, self.per_rank), torch.int32)
+        self._arrived = allocate(state, (world,), torch.int32)
+        self._flags = {}  # per mode: (ranges, progress), the plan's shape
+        for low_latency in (False, True):
+            blocks, _, _, groups = dispatch_plan(world, max_tokens, self.sms, low_latency)
+            self._flags[low_latency] = (allocate(state, (world, blocks, groups, 2), torch.int32),
+                                        allocate(state, (world, blocks), torch.int32))
+        self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
+        self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
+        # FP8 rows travel as bytes (values, then scales), and come back bf16.
+        self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
+        self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
+        device = runtime.device()
+        self._sends = torch.zeros(1, dtype=torch.int32, device=device)
+        self._combines = torch.zeros(1, dtype=torch.int32, device=device)
+        self._key = ("moe buffer", next(_serial))
+        state.exchange(self._key, lambda: self)  # the group's release (ts.finalize) releases it
+        self.released = False
+
+    def __repr__(self) -> str:
+        return (f"Buffer(max_tokens={self.max_tokens}, hidden={self.hidden}, topk={self.topk}, "
+                f"num_experts={self.num_experts}, dtype={self.dtype}, {self.state.describe()}"
+                f"{', released' if self.released else ''})")
+
+    def fits(self, tokens: int, hidden: int, topk: int, num_experts: int, dtype: torch.dtype) -> bool:
+        """Whether a dispatch of ``tokens`` x ``hidden`` rows, top-``topk`` of ``num_experts``, goes through."""
+        return (tokens <= self.max_tokens and (hidden, topk, num_experts, dtype)
+                == (self.hidden, self.topk, self.num_experts, self.dtype))
+
+    def release(self) -> None:
+        """Free the buffers (collective: every rank of the group calls it, after its last use).
+
+        The ranks first meet (after this rank's queued GPU work), so no rank frees memory a
+        peer may still write into. Handles of earlier dispatches can no longer be combined.
+        """
+        if self.released:
+            return
+        self._check_live()
+        if self.state.backend.device_type == "cuda":
+            torch.cuda.synchronize()
+        self.state.comm.barrier()
+        self._drop()
+
+    def _drop(self) -> None:
+        self.released = True
+        for key in [k for k, v in self.state.exchanges.items() if v is self]:  # its own key, and the ops' cache
+            del self.state.exchanges[key]
+        self._flags, self._rows_in, self._rows_back = {}, {}, {}
+        self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
+
+    def _check_live(self) -> None:
+        if not self.released and self.state.released:  # the group went first (ts.finalize)
+            self._drop()
+        if self.released:
+            raise RuntimeError(f"{self!r} is released: construct a new one")
+
+    def _received(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Receive rows of a dispatch of ``hidden`` x ``dtype``: slot j of source src at ``[src, j]``."""
+        key = (hidden, dtype)
+        if key not in self._rows_in:
+            runtime.check_not_capturing(f"the MoE buffer's receive rows of {hidden} ({dtype})")
+            self._rows_in[key] = allocate(self.state, (self.world, self.max_tokens, hidden), dtype)
+        return self._rows_in[key]
+
+    def _returned(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Combine's return rows of ``hidden`` x ``dtype``, two sets used by alternate calls."""
+        key = (hidden, dtype)
+        if key not in self._rows_back:
+            runtime.check_not_capturing(f"the MoE buffer's return rows of {hidden} ({dtype})")
+            self._rows_back[key] = allocate(self.state, (2, self.world, self.max_tokens, hidden), dtype)
+        return self._rows_back[key]
+
+    def dispatch(self, x: Rows, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, low_latency: bool = False,
+                 ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send each token to the ranks of its experts; return the tokens grouped by local expert.
+
+        Args:
+            x: this rank's (tokens, hidden) rows, tokens <= ``max_tokens`` (0 allowed); for an
+                FP8 buffer a ``(values, scales)`` pair (``quantize_fp8``) or rows to quantise.
+            topk_idx: (tokens, topk) integer expert ids.
+            topk_weights: (tokens, topk) routing weights.
+            low_latency: announce every row on its own (decode batches); the same on every rank.
+
+        Returns:
+            ``(recv_x, recv_w, counts, handle)`` as ``ts.ops.moe_dispatch`` documents; for FP8
+            ``recv_x`` is a ``(values, scales)`` pair of views of the grouped bytes.
+        """
+        self._check_live()
+        if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
+            x = quantize_fp8(x)
+        values = x[0] if is_fp8(x) else x
+        tokens = _check_routing(values, topk_idx, topk_weights)
+        dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+        if not self.fits(tokens, values.shape[1], topk_idx.shape[1], self.num_experts, dtype):
+            raise ValueError(f"moe dispatch: {tokens} tokens x {values.shape[1]} ({dtype}), "
+                             f"top-{topk_idx.shape[1]}, do not fit {self!r}")
+        check_same_across_ranks(self.state, "moe_dispatch", [self.max_tokens, self.hidden, self.topk, str(self.dtype),
+                                                             self.num_experts, f"low_latency={low_latency}",
+                                                             f"SMs={self.sms}"])
+        idx = expert_ids(topk_idx, self.num_experts)
+        weights = topk_weights.to(torch.float32).contiguous()
+        routes = self._route(idx, tokens)
+        capturing = _capturing(values)
+        if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
+            watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
+        idx, weights = _padded(idx, -1), _padded(weights, 0)
+        recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
+            _padded(pack(x) if self.fp8 else x, 0), idx, weights, routes, tokens, low_latency)
+        handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
+                                dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
+                                expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
+                                position=position, counts=counts, offsets=offsets, row_expert=row_expert,
+                                source_row=source_row, group=self.group, buffer=self)
+        if not capturing:
+            raise_bad_ids()
+        return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
+
+    def _route(self, idx: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+        """The routing kernel's outputs; for no tokens, those of one token routed nowhere."""
+        i32 = dict(dtype=torch.int32, device=idx.device)
+        world, held = self.world, max(tokens, 1)
+        out = {"dest": torch.full((world * held,), -1, **i32), "slot": torch.full((world * held,), -1, **i32),
+               "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(held, self.topk, **i32),
+               "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32)}
+        if tokens:
+            # Pair (t, r) exists when token t has an expert on rank r; its slot at r is its order
+            # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
+            # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
+            route_kernel(world, tokens, self.topk, self.num_experts, group=self.group)(
+                idx, out["dest"], out["slot"], out["send_counts"], out["expert_slot"], out["expert_counts"],
+                out["bad"])
+        return out
+
+    def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
+              tokens: int, low_latency: bool) -> tuple[torch.Tensor, ...]:
+        """Every token to its destinations, and what this rank receives grouped by local expert,
+        from the routing kernel's outputs; no host round trip.
+
+        Returns ``recv_x`` (rows, hidden), per grouped row its routing weight, ``row_expert`` and
+        ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
+        ``position`` (received rows, topk); and the rows received from each source.
+        """
+        world, rows, hidden = self.world, self.rows, x.shape[1]
+        i32 = dict(dtype=torch.int32, device=x.device)
+        counts, offsets = torch.empty(self.per_rank, **i32), torch.empty(self.per_rank, **i32)
+        received_counts = torch.empty(world, **i32)
+        position = torch.empty(world * self.max_tokens, self.topk, **i32)
+        weight = torch.empty(rows, dtype=torch.float32, device=x.device)
+        source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
+        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+        received = self._received(hidden, x.dtype)
+        kernel = dispatch_kernel(world, tokens, hidden, self.topk, self.per_rank, rows, tl_dtype(x), self.sms,
+                                 low_latency, capacity=self.max_tokens, group=self.group)
+        # The call's identity names what every rank must agree on (not this rank's token count).
+        board, ident = call_identity(self.state, signature("moe_dispatch", received, f"topk={self.topk}",
+                                                           f"experts={self.num_experts}",
+                                                           f"low_latency={low_latency}", f"SMs={self.sms}"))
+        ranges, progress = self._flags[low_latency]
+        kernel(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"], routes["expert_counts"],
+               received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
+               self._arrived, self._sends, counts, offsets, received_counts, position, weight, source_row,
+               row_expert, recv_x, board, ident, group=self.group)
+        return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
+
+    def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send the rows of ``x`` (tokens, any hidden) along the routes of ``handle``, grouped as
+        it grouped them (see ``ts.ops.moe_redispatch``)."""
+        self._check_live()
+        check_input(x, "x")
+        if x.dim() != 2 or x.shape[0] != handle.tokens:
+            raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
+        routes = {"dest": handle.dest, "slot": handle.slot, "send_counts": handle.send_counts,
+                  "expert_slot": handle.expert_slot, "expert_counts": handle.expert_send_counts}
+        return self._send(_padded(x, 0), handle.topk_idx, handle.topk_w, routes, handle.tokens, low_latency=False)[0]
+
+    def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Weighted sum of each token's expert outputs, back on its source rank in its order
+        (see ``ts.ops.moe_combine``)."""
+        if not _capturing(expert_out):
+            raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
+        self._check_live()
+        check_input(expert_out, "expert_out")
+        check_input(recv_weights, "recv_weights")
+        rows, hidden = expert_out.shape
+        if rows != self.rows or recv_weights.shape != (rows,):
+            raise ValueError(f"expert_out must be ({self.rows}, hidden) and recv_weights ({self.rows},), got "
+                             f"{tuple(expert_out.shape)} and {tuple(recv_weights.shape)}")
+        tokens = handle.tokens
+        out = torch.empty(max(tokens, 1), hidden, dtype=expert_out.dtype, device=expert_out.device)
+        back = self._returned(hidden, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
+        kernel = combine_kernel(self.world, tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
+                                capacity=self.max_tokens, group=self.group)
+        kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
+               handle.dest, handle.slot, back, out, self._combines,
+               signature("moe_combine", back, f"topk={self.topk}"), group=self.group)
+        return out[:tokens]
+
+
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
+    """This rank's shapes (checked locally; the ranks' agreement is the buffer's and the kernels'); its tokens."""
+    check_input(x, "x")
+    if x.dim() != 2:
+        raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
+    if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_dispatch: topk_idx {tuple(topk_idx.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, topk)")
+    return x.shape[0]
+
+
+def _padded(t: torch.Tensor, value: float) -> torch.Tensor:
+    """``t`` contiguous, or for no rows one row of ``value``: the kernels' inputs hold at least one row."""
+    return t.contiguous() if t.shape[0] else torch.full((1, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether work on ``t``'s device is being captured into a CUDA graph (nothing runs now)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,230 @@
+"""The dispatch kernel: every token to the ranks of its experts, grouped by local expert on arrival.
+
+One launch, sending and receiving at once, after the routing kernel (``routing.py``). Block
+d first sends rank d this rank's row count and per-expert entry counts, and raises rank d's
+``arrived`` flag. Then each block walks its own range of tokens in groups of a few:
+
+* each token of the group that goes to a peer is put there (row, expert ids, weights,
+  expert slots) at its slot; the group's slot range then goes to the peer, and the peer's
+  ``progress`` flag of this block is raised past the group (peers interleaved, so no rank
+  receives from all the others at once);
+* once every source's counts are in (first group only), the grouped layout is known
+  (``layout.py``);
+* this rank's own tokens go straight from ``x`` to their grouped rows (no receive buffer),
+  each row read once and written once per local expert;
+* the previous group of each peer's block with the same index is placed likewise from the
+  receive buffer once its ``progress`` flag says it is in: a group's time after it was sent,
+  so the wait is usually over, and the copy from the peers overlaps the block's own sends.
+
+Low-latency mode (decode batches) announces every row on its own (groups of one), so a
+receiver never waits for a row behind others. A closing barrier ends the call.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
+# refer to the kernel factory's local variables.
+
+from dataclasses import dataclass
+
+import tilescale.language as T
+from tilescale.jit import jit
+from tilescale.ops.moe.layout import Layout, Segments, _rank, finish, place, segments
+
+# Tokens a dispatch block reads at once and sends to a peer between two announcements (each
+# a fence and a flag): more rows in flight and fewer fences, against the receiver waiting
+# longer for the first rows.
+GROUP_ROWS = 4
+
+
+def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple[int, int, int, int]:
+    """``(blocks, chunk, group, groups)`` of the dispatch kernel: block b sends tokens ``b *
+    chunk .. (b + 1) * chunk - 1``, ``groups`` groups of ``group``, and announces each group to
+    each peer (groups of one in low-latency mode: each row as soon as it is out). One block per
+    SM at most (the closing barrier needs every block resident), and no fewer blocks than
+    ranks (block d sends rank d the counts)."""
+    chunk = -(-tokens // min(tokens, sms))
+    group = 1 if low_latency else min(GROUP_ROWS, chunk)
+    return max(-(-tokens // chunk), world), chunk, group, -(-chunk // group)
+
+
+@dataclass(frozen=True)
+class Received:
+    """The symmetric receive buffers of a dispatch (prim_func parameters), bundled for its macros:
+    slot j of source src at ``[src, j]``."""
+
+    x: object  # (world, capacity, hidden) rows
+    idx: object  # (world, capacity, topk) their entries' expert ids
+    w: object  # (world, capacity, topk) their routing weights
+    slot: object  # (world, capacity, topk) their expert slots
+    ranges: object  # (world, blocks, groups, 2) first slot and rows of each group sent
+    progress: object  # (world, blocks) groups of each source block in so far
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A dispatch block's shared tiles for one group of rows."""
+
+    rows: object  # (group, hidden)
+    ids: object  # (group, topk) expert ids of each row's entries
+    ws: object  # (group, topk) their routing weights
+    eslots: object  # (group, topk) their expert slots
+    where: object  # (group,) the received row each row is (source * capacity + slot), -1 for none
+    pos: object  # (group, topk) each entry's grouped row, -1 for other ranks' experts
+
+
+@jit
+def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
+                    low_latency: bool, capacity: int | None = None):
+    """Send every token to the ranks of its experts and group what this rank receives by
+    local expert, in one launch (see the module notes for the protocol).
+
+    Inputs are the routing kernel's outputs; ``recv_*``, ``ranges``, ``progress`` and
+    ``arrived`` are symmetric; the rest are this rank's grouped layout, written here.
+    ``tokens`` is this rank's count (0 allowed: the inputs then hold one row, never read);
+    ``capacity`` the most any rank sends (default ``tokens``), the same on every rank: the
+    receive buffers hold that many slots per source, and the plan (blocks and groups, which
+    receivers mirror) derives from it, so ranks may send different counts.
+    """
+    capacity = tokens if capacity is None else capacity
+    held = max(tokens, 1)
+    blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency)
+    received = world * capacity
+
+    @T.prim_func
+    def main(x: T.Tensor((held, hidden), dtype), topk_idx: T.Tensor((held, topk), "int32"),
+             topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
+             slot: T.Tensor((world * held,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             expert_counts: T.Tensor((world * per_rank,), "int32"),
+             recv_x: T.Tensor((world, capacity, hidden), dtype), recv_idx: T.Tensor((world, capacity, topk), "int32"),
+             recv_w: T.Tensor((world, capacity, topk), "float32"),
+             recv_slot: T.Tensor((world, capacity, topk), "int32"),
+             recv_counts: T.Tensor((world,), "int32"), recv_expert_counts: T.Tensor((world, per_rank), "int32"),
+             ranges: T.Tensor((world, blocks, groups, 2), "int32"), progress: T.Tensor((world, blocks), "int32"),
+             arrived: T.Tensor((world,), "int32"), sends: T.Tensor((1,), "int32"),
+             counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
+             received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
+             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
+             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype),
+             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+        with T.Kernel(blocks, threads=128) as b:
+            with T.Scale("device") as (rank, ranks):
+                recv = Received(recv_x, recv_idx, recv_w, recv_slot, ranges, progress)
+                layout = Layout(position, weight, source_row, row_expert, out, counts, offsets, received_counts)
+                # A group of rows with their entries' expert ids, weights and expert slots: read
+                # once from x (or a receive buffer), used for every destination.
+                tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
+                              T.alloc_shared((group, topk), "float32"), T.alloc_shared((group, topk), "int32"),
+                              T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"))
+                span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
+                given = T.alloc_shared((world, per_rank), "int32")  # every source's entries of each expert
+                got = T.alloc_shared((world,), "int32")  # every source's rows
+                upto = T.alloc_shared((world, per_rank), "int32")
+                end = T.alloc_shared((per_rank,), "int32")
+                seg = Segments(given, got, upto, end, world, per_rank)
+                call = T.alloc_local((1,), "int32")
+                call[0] = sends[0]
+                if b < ranks:  # the counts first: a receiver needs every source's to place any row
+                    T.announce(board, ident)  # released by the signal below: the receiver checks it
+                    T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
+                    T.copy(expert_counts[b * per_rank:b * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
+                           dst_pe=b)
+                    T.signal(arrived[rank], call[0] + 1, pe=b)
+                for g in T.serial(groups + 1):
+                    # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
+                    # block b placed meanwhile (it has had a group's time to arrive).
+                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                        _load(x, topk_idx, topk_w, expert_slot, b * chunk + g * group, tile)
+                    if world > 1 and g < groups:
+                        for j in T.serial(world - 1):
+                            _put_group(tile, slot, span, recv, b * chunk + g * group,
+                                       _group_tokens(b, g, chunk, group, tokens), _peer(b, j, world), b, g, held)
+                    if g == 0:
+                        for src in T.serial(ranks):
+                            T.wait(arrived[src], "eq", call[0] + 1, agree=(board, ident))
+                        segments(recv_expert_counts, recv_counts, seg)
+                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                        for i in T.Parallel(group):  # this rank's own tokens among them: received rows
+                            tile.where[i] = T.if_then_else(
+                                i < _group_tokens(b, g, chunk, group, tokens)
+                                and slot[rank * held + T.min(b * chunk + g * group + i, held - 1)] >= 0,
+                                rank * capacity + slot[rank * held + T.min(b * chunk + g * group + i, held - 1)],
+                                -1)
+                        place(tile, seg, layout, capacity)
+                    if world > 1 and g > 0:
+                        for j in T.serial(world - 1):
+                            _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
+                finish(b, blocks, seg, layout, capacity, topk, rows)
+                T.barrier()  # every rank has taken its rows out of the receive buffers
+                if b == 0:
+                    sends[0] = call[0] + 1  # every thread stores the same value
+
+    return main
+
+
+def _peer(b, j, world):
+    """The j-th peer block b sends to and takes from, rotated by block so that no rank hears
+    from all the others at once."""
+    return (_rank() + 1 + (b + j) % (world - 1)) % world
+
+
+def _group_tokens(b, g, chunk, group, tokens):
+    """Tokens in group g of block b (none past the last token)."""
+    return T.min(T.min(group, chunk - g * group), tokens - b * chunk - g * group)
+
+
+@T.macro
+def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
+    """Tokens ``t0 ..`` of this rank into ``tile`` (a group past the last token is cut short)."""
+    group = tile.rows.shape[0]
+    T.copy(x[t0:t0 + group, 0:tile.rows.shape[1]], tile.rows)
+    T.copy(topk_idx[t0:t0 + group, 0:tile.ids.shape[1]], tile.ids)
+    T.copy(topk_w[t0:t0 + group, 0:tile.ids.shape[1]], tile.ws)
+    T.copy(expert_slot[t0:t0 + group, 0:tile.ids.shape[1]], tile.eslots)
+
+
+@T.macro
+def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
+    """The group's tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row,
+    expert ids, weights, expert slots, at their slots there), then the group's slot range into
+    ``ranges[rank, b, g]`` there and its progress flag raised to g + 1 (also for a group with
+    no token: the receiver waits for every group of the plan). ``tokens``: rows of ``slot``
+    per destination."""
+    hidden, topk = tile.rows.shape[1], tile.ids.shape[1]
+    first, sent = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")  # per thread: no race
+    first[0] = 0
+    sent[0] = 0
+    for i in T.serial(n):
+        if slot[d * tokens + t0 + i] >= 0:
+            T.copy(tile.rows[i, 0:hidden], recv.x[_rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
+            T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(tile.ws[i:i + 1, 0:topk], recv.w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            if sent[0] == 0:
+                first[0] = slot[d * tokens + t0 + i]  # slots grow with the token: the rest follow
+            sent[0] = sent[0] + 1
+    span[0] = first[0]
+    span[1] = sent[0]
+    T.copy(span, recv.ranges[_rank(), b, g, 0:2], dst_pe=d)
+    T.signal(recv.progress[_rank(), b], g + 1, pe=d)
+
+
+@T.macro
+def _take_group(src, b, g, groups, tile, span, seg, recv, layout, capacity):
+    """Once it has arrived, group g of source src's block b: its rows placed at their experts'
+    grouped rows (received row ``src * capacity + slot``). After the last group, the flag goes
+    back to 0 for the next call, whose sender starts after this call's closing barrier."""
+    group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
+    T.wait(recv.progress[src, b], "ge", g + 1)
+    T.copy(recv.ranges[src, b, g, 0:2], span)
+    first, n = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")
+    first[0] = span[0]
+    n[0] = span[1]
+    if n[0] > 0:
+        T.copy(recv.x[src, first[0]:first[0] + group, 0:hidden], tile.rows)
+        T.copy(recv.idx[src, first[0]:first[0] + group, 0:topk], tile.ids)
+        T.copy(recv.w[src, first[0]:first[0] + group, 0:topk], tile.ws)
+        T.copy(recv.slot[src, first[0]:first[0] + group, 0:topk], tile.eslots)
+        for i in T.Parallel(group):
+            tile.where[i] = T.if_then_else(i < n[0], src * capacity + first[0] + i, -1)
+        place(tile, seg, layout, capacity)
+    if g == groups - 1:
+        recv.progress[src, b] = 0
