@@ -1,5 +1,8 @@
 """Rank program: the fused TP GEMMs against torch.distributed + torch, and their input checks."""
 
+import itertools
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -7,6 +10,10 @@ import tilescale as ts
 from tilescale.ops._gemm import NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
 
 SHORT = TileConfig(64, 64, 64, 2, 128, "FullRow")
+# TP_CHECK_PART="i/n" runs case c (each dtype and shape, then each graph-captured op) where c % n == i,
+# so n jobs can share a GPU and compile their kernels in parallel; unset, every case runs.
+PART, PARTS = map(int, os.environ.get("TP_CHECK_PART", "0/1").split("/"))
+cases = itertools.count()
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
@@ -15,6 +22,8 @@ g = torch.Generator(device=ts.device()).manual_seed(rank)
 for dtype in (torch.float16, torch.bfloat16):
     # (16, 256, 96): one output tile, so the reduce GEMMs split K (in 4 parts on the CPU path)
     for (m, k, n) in [(64, 96, 80), (130, 64, 200), (16, 256, 96)]:
+        if next(cases) % PARTS != PART:
+            continue
         a = torch.randn(m, k, generator=g).to(dtype)
         w = torch.randn(n, k, generator=g).to(dtype)
         full = torch.empty(world * m, k, dtype=dtype)
@@ -77,6 +86,8 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
            # 192 tiles of 64x64 outnumber the SMs: the gathering plan (reduce-scatter GEMM, then the copy-in)
            "gemm_all_reduce_gather": lambda: ts.ops.gemm_all_reduce(a4, w, plan="fused", tile=SHORT)}
     for name, op in ops.items():
+        if next(cases) % PARTS != PART:
+            continue
         op()  # builds the kernels and the exchange outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
