@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -91,3 +92,74 @@ def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: tor
                                 f"{theirs}, whose reference logit is {margin:.3g} higher (tolerance {atol:g})")
         ties += 1
     return ties
+
+
+@dataclass
+class ShardedComparison:
+    """What :func:`compare_sharded_model` measured (the checks themselves passed)."""
+
+    tokens: torch.Tensor
+    """The sharded model's greedy decoding, prompt included: (batch, prompt length + new tokens)."""
+    new_tokens: torch.Tensor
+    """Only the generated part of ``tokens``."""
+    ties: int
+    """Sequences that parted from the reference at a near-tie (see :func:`check_greedy`)."""
+    ms: float
+    """Prefill milliseconds of the sharded model (:func:`do_bench`)."""
+    ref_ms: float
+    """Prefill milliseconds of the original model."""
+
+    def describe_tokens(self) -> str:
+        """``greedy tokens: [[...], ...]``, naming the sequences that parted at a near-tie."""
+        ties = f" ({self.ties} sequences part from the reference at a near-tie)" if self.ties else ""
+        return f"greedy tokens: {self.new_tokens.tolist()}{ties}"
+
+
+def compare_sharded_model(model: torch.nn.Module, prompt: torch.Tensor, shard: Callable[[torch.nn.Module], None],
+                          new_tokens: int = 4) -> ShardedComparison:
+    """Check that ``shard`` (which replaces parts of ``model`` in place) keeps a causal LM's outputs.
+
+    Example::
+
+        def shard(model):
+            for layer in model.model.layers:
+                layer.mlp = TensorParallelMLP(layer.mlp)
+
+        result = compare_sharded_model(model, prompt, shard)     # every rank, the same model and prompt
+        if ts.rank() == 0:
+            print(result.describe_tokens())
+
+    The logits of ``prompt`` must match the original's within the tolerance of the model's
+    dtype (absolute 5e-2 in bfloat16, 1e-4 otherwise), and ``new_tokens`` greedy tokens (a
+    Hugging Face ``generate``: no sampling, no stop at an end-of-sequence token) must equal the
+    original's but where :func:`check_greedy` allows a near-tie. Both models' prefills are
+    timed (fewer iterations on the CPU path, which interprets the kernels).
+
+    Args:
+        model: the unsharded model, in eval mode, the same on every rank.
+        prompt: token ids (batch, length) on the model's device.
+        shard: called once with ``model`` between the reference run and the sharded one.
+        new_tokens: how many tokens to decode greedily.
+
+    Returns:
+        The sharded model's tokens and the timings. Raises AssertionError where a check fails.
+    """
+    atol = 5e-2 if next(model.parameters()).dtype == torch.bfloat16 else 1e-4
+    bench = dict(warmup=5, iters=20) if prompt.device.type == "cuda" else dict(warmup=1, iters=2)
+
+    def generate() -> torch.Tensor:
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+        ref_tokens = generate()
+        ref_token_logits = model(ref_tokens).logits  # where a choice was a near-tie (see check_greedy)
+        ref_ms = do_bench(lambda: model(prompt), **bench)
+        shard(model)
+        logits = model(prompt).logits
+        tokens = generate()
+        ms = do_bench(lambda: model(prompt), **bench)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol)
+    ties = check_greedy(tokens, ref_tokens, ref_token_logits, atol)
+    return ShardedComparison(tokens, tokens[:, prompt.shape[1]:], ties, ms, ref_ms)
