@@ -84,7 +84,11 @@ class GroupState:
         return self.comm.ranks
 
     def describe(self) -> str:
-        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
+        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``.
+
+        Returns:
+            The name.
+        """
         return "whole job" if self.whole_job else f"group of ranks {self.ranks}"
 
     def exchange(self, key: tuple, create: Callable[[], Any]) -> Any:
@@ -93,6 +97,13 @@ class GroupState:
         Example::
 
             ex = state.exchange(("tp_gemm", "ag", rows, k), lambda: make_buffers())
+
+        Args:
+            key: what the state is for (the op, its role and its shapes).
+            create: makes the state; called once per key (collective calls inside are made by every rank alike).
+
+        Returns:
+            The state.
         """
         self.check_live()
         found = self.exchanges.get(key)
@@ -116,6 +127,9 @@ class GroupState:
         GPU work), so no rank frees memory a peer may still write into. Symmetric tensors of
         the group that the caller still holds stay valid local tensors but are no longer
         symmetric (peer views and kernels refuse them).
+
+        Args:
+            barrier: meet the group's ranks first (pass False only where they cannot be reached any more).
         """
         if self.released:
             return

@@ -22,6 +22,14 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
     All ranks start the timed loop together (a host barrier after the warm-up). Timed with
     CUDA events on GPUs, with the host clock on the CPU path; the benchmarks in
     ``benchmarks/`` report medians of single calls.
+
+    Args:
+        fn: the call to time (no arguments).
+        warmup: untimed calls first.
+        iters: timed calls.
+
+    Returns:
+        Milliseconds per call.
     """
     for _ in range(warmup):
         fn()
@@ -50,6 +58,16 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: t
 
     ``router`` (experts, hidden), ``w1`` (experts, ffn, hidden), ``w2`` (experts, hidden, ffn),
     the routing as ``ts.nn.ExpertParallelMoE`` does it (softmax, top-k, renormalised).
+
+    Args:
+        x: the tokens (tokens, hidden).
+        router: the router's weight (experts, hidden).
+        w1: the experts' first weights (experts, ffn, hidden).
+        w2: the experts' second weights (experts, hidden, ffn).
+        topk: experts per token.
+
+    Returns:
+        The layer's output, like ``x``.
     """
     probs = torch.softmax(x @ router.T, dim=-1)
     weights, experts = probs.topk(topk, dim=-1)
@@ -76,6 +94,12 @@ def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: tor
     reference's logit of its own token (``ref_logits``: the reference's logits over
     ``ref_tokens``) may exceed that of ``tokens``' choice by at most ``atol``, the logits'
     tolerance (bf16 rounding can flip such a choice; everything after it differs).
+
+    Args:
+        tokens: the decoding to check (batch, length).
+        ref_tokens: the reference's decoding of the same prompts, same shape.
+        ref_logits: the reference's logits over ``ref_tokens`` (batch, length, vocabulary).
+        atol: the logits' tolerance.
 
     Returns:
         The number of sequences that parted at a near-tie. Raises AssertionError otherwise.
@@ -110,7 +134,11 @@ class ShardedComparison:
     """Prefill milliseconds of the original model."""
 
     def describe_tokens(self) -> str:
-        """``greedy tokens: [[...], ...]``, naming the sequences that parted at a near-tie."""
+        """``greedy tokens: [[...], ...]``, naming the sequences that parted at a near-tie.
+
+        Returns:
+            The line the examples print on rank 0.
+        """
         ties = f" ({self.ties} sequences part from the reference at a near-tie)" if self.ties else ""
         return f"greedy tokens: {self.new_tokens.tolist()}{ties}"
 
