@@ -120,6 +120,12 @@ def free_port(host: str) -> int:
 
     Another process may take it before the ranks bind it; that race is accepted for a
     single-node run.
+
+    Args:
+        host: the address to bind.
+
+    Returns:
+        The port number.
     """
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as sock:
@@ -137,6 +143,13 @@ def dies_with_launcher(cmd: Sequence[str], signum: int) -> list[str]:
     The wrapper is a short Python that sets the parent-death signal and execs ``cmd``; the
     process keeps its pid. Must be started from the launcher's main thread: the kernel sends
     the signal when the *thread* that forked the process ends.
+
+    Args:
+        cmd: the command line.
+        signum: the signal its process gets when the launcher dies.
+
+    Returns:
+        The wrapped command line.
     """
     if not sys.platform.startswith("linux"):
         return list(cmd)
@@ -149,13 +162,26 @@ def port_for_job(job_id: str) -> int:
     Example::
 
         port_for_job("123456")   # 29500 + 123456 % 20000 = 32956
+
+    Args:
+        job_id: the id every node of the job knows (``--job-id``, or Slurm's).
+
+    Returns:
+        A port in [29500, 49500).
     """
     number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
     return PORT_BASE + number % PORT_SPAN
 
 
 def shared_job_id(environ: Mapping[str, str]) -> str | None:
-    """An id every node of a job knows without being told: Slurm's job (and step) id."""
+    """An id every node of a job knows without being told: Slurm's job (and step) id.
+
+    Args:
+        environ: the environment to read (``os.environ``).
+
+    Returns:
+        ``"<job>"`` or ``"<job>.<step>"``, or None outside Slurm.
+    """
     if "SLURM_JOB_ID" not in environ:
         return None
     step = environ.get("SLURM_STEP_ID")
@@ -163,7 +189,14 @@ def shared_job_id(environ: Mapping[str, str]) -> str | None:
 
 
 def default_nproc(cpu: bool) -> int:
-    """One rank per CUDA GPU that torch sees, or one rank on the CPU path."""
+    """One rank per CUDA GPU that torch sees, or one rank on the CPU path.
+
+    Args:
+        cpu: whether the ranks run on the CPU path.
+
+    Returns:
+        The number of ranks.
+    """
     if cpu:
         return 1
     import torch
@@ -175,6 +208,14 @@ def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -
     """The variables every launcher adds for the ranks: multicast off, unbuffered output, device.
 
     A multicast variable the user exported with another value is overridden, with a warning.
+
+    Args:
+        environ: the launcher's environment (``os.environ``).
+        cpu: whether the ranks run on the CPU path (``TILESCALE_DEVICE=cpu``).
+        share_gpus: whether ranks may share GPUs (``TILESCALE_SHARE_GPUS=1``).
+
+    Returns:
+        The variables to add.
     """
     extra = dict(MULTICAST_OFF)
     for name, off in MULTICAST_OFF.items():
@@ -281,6 +322,21 @@ def spawn_ranks(
     Every rank gets SIGKILL if the launcher dies (see :func:`dies_with_launcher`); each
     rank's exit is published in ``store`` (the job's, when this launcher hosts it) as soon as
     it is seen. Returns 0 when every rank exits 0, else the exit status of the first failing rank.
+
+    Args:
+        script: the program.
+        script_args: its arguments.
+        nproc: the ranks on this node.
+        node_rank: this node's index; its ranks are ``node_rank * nproc`` on.
+        nnodes: the number of nodes.
+        master_addr: the address of the job's store.
+        master_port: its port.
+        extra: variables added for every rank (:func:`extra_env`).
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        store: the job's store when this launcher hosts it, else None.
+
+    Returns:
+        The exit status.
     """
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     base.update(extra)
@@ -375,7 +431,21 @@ def run_torchrun(
     master_port: int,
     extra: Mapping[str, str],
 ) -> int:
-    """Start the ranks through ``python -m torch.distributed.run``; return its exit status."""
+    """Start the ranks through ``python -m torch.distributed.run``; return its exit status.
+
+    Args:
+        script: the program.
+        script_args: its arguments.
+        nproc: the ranks on this node.
+        node_rank: this node's index.
+        nnodes: the number of nodes.
+        master_addr: the rendezvous address.
+        master_port: its port.
+        extra: variables added for every rank (:func:`extra_env`).
+
+    Returns:
+        torchrun's exit status.
+    """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(nproc),
@@ -391,7 +461,11 @@ def run_torchrun(
 
 def find_mpiexec() -> str | None:
     """MPICH's mpiexec: ``TILESCALE_MPIEXEC`` if set, else the one beside this Python (the
-    ``mpich`` wheel), else the first on PATH."""
+    ``mpich`` wheel), else the first on PATH.
+
+    Returns:
+        Its path, or None when there is none.
+    """
     if os.environ.get("TILESCALE_MPIEXEC"):
         named = os.environ["TILESCALE_MPIEXEC"]
         return shutil.which(named) or named
@@ -410,7 +484,19 @@ def run_mpirun(
     master_port: int,
     extra: Mapping[str, str],
 ) -> int:
-    """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status."""
+    """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status.
+
+    Args:
+        script: the program.
+        script_args: its arguments.
+        nproc: the ranks.
+        master_addr: the address of the job's store.
+        master_port: its port.
+        extra: variables added for every rank (:func:`extra_env`).
+
+    Returns:
+        mpiexec's exit status.
+    """
     mpiexec = find_mpiexec()
     if mpiexec is None:
         _say('no mpiexec found (next to this Python or on PATH); install MPICH with: pip install "tilescale[mpi]"')
@@ -439,7 +525,11 @@ def run_mpirun(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tilescale`` argument parser."""
+    """The ``tilescale`` argument parser.
+
+    Returns:
+        The parser of ``tilescale run ...``.
+    """
     parser = argparse.ArgumentParser(prog="tilescale", description="Tools for tilescale programs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
@@ -498,7 +588,14 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tilescale`` console script; returns the exit status."""
+    """Entry point of the ``tilescale`` console script; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (0 when every rank exited 0, 2 for bad arguments, else the first failure's).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = _argument_problem(args)
