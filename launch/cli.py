@@ -433,15 +433,7 @@ def run_torchrun(
 ) -> int:
     """Start the ranks through ``python -m torch.distributed.run``; return its exit status.
 
-    Args:
-        script: the program.
-        script_args: its arguments.
-        nproc: the ranks on this node.
-        node_rank: this node's index.
-        nnodes: the number of nodes.
-        master_addr: the rendezvous address.
-        master_port: its port.
-        extra: variables added for every rank (:func:`extra_env`).
+    Args: those of :func:`spawn_ranks` but ``grace`` and ``store`` (torchrun's agent hosts its own).
 
     Returns:
         torchrun's exit status.
@@ -486,13 +478,7 @@ def run_mpirun(
 ) -> int:
     """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status.
 
-    Args:
-        script: the program.
-        script_args: its arguments.
-        nproc: the ranks.
-        master_addr: the address of the job's store.
-        master_port: its port.
-        extra: variables added for every rank (:func:`extra_env`).
+    Args: those of :func:`spawn_ranks` for one node (``nproc`` ranks), but ``grace`` and ``store``.
 
     Returns:
         mpiexec's exit status.

@@ -74,19 +74,13 @@ def run_python(*args: object, env: dict[str, str] | None = None, timeout: float 
 
 def tilescale_run(*args: object, env: dict[str, str] | None = None, timeout: float = 280,
                   cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """``tilescale run ARGS`` to its end, output captured.
+    """``tilescale run ARGS`` to its end, output captured (as :func:`run_python` runs a script).
 
-    Args:
-        *args: the launcher's arguments, e.g. ``"-n", 2, "--cpu", script``.
-        env: variables set on top of :func:`clean_env`.
-        timeout: seconds before ``subprocess.TimeoutExpired``.
-        cwd: the working directory.
+    Example::
 
-    Returns:
-        The finished launcher process (its stdout/stderr carry the ranks' prefixed lines).
+        result = tilescale_run("-n", 2, "--cpu", "--timeout-kill", 1, script)
     """
-    return subprocess.run(launcher_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=clean_env(**(env or {})))  # fmt: skip
+    return run_python(*launcher_cmd(*args)[1:], env=env, timeout=timeout, cwd=cwd)
 
 
 def run_cpu(script: str | Path, n: int, env: dict[str, str] | None = None, timeout: float = 280,

@@ -103,14 +103,11 @@ def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
           device: torch.device | str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Like :func:`empty`, zero-filled on every rank before any rank returns.
 
-    Args:
-        shape: the shape (an int for one dimension), the same on every rank.
-        dtype: the element type, the same on every rank.
-        device: None, or this rank's device (``ts.device()``).
-        group: the process group whose ranks allocate it together; None: the whole job.
+    Example::
 
-    Returns:
-        This rank's copy, all zeros.
+        flags = ts.zeros((8,), dtype=torch.int32)    # every rank's copy is 0 when any rank returns
+
+    Args and returns: those of :func:`empty`.
     """
     # Backends hand out zeroed memory and synchronise before returning.
     return empty(shape, dtype, device, group=group)
