@@ -249,3 +249,41 @@ def bare_ranks(script: str | Path, *args: object, world: int, port: int,
         for rank in range(world)
     ]  # fmt: skip
     return [(p.wait(timeout=150), *p.communicate()) for p in procs]
+
+
+def run_examples(n: int, specs: list[str], timeout: float = 840) -> subprocess.CompletedProcess[str]:
+    """One job of ``n`` CPU-path ranks that runs several examples (tests/ranks/run_examples.py).
+
+    Example::
+
+        proc = run_examples(2, ["all_gather", "hf_llama_tp=/tmp/ckpt"])
+        assert "correct" in example_output(proc.stdout, 0, "all_gather")
+
+    Args:
+        n: the number of ranks.
+        specs: ``NAME`` or ``NAME=ARG`` per example, run in this order.
+        timeout: seconds for the whole job.
+
+    Returns:
+        The finished launcher process.
+    """
+    return run_cpu(RANKS / "run_examples.py", n, timeout=timeout, args=tuple(specs))
+
+
+def example_output(stdout: str, rank: int | None, spec: str) -> str | None:
+    """What ``rank`` printed while it ran the example ``spec`` in a :func:`run_examples` job.
+
+    Args:
+        stdout: the job's output.
+        rank: the rank; None for tests/ranks/run_examples.py run by plain python (one process).
+        spec: the example as given to :func:`run_examples`.
+
+    Returns:
+        Its lines (without the rank prefix), or None if the rank did not finish that example.
+    """
+    prefix = "" if rank is None else f"[rank {rank}] "
+    lines = [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+    begin, end = f"EXAMPLE-BEGIN {spec}", f"EXAMPLE-END {spec}"
+    if begin not in lines or end not in lines:
+        return None
+    return "\n".join(lines[lines.index(begin) + 1:lines.index(end)])

@@ -10,11 +10,12 @@ No ``from __future__ import annotations`` here: TileLang evaluates the kernels' 
 
 import functools
 import runpy
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
-from cpu_jobs import run_python
+from cpu_jobs import RANKS, example_output, run_python
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 from tvm import tirx
 
@@ -184,12 +185,22 @@ def test_bad_input_is_refused_at_build_time(build, error, pattern):
 # --- the CPU path -------------------------------------------------------------------------------
 
 
+CLUSTER_EXAMPLES = ["cluster_splitk_gemm", "cluster_shared_operand_gemm"]
+
+
+@pytest.fixture(scope="module")
+def cluster_examples() -> subprocess.CompletedProcess:
+    """Both examples in one process on the CPU path (a world of one): Python starts once."""
+    return run_python(RANKS / "run_examples.py", *CLUSTER_EXAMPLES, env={"TILESCALE_DEVICE": "cpu"}, timeout=280)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["cluster_splitk_gemm", "cluster_shared_operand_gemm"])
-def test_examples_on_the_cpu_path(name):
-    proc = run_python(f"examples/{name}.py", env={"TILESCALE_DEVICE": "cpu"}, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "correct" in proc.stdout
+@pytest.mark.parametrize("name", CLUSTER_EXAMPLES)
+def test_examples_on_the_cpu_path(cluster_examples, name):
+    proc = cluster_examples
+    out = example_output(proc.stdout, None, name)
+    assert out is not None and proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "correct" in out
 
 
 @pytest.mark.timeout(200)

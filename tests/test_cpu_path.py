@@ -1,23 +1,45 @@
 """The CPU execution path: examples with 2 and 4 ranks, and the debugging checks the GPU lacks."""
 
+import subprocess
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
-from cpu_jobs import RANKS, run_cpu, run_python
+from cpu_jobs import RANKS, example_output, run_cpu, run_examples, run_python
+
+EXAMPLES = ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter", "tp_mlp_training",
+            "moe_layer", "moe_training", "moe_decode_graph"]
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def examples_job() -> Callable[[int], subprocess.CompletedProcess]:
+    """One job per rank count runs every example: its ranks start once, not once per example."""
+    jobs = {}
+
+    def job(n: int) -> subprocess.CompletedProcess:
+        if n not in jobs:
+            jobs[n] = run_examples(n, EXAMPLES)
+        return jobs[n]
+
+    return job
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize(
-    "example",
-    ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter", "tp_mlp_training", "moe_layer",
-     "moe_training", "moe_decode_graph"],
-)
-def test_example_on_the_cpu_path(example, n):
-    proc = run_cpu(f"examples/{example}.py", n)
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_on_the_cpu_path(examples_job, example, n):
+    proc = examples_job(n)
+    outputs = [example_output(proc.stdout, rank, example) for rank in range(n)]
+    assert None not in outputs, f"{example} did not finish on every rank:\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert any("correct" in out for out in outputs), "\n".join(outputs)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [2, 4])
+def test_examples_job_exits_cleanly(examples_job, n):
+    proc = examples_job(n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "correct" in proc.stdout
 
 
 @pytest.mark.timeout(180)
