@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import tilescale as ts
-from tilescale.testing import check_greedy, do_bench
+from tilescale.testing import compare_sharded_model
 
 
 class TensorParallelMLP(nn.Module):
@@ -63,36 +63,20 @@ def main(path: str | None = None, new_tokens: int = 4) -> None:
     ts.init()
     rank, world, dev = ts.rank(), ts.world_size(), ts.device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    atol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # logits
-    bench = dict(warmup=5, iters=20) if dev.type == "cuda" else dict(warmup=1, iters=2)  # the CPU path interprets
     model = load(path, dtype).to(dev).eval()
     prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(dev)
 
-    def generate() -> torch.Tensor:  # greedy, exactly new_tokens (no stop at an end-of-sequence token)
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-
-    with torch.no_grad():
-        ref_logits = model(prompt).logits
-        ref_tokens = generate()
-        ref_token_logits = model(ref_tokens).logits  # where a choice was a near-tie (see check_greedy)
-        ref_ms = do_bench(lambda: model(prompt), **bench)
-
+    def shard(model: nn.Module) -> None:  # every MLP, in place
         for layer in model.model.layers:
             layer.mlp = TensorParallelMLP(layer.mlp)
-        logits = model(prompt).logits
-        tokens = generate()
-        ms = do_bench(lambda: model(prompt), **bench)
 
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol)
-    ties = check_greedy(tokens, ref_tokens, ref_token_logits, atol)
-    shard = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
+    result = compare_sharded_model(model, prompt, shard, new_tokens)
+    local = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
     if rank == 0:
-        print(f"greedy tokens: {tokens[:, prompt.shape[1]:].tolist()}"
-              + (f" ({ties} sequences part from the reference at a near-tie)" if ties else ""))
+        print(result.describe_tokens())
     print(f"rank {rank}: tensor-parallel Llama over {world} ranks correct: logits and {new_tokens} greedy tokens "
-          f"match the unsharded model ({shard} MLP parameters per layer on this rank); prefill of "
-          f"{tuple(prompt.shape)} tokens {ms:.2f} ms (unsharded {ref_ms:.2f} ms)")
+          f"match the unsharded model ({local} MLP parameters per layer on this rank); prefill of "
+          f"{tuple(prompt.shape)} tokens {result.ms:.2f} ms (unsharded {result.ref_ms:.2f} ms)")
     ts.finalize()
 
 

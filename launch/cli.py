@@ -45,7 +45,6 @@ TILESCALE_DEVICE=cpu; ``--share-gpus`` adds TILESCALE_SHARE_GPUS=1 (see ``tilesc
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -66,6 +65,7 @@ import torch.distributed as dist
 
 from tilescale.comm import host_shm
 from tilescale.launch import rendezvous
+from tilescale.launch.arguments import argument_problem, build_parser
 
 PROG = "tilescale run"
 
@@ -120,6 +120,12 @@ def free_port(host: str) -> int:
 
     Another process may take it before the ranks bind it; that race is accepted for a
     single-node run.
+
+    Args:
+        host: the address to bind.
+
+    Returns:
+        The port number.
     """
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as sock:
@@ -137,6 +143,13 @@ def dies_with_launcher(cmd: Sequence[str], signum: int) -> list[str]:
     The wrapper is a short Python that sets the parent-death signal and execs ``cmd``; the
     process keeps its pid. Must be started from the launcher's main thread: the kernel sends
     the signal when the *thread* that forked the process ends.
+
+    Args:
+        cmd: the command line.
+        signum: the signal its process gets when the launcher dies.
+
+    Returns:
+        The wrapped command line.
     """
     if not sys.platform.startswith("linux"):
         return list(cmd)
@@ -149,13 +162,26 @@ def port_for_job(job_id: str) -> int:
     Example::
 
         port_for_job("123456")   # 29500 + 123456 % 20000 = 32956
+
+    Args:
+        job_id: the id every node of the job knows (``--job-id``, or Slurm's).
+
+    Returns:
+        A port in [29500, 49500).
     """
     number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
     return PORT_BASE + number % PORT_SPAN
 
 
 def shared_job_id(environ: Mapping[str, str]) -> str | None:
-    """An id every node of a job knows without being told: Slurm's job (and step) id."""
+    """An id every node of a job knows without being told: Slurm's job (and step) id.
+
+    Args:
+        environ: the environment to read (``os.environ``).
+
+    Returns:
+        ``"<job>"`` or ``"<job>.<step>"``, or None outside Slurm.
+    """
     if "SLURM_JOB_ID" not in environ:
         return None
     step = environ.get("SLURM_STEP_ID")
@@ -163,7 +189,14 @@ def shared_job_id(environ: Mapping[str, str]) -> str | None:
 
 
 def default_nproc(cpu: bool) -> int:
-    """One rank per CUDA GPU that torch sees, or one rank on the CPU path."""
+    """One rank per CUDA GPU that torch sees, or one rank on the CPU path.
+
+    Args:
+        cpu: whether the ranks run on the CPU path.
+
+    Returns:
+        The number of ranks.
+    """
     if cpu:
         return 1
     import torch
@@ -175,6 +208,14 @@ def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -
     """The variables every launcher adds for the ranks: multicast off, unbuffered output, device.
 
     A multicast variable the user exported with another value is overridden, with a warning.
+
+    Args:
+        environ: the launcher's environment (``os.environ``).
+        cpu: whether the ranks run on the CPU path (``TILESCALE_DEVICE=cpu``).
+        share_gpus: whether ranks may share GPUs (``TILESCALE_SHARE_GPUS=1``).
+
+    Returns:
+        The variables to add.
     """
     extra = dict(MULTICAST_OFF)
     for name, off in MULTICAST_OFF.items():
@@ -281,6 +322,21 @@ def spawn_ranks(
     Every rank gets SIGKILL if the launcher dies (see :func:`dies_with_launcher`); each
     rank's exit is published in ``store`` (the job's, when this launcher hosts it) as soon as
     it is seen. Returns 0 when every rank exits 0, else the exit status of the first failing rank.
+
+    Args:
+        script: the program.
+        script_args: its arguments.
+        nproc: the ranks on this node.
+        node_rank: this node's index; its ranks are ``node_rank * nproc`` on.
+        nnodes: the number of nodes.
+        master_addr: the address of the job's store.
+        master_port: its port.
+        extra: variables added for every rank (:func:`extra_env`).
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        store: the job's store when this launcher hosts it, else None.
+
+    Returns:
+        The exit status.
     """
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     base.update(extra)
@@ -375,7 +431,13 @@ def run_torchrun(
     master_port: int,
     extra: Mapping[str, str],
 ) -> int:
-    """Start the ranks through ``python -m torch.distributed.run``; return its exit status."""
+    """Start the ranks through ``python -m torch.distributed.run``; return its exit status.
+
+    Args: those of :func:`spawn_ranks` but ``grace`` and ``store`` (torchrun's agent hosts its own).
+
+    Returns:
+        torchrun's exit status.
+    """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(nproc),
@@ -391,7 +453,11 @@ def run_torchrun(
 
 def find_mpiexec() -> str | None:
     """MPICH's mpiexec: ``TILESCALE_MPIEXEC`` if set, else the one beside this Python (the
-    ``mpich`` wheel), else the first on PATH."""
+    ``mpich`` wheel), else the first on PATH.
+
+    Returns:
+        Its path, or None when there is none.
+    """
     if os.environ.get("TILESCALE_MPIEXEC"):
         named = os.environ["TILESCALE_MPIEXEC"]
         return shutil.which(named) or named
@@ -410,7 +476,13 @@ def run_mpirun(
     master_port: int,
     extra: Mapping[str, str],
 ) -> int:
-    """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status."""
+    """Start ``nproc`` ranks on this node through MPICH's hydra ``mpiexec``; return its exit status.
+
+    Args: those of :func:`spawn_ranks` for one node (``nproc`` ranks), but ``grace`` and ``store``.
+
+    Returns:
+        mpiexec's exit status.
+    """
     mpiexec = find_mpiexec()
     if mpiexec is None:
         _say('no mpiexec found (next to this Python or on PATH); install MPICH with: pip install "tilescale[mpi]"')
@@ -438,70 +510,18 @@ def run_mpirun(
 # --- command line ----------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``tilescale`` argument parser."""
-    parser = argparse.ArgumentParser(prog="tilescale", description="Tools for tilescale programs.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser(
-        "run",
-        help="start the ranks of a program",
-        description="Start the ranks of SCRIPT on this node (run it once per node for several nodes).",
-    )
-    run.add_argument(
-        "-n", "--nproc-per-node", type=int, metavar="N",
-        help="ranks on this node (default: the number of CUDA GPUs, 1 without GPUs or with --cpu)",
-    )  # fmt: skip
-    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    run.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (default 0)")
-    run.add_argument("--master-addr", default="127.0.0.1", help="address of the node of rank 0 (default 127.0.0.1)")
-    run.add_argument(
-        "--master-port", type=int,
-        help="rendezvous port (default: a free port on one node; on several, one derived from the job id)",
-    )  # fmt: skip
-    run.add_argument(
-        "--job-id", metavar="ID",
-        help="the job's id, the same on every node: the ranks check they belong to one launch by it, and "
-        "--nnodes > 1 derives the port from it (default: fresh per launch on one node; under Slurm "
-        "SLURM_JOB_ID.SLURM_STEP_ID)",
-    )  # fmt: skip
-    run.add_argument(
-        "--launcher", choices=("auto", "torchrun", "mpirun"), default="auto",
-        help="auto: tilescale's own spawner (default); torchrun; mpirun: MPICH's mpiexec, one node",
-    )  # fmt: skip
-    run.add_argument("--cpu", action="store_true", help="run on the CPU path (sets TILESCALE_DEVICE=cpu)")
-    run.add_argument(
-        "--share-gpus", action="store_true",
-        help="allow more ranks than GPUs, ranks taking GPUs round-robin (sets TILESCALE_SHARE_GPUS=1): "
-        "checks multi-rank correctness on fewer GPUs; timings then mean nothing",
-    )  # fmt: skip
-    run.add_argument(
-        "--timeout-kill", type=float, default=5.0, metavar="SECONDS",
-        help="auto launcher: grace period between SIGTERM and SIGKILL when stopping ranks (default 5)",
-    )  # fmt: skip
-    run.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for SCRIPT")
-    return parser
-
-
-def _argument_problem(args: argparse.Namespace) -> str | None:
-    if args.nnodes < 1:
-        return "--nnodes must be at least 1"
-    if not 0 <= args.node_rank < args.nnodes:
-        return f"--node-rank must be in 0..{args.nnodes - 1}"
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        return "--nproc-per-node must be at least 1"
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        return "--master-port must be in 1..65535"
-    if args.timeout_kill < 0:
-        return "--timeout-kill must not be negative"
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tilescale`` console script; returns the exit status."""
+    """Entry point of the ``tilescale`` console script; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (0 when every rank exited 0, 2 for bad arguments, else the first failure's).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = _argument_problem(args)
+    problem = argument_problem(args)
     if problem:
         parser.exit(2, f"{PROG}: error: {problem}\n")
     if not Path(args.script).is_file():

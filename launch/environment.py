@@ -107,6 +107,12 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         1
 
     A process started by no launcher is rank 0 of a world of one.
+
+    Args:
+        env: the variables to read; None: ``os.environ``.
+
+    Returns:
+        The rank's place in the job and the launcher that started it.
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:

@@ -41,6 +41,14 @@ class ForeignJobError(RuntimeError):
 
 
 def port_in_use_message(port: int) -> str:
+    """The error for a taken ``port``: what to do about it.
+
+    Args:
+        port: the port.
+
+    Returns:
+        The message.
+    """
     return (
         f"port {port} is already in use on this node (another job's store?); give another --master-port / "
         "MASTER_PORT, or leave --master-port out for a free one"
@@ -55,6 +63,14 @@ def host_store(port: int, launch_id: str, timeout_s: float) -> dist.TCPStore:
         store = host_store(0, "3f2a9c0e1b7d", 300)   # store.port is the port taken
 
     Raises :class:`PortInUseError` naming the port when it is taken.
+
+    Args:
+        port: the port, 0 for a free one.
+        launch_id: this launch's id, written for ranks to check (:func:`verify_launch`).
+        timeout_s: the store's timeout for waits on it.
+
+    Returns:
+        The store (its server lives as long as this object).
     """
     try:
         store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -82,10 +98,19 @@ class Progress:
         self.said = 0.0
 
     def elapsed(self) -> float:
+        """Seconds since the wait began.
+
+        Returns:
+            The seconds.
+        """
         return time.monotonic() - self.start
 
     def tick(self, say_it: Callable[[float], None] | None) -> None:
-        """Call ``say_it(seconds waited)`` if ``every`` seconds passed since it was last called."""
+        """Call ``say_it(seconds waited)`` if ``every`` seconds passed since it was last called.
+
+        Args:
+            say_it: the callback; None: nothing is said.
+        """
         elapsed = self.elapsed()
         if elapsed - self.said >= self.every:
             if say_it is not None:
@@ -101,6 +126,16 @@ def connect(addr: str, port: int, timeout_s: float, say_it: Callable[[float], No
     Example::
 
         store = connect("10.0.0.1", 29500, 300, lambda s: print(f"waited {s:.0f} s"))
+
+    Args:
+        addr: the host of the store.
+        port: its port.
+        timeout_s: seconds to keep retrying.
+        say_it: called with the seconds waited, every ``every`` seconds; None: silent.
+        every: seconds between calls of ``say_it``.
+
+    Returns:
+        The client.
     """
     progress = Progress(every)
     while True:
@@ -127,6 +162,14 @@ def verify_launch(store: dist.Store, launch_id: str, where: str, timeout_s: floa
     Example::
 
         verify_launch(store, "3f2a9c0e1b7d", "127.0.0.1:29500", 300)
+
+    Args:
+        store: the job's store.
+        launch_id: this rank's launch id.
+        where: ``addr:port``, for the messages.
+        timeout_s: seconds to wait for the host to write its id.
+        say_it: called with the seconds waited, every ``every`` seconds; None: silent.
+        every: seconds between calls of ``say_it``.
     """
     progress = Progress(every)
     while not store.check([LAUNCH_KEY]):
@@ -143,7 +186,14 @@ def verify_launch(store: dist.Store, launch_id: str, where: str, timeout_s: floa
 
 
 def exit_key(rank: int) -> str:
-    """The store key under which rank ``rank``'s exit is published."""
+    """The store key under which rank ``rank``'s exit is published.
+
+    Args:
+        rank: the global rank.
+
+    Returns:
+        The key.
+    """
     return f"tilescale/exited/{rank}"
 
 
@@ -151,6 +201,11 @@ def publish_exit(store: dist.Store, rank: int, code: int | None) -> None:
     """Record in ``store`` that ``rank`` has exited (``code`` None: not known yet, e.g. at exit).
 
     Best effort: a store that is gone (its host has exited) is ignored.
+
+    Args:
+        store: the job's store.
+        rank: the global rank that exited.
+        code: its exit status, or None when not known yet.
     """
     with contextlib.suppress(Exception):  # c10d raises its own error types, by version
         store.set(exit_key(rank), "" if code is None else str(code))
@@ -159,7 +214,13 @@ def publish_exit(store: dist.Store, rank: int, code: int | None) -> None:
 def linger(store: dist.Store, ranks: list[int], seconds: float) -> None:
     """Wait until each of ``ranks`` has published its exit, at most ``seconds``: what a rank
     that hosts the store does at exit, so that peers waiting for it read that it exited
-    rather than lose the store."""
+    rather than lose the store.
+
+    Args:
+        store: the job's store.
+        ranks: the ranks to wait for.
+        seconds: the most to wait.
+    """
     deadline = time.monotonic() + seconds
     with contextlib.suppress(Exception):  # c10d raises its own error types, by version
         while time.monotonic() < deadline and not store.check([exit_key(r) for r in ranks]):
@@ -167,7 +228,14 @@ def linger(store: dist.Store, ranks: list[int], seconds: float) -> None:
 
 
 def describe_exit(value: str) -> str:
-    """What a published exit value says, e.g. ``exited with code 0``."""
+    """What a published exit value says, e.g. ``exited with code 0``.
+
+    Args:
+        value: the value under :func:`exit_key`.
+
+    Returns:
+        The words, for an error message.
+    """
     if not value:
         return "exited"
     code = int(value)
@@ -177,5 +245,9 @@ def describe_exit(value: str) -> str:
 
 
 def say(message: str) -> None:
-    """One line on stderr, flushed (the progress of a wait)."""
+    """One line on stderr, flushed (the progress of a wait).
+
+    Args:
+        message: the line.
+    """
     print(f"tilescale: {message}", file=sys.stderr, flush=True)

@@ -9,14 +9,13 @@ No ``from __future__ import annotations`` here: TileLang evaluates the kernels' 
 """
 
 import functools
-import os
 import runpy
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cpu_jobs import RANKS, example_output, run_python
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 from tvm import tirx
 
@@ -186,17 +185,22 @@ def test_bad_input_is_refused_at_build_time(build, error, pattern):
 # --- the CPU path -------------------------------------------------------------------------------
 
 
-def run_cpu(args: list[str], cwd: Path = ROOT, timeout: float = 200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, "TILESCALE_DEVICE": "cpu"})
+CLUSTER_EXAMPLES = ["cluster_splitk_gemm", "cluster_shared_operand_gemm"]
+
+
+@pytest.fixture(scope="module")
+def cluster_examples() -> subprocess.CompletedProcess:
+    """Both examples in one process on the CPU path (a world of one): Python starts once."""
+    return run_python(RANKS / "run_examples.py", *CLUSTER_EXAMPLES, env={"TILESCALE_DEVICE": "cpu"}, timeout=280)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["cluster_splitk_gemm", "cluster_shared_operand_gemm"])
-def test_examples_on_the_cpu_path(name):
-    proc = run_cpu([f"examples/{name}.py"])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "correct" in proc.stdout
+@pytest.mark.parametrize("name", CLUSTER_EXAMPLES)
+def test_examples_on_the_cpu_path(cluster_examples, name):
+    proc = cluster_examples
+    out = example_output(proc.stdout, None, name)
+    assert out is not None and proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "correct" in out
 
 
 @pytest.mark.timeout(200)
@@ -250,7 +254,7 @@ def test_cluster_semantics_on_the_cpu_path(tmp_path):
         except IndexError as err:
             print("IndexError:", err)
     """))
-    proc = run_cpu([str(script)], cwd=tmp_path)
+    proc = run_python(script, env={"TILESCALE_DEVICE": "cpu"}, timeout=200, cwd=tmp_path)
     assert "RING-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "IndexError: rank 0: block 4 of the cluster named for shared tile 'got' is out of range for a " \
            "cluster of 4 blocks (kernel line " in proc.stdout

@@ -1,33 +1,45 @@
 """The CPU execution path: examples with 2 and 4 ranks, and the debugging checks the GPU lacks."""
 
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from cpu_jobs import run_cpu
+from cpu_jobs import RANKS, example_output, run_cpu, run_examples, run_python
 
-ROOT = Path(__file__).resolve().parent.parent
-RANKS = Path(__file__).resolve().parent / "ranks"
-
-
-def run(script: str, n: int, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_cpu(script, n, env, timeout)
+EXAMPLES = ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter", "tp_mlp_training",
+            "moe_layer", "moe_training", "moe_decode_graph"]
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def examples_job() -> Callable[[int], subprocess.CompletedProcess]:
+    """One job per rank count runs every example: its ranks start once, not once per example."""
+    jobs = {}
+
+    def job(n: int) -> subprocess.CompletedProcess:
+        if n not in jobs:
+            jobs[n] = run_examples(n, EXAMPLES)
+        return jobs[n]
+
+    return job
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize(
-    "example",
-    ["symmetric_tensors", "ring_shift", "all_gather", "all_reduce", "reduce_scatter", "tp_mlp_training", "moe_layer",
-     "moe_training", "moe_decode_graph"],
-)
-def test_example_on_the_cpu_path(example, n):
-    proc = run(f"examples/{example}.py", n)
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_on_the_cpu_path(examples_job, example, n):
+    proc = examples_job(n)
+    outputs = [example_output(proc.stdout, rank, example) for rank in range(n)]
+    assert None not in outputs, f"{example} did not finish on every rank:\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert any("correct" in out for out in outputs), "\n".join(outputs)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [2, 4])
+def test_examples_job_exits_cleanly(examples_job, n):
+    proc = examples_job(n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "correct" in proc.stdout
 
 
 @pytest.mark.timeout(180)
@@ -36,10 +48,10 @@ def test_all_gather_example_is_quick():
     stops, measured beside it: imports take 5-9 s on 2 cores, depending on the machine)
     within 5 s."""
     start = time.monotonic()
-    assert run(str(RANKS / "startup_only.py"), 2).returncode == 0
+    assert run_cpu(str(RANKS / "startup_only.py"), 2).returncode == 0
     baseline = time.monotonic() - start
     start = time.monotonic()
-    proc = run("examples/all_gather.py", 2)
+    proc = run_cpu("examples/all_gather.py", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all_gather of 1 MiB per rank correct" in proc.stdout
     assert time.monotonic() - start - baseline < 5
@@ -47,7 +59,7 @@ def test_all_gather_example_is_quick():
 
 @pytest.mark.timeout(120)
 def test_out_of_bounds_accesses_raise_index_error():
-    proc = run(str(RANKS / "out_of_bounds.py"), 2)
+    proc = run_cpu(str(RANKS / "out_of_bounds.py"), 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         peer = (rank + 1) % 2
@@ -62,7 +74,7 @@ def test_out_of_bounds_accesses_raise_index_error():
 @pytest.mark.timeout(120)
 def test_missing_signal_reports_the_wait_graph():
     start = time.monotonic()
-    proc = run(str(RANKS / "wait_timeout.py"), 2, env={"TILESCALE_WAIT_TIMEOUT_S": "2"})
+    proc = run_cpu(str(RANKS / "wait_timeout.py"), 2, env={"TILESCALE_WAIT_TIMEOUT_S": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - start < 60
     out = proc.stdout
@@ -112,7 +124,7 @@ def test_unsupported_construct_names_itself_and_its_line(tmp_path):
         except NotImplementedError as err:
             print("NotImplementedError:", err)
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    proc = run_python(script, timeout=100, cwd=tmp_path)
     assert "NotImplementedError: CPU path: For inside T.Parallel is not supported" in proc.stdout, proc.stderr
     assert "unsupported.py:12)" in proc.stdout
     assert "NotImplementedError: CPU path: thread-level code (T.get_thread_binding / threadIdx)" in proc.stdout
@@ -177,20 +189,19 @@ def test_single_process_kernels_compute(tmp_path):
         torch.testing.assert_close(S, ref.sum(1), rtol=1e-4, atol=1e-4)
         print("COMPUTE-OK")
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    proc = run_python(script, timeout=100, cwd=tmp_path)
     assert "COMPUTE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_ops_match_torch_distributed(n):
-    proc = run(str(RANKS / "ops_check.py"), n)
+    proc = run_cpu(str(RANKS / "ops_check.py"), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("OPS-OK") == n
 
 
 @pytest.mark.timeout(120)
 def test_single_gpu_tilelang_programs_run_unchanged():
-    proc = subprocess.run([sys.executable, str(RANKS / "tilelang_programs.py")], capture_output=True, text=True,
-                          timeout=100, cwd=ROOT)
+    proc = run_python(RANKS / "tilelang_programs.py", timeout=100)
     assert "SINGLE-GPU-PROGRAMS-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

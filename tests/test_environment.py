@@ -257,14 +257,14 @@ def test_rank_outside_world_is_rejected(env):
 def test_more_ranks_than_gpus_need_share_gpus(monkeypatch):
     import torch
 
-    from tilescale.runtime import _shares_gpus
+    from tilescale.startup import shares_gpus
 
     many = LaunchEnv("torchrun", 0, torch.cuda.device_count() + 1, 0, torch.cuda.device_count() + 1, None, None)
     monkeypatch.delenv("TILESCALE_SHARE_GPUS", raising=False)
     with pytest.raises(RuntimeError, match=r"visible GPUs; start one rank per GPU, use --cpu, or --share-gpus"):
-        _shares_gpus(many)
+        shares_gpus(many)
     monkeypatch.setenv("TILESCALE_SHARE_GPUS", "1")
-    assert _shares_gpus(many)
+    assert shares_gpus(many)
 
 
 # --- the launch id (checked by the ranks at rendezvous, see tilescale.launch.rendezvous) ----

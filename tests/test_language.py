@@ -12,11 +12,8 @@ No ``from __future__ import annotations`` here: TileLang evaluates the kernels' 
 
 import functools
 import keyword
-import os
 import re
 import runpy
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +22,9 @@ from pathlib import Path
 
 import pytest
 import tilelang.language as TL
+from cpu_jobs import RANKS, run_python
 from cuda_build import TARGET, lower_cuda, needs_nvcc, nvcc
+from shared_kernels import gemm, handshake, push
 from tvm import tirx
 
 import tilescale.language as T
@@ -58,20 +57,6 @@ def ring_shift_factory() -> Callable[..., tirx.PrimFunc]:
     return runpy.run_path(str(ROOT / "examples" / "ring_shift.py"), run_name="ring_shift_example")[
         "ring_shift"
     ].__wrapped__
-
-
-def handshake(skip_rank: int):
-    """tests/ranks/wait_timeout.py's kernel: signal the right neighbour's flag, wait for one's own."""
-
-    @T.prim_func
-    def main(flags: T.Tensor((4,), "int32")):
-        with T.Kernel(1, threads=128):
-            with T.Scale("device") as (rank, world):
-                if rank != skip_rank:
-                    T.signal(flags[1], 1, pe=(rank + 1) % world)
-                T.wait(flags[1], "ge", 1)
-
-    return main
 
 
 def put_fence_signal_wait_barrier():
@@ -443,23 +428,6 @@ def tile_copy(lang):
     return main
 
 
-def gemm(lang, M=256, N=256, K=128, bm=128, bn=128, bk=32):
-    @lang.prim_func
-    def main(A: lang.Tensor((M, K), "float16"), B: lang.Tensor((K, N), "float16"), C: lang.Tensor((M, N), "float32")):
-        with lang.Kernel(lang.ceildiv(N, bn), lang.ceildiv(M, bm), threads=128) as (bx, by):
-            As = lang.alloc_shared((bm, bk), "float16")
-            Bs = lang.alloc_shared((bk, bn), "float16")
-            acc = lang.alloc_fragment((bm, bn), "float32")
-            lang.clear(acc)
-            for k in lang.Pipelined(lang.ceildiv(K, bk), num_stages=2):
-                lang.copy(A[by * bm, k * bk], As)
-                lang.copy(B[k * bk, bx * bn], Bs)
-                lang.gemm(As, Bs, acc)
-            lang.copy(acc, C[by * bm, bx * bn])
-
-    return main
-
-
 @pytest.mark.parametrize("program", [tile_copy, gemm])
 def test_single_gpu_program_lowers_as_with_tilelang(program):
     reference = program(TL)
@@ -701,38 +669,25 @@ def test_build_options_override_nests_and_restores():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_remote_output_allocated_by_the_kernel_is_refused():
-    def push():
-        @T.prim_func
-        def main(A: T.Tensor((256,), "float32"), B: T.Tensor((256,), "float32")):
-            with T.Kernel(1, threads=128):
-                with T.Scale("device") as (rank, world):
-                    T.copy(A, B, dst_pe=(rank + 1) % world)
-
-        return main
-
     with build_options(world_size=2):
-        func = push()
+        func = push(256)
     with pytest.raises(TypeError, match="'B'"):
         DistributedKernel(func, out_idx=[-1], target=TARGET)
 
 
 JIT_SCRIPT = r"""
+import sys
+
 import torch
 import tilescale as ts
-import tilescale.language as T
 from tilescale import runtime
 from tilescale.language import build_options
 
+sys.path.insert(0, sys.argv[1])  # tests/ranks
+import shared_kernels
 
-@ts.jit(target={"kind": "cuda", "arch": "sm_90a"})
-def push(N):
-    @T.prim_func
-    def main(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
-        with T.Kernel(1, threads=128):
-            with T.Scale("device") as (rank, world):
-                T.copy(A, B, dst_pe=(rank + 1) % world)
 
-    return main
+push = ts.jit(target={"kind": "cuda", "arch": "sm_90a"})(shared_kernels.push)
 
 
 def attempt(label, call):
@@ -766,23 +721,15 @@ print("DONE")
 """
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without launcher or tilescale variables: the script is a world of one."""
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-    prefixes = ("PMI_", "MPI_LOCAL", "OMPI_", "SLURM_", "TILESCALE_", "TORCHELASTIC_")
-    return {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith(prefixes)}
-
-
 @needs_nvcc
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_jit_refuses_bad_arguments_before_launching(tmp_path):
     script = tmp_path / "jit_checks.py"
     script.write_text(textwrap.dedent(JIT_SCRIPT))
-    # A fresh TileLang cache: the kernels really go through nvcc.
-    env = {**clean_env(), "TILELANG_CACHE_DIR": str(tmp_path / "tilelang-cache")}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    # A fresh TileLang cache: the kernels really go through nvcc. No launcher: a world of one.
+    proc = run_python(script, RANKS, env={"TILELANG_CACHE_DIR": str(tmp_path / "tilelang-cache")}, timeout=240,
+                      cwd=tmp_path)
     explain = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0 and "DONE" in proc.stdout, explain
     out = proc.stdout

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cpu_jobs import clean_env, gone, launch, tilescale_run
 
-from tilescale.launch.cli import MULTICAST_OFF, TORCHRUN_VARS, find_mpiexec, free_port, main
+from tilescale.launch.cli import MULTICAST_OFF, find_mpiexec, free_port, main
 
 # Ranks print the variables they were given as one JSON object per line. Each line is one
 # write: print() writes the text and the newline separately, and MPICH hydra's -prepend-rank
@@ -31,25 +32,10 @@ SHOW_ENV = r"""
 needs_mpiexec = pytest.mark.skipif(find_mpiexec() is None, reason='needs MPICH: pip install "tilescale[mpi]"')
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without anything a launcher (or the user) might have exported."""
-    drop = {*TORCHRUN_VARS, *MULTICAST_OFF, "MASTER_ADDR", "MASTER_PORT", "TILESCALE_DEVICE", "PMI_RANK", "PMI_SIZE",
-            "TILESCALE_SHARE_GPUS"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
 def write_script(tmp_path: Path, body: str, name: str = "rank.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def launcher_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "tilescale.launch", "run", *map(str, args)]
-
-
-def tilescale_run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(launcher_cmd(*args), env=env or clean_env(), capture_output=True, text=True, timeout=50)
 
 
 def rank_envs(stdout: str, prefix: str = "[rank {}] ") -> dict[int, dict[str, str | None]]:
@@ -61,24 +47,6 @@ def rank_envs(stdout: str, prefix: str = "[rank {}] ") -> dict[int, dict[str, st
             if line.startswith(tag):
                 envs[rank] = json.loads(line[len(tag) :])
     return envs
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie nobody reaped does not count)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # --- the auto launcher -----------------------------------------------------------------
@@ -150,18 +118,14 @@ def test_two_nodes_on_localhost_rendezvous_into_one_job(tmp_path):
     )
     port = free_port("127.0.0.1")
     nodes = [
-        subprocess.Popen(
-            launcher_cmd("--nnodes", 2, "--node-rank", node, "-n", 2, "--master-addr", "127.0.0.1",
-                         "--master-port", port, "--cpu", script),
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        launch("--nnodes", 2, "--node-rank", node, "-n", 2, "--master-addr", "127.0.0.1", "--master-port", port,
+               "--cpu", script)
         for node in (1, 0)  # the node of rank 0 may start last: the others wait for its store
     ]
-    outputs = [node.communicate(timeout=100) for node in nodes]
-    for node, (_, err) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, err
-        assert "other nodes cannot reach it" in err  # 127.0.0.1 is only right for this test
-    envs = {**rank_envs(outputs[0][0]), **rank_envs(outputs[1][0])}
+    for node in nodes:
+        assert node.finish(100) == 0, node.explain()
+        assert "other nodes cannot reach it" in node.err  # 127.0.0.1 is only right for this test
+    envs = {**rank_envs(nodes[0].out), **rank_envs(nodes[1].out)}
     assert sorted(envs) == [0, 1, 2, 3]
     for rank, env in envs.items():
         assert env["sum"] == 0 + 1 + 2 + 3
@@ -171,7 +135,7 @@ def test_two_nodes_on_localhost_rendezvous_into_one_job(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_exported_multicast_switch_is_forced_off_with_a_warning(tmp_path):
-    env = clean_env(NCCL_NVLS_ENABLE="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = {"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     result = tilescale_run("-n", 1, "--cpu", write_script(tmp_path, SHOW_ENV), env=env)
     assert result.returncode == 0, result.stderr
     assert rank_envs(result.stdout)[0]["NCCL_NVLS_ENABLE"] == "0"
@@ -209,7 +173,7 @@ def test_failed_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     summary = [line for line in result.stderr.splitlines() if line.startswith("tilescale run: rank 1 (pid ")]
     assert len(summary) == 1 and "exited with code 3" in summary[0], result.stderr
     # The whole process group of rank 0 went, its child included.
-    assert all(wait_gone(int(pid)) for pid in pids.read_text().split())
+    assert gone([int(pid) for pid in pids.read_text().split()], timeout=5)
 
 
 @pytest.mark.timeout(60)
@@ -234,7 +198,7 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     result = tilescale_run("-n", 2, "--cpu", "--timeout-kill", 1, script)
     assert time.monotonic() - start < 15
     assert result.returncode == 4, result.stderr
-    assert wait_gone(int(ready.read_text()))
+    assert gone([int(ready.read_text())], timeout=5)
 
 
 @pytest.mark.timeout(60)
@@ -263,15 +227,13 @@ def test_sigint_to_the_launcher_stops_every_rank(tmp_path):
         time.sleep(60)
         """,
     )
-    proc = subprocess.Popen(launcher_cmd("-n", 2, "--cpu", script), env=clean_env(), stdout=subprocess.PIPE, text=True)
+    job = launch("-n", 2, "--cpu", script)
     try:
-        pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 128 + signal.SIGINT
+        pids = [int(line.split()[-1]) for line in job.wait_for("ready", count=2, timeout=40)]
     finally:
-        proc.kill()
-        proc.communicate()
-    assert all(wait_gone(pid) for pid in pids)
+        job.proc.send_signal(signal.SIGINT)  # also when the wait failed: the launcher stops its ranks
+    assert job.finish(20) == 128 + signal.SIGINT, job.explain()
+    assert gone(pids, timeout=5)
 
 
 # --- refusals (in-process: nothing gets started) ----------------------------------------
@@ -328,7 +290,7 @@ def test_torchrun_launcher_on_cpu(tmp_path):
 @needs_mpiexec
 @pytest.mark.timeout(60)
 def test_mpirun_launcher_runs_ranks_with_pmi_env(tmp_path):
-    env = clean_env(RANK="5", WORLD_SIZE="9")  # stale torchrun variables must not reach the ranks
+    env = {"RANK": "5", "WORLD_SIZE": "9"}  # stale torchrun variables must not reach the ranks
     result = tilescale_run("--launcher", "mpirun", "-n", 2, write_script(tmp_path, SHOW_ENV), env=env)
     assert result.returncode == 0, result.stderr
     envs = rank_envs(result.stdout, prefix="[{}] ")

@@ -14,18 +14,13 @@ and compile with nvcc (also through NVSHMEM's device calls).
 
 import importlib.util
 import re
-import subprocess
-import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from cpu_jobs import ROOT, run_cpu
+from cpu_jobs import RANKS, run_cpu, run_python
 from cuda_build import lower_cuda, needs_nvcc, nvcc
-
-RANKS = Path(__file__).resolve().parent / "ranks"
 
 
 def markers(out: str, name: str) -> dict[tuple[str, int], str]:
@@ -177,7 +172,7 @@ def test_constant_peer_out_of_range_is_a_short_error(tmp_path):
     """)
     script = tmp_path / "bad_peer.py"  # TileLang reads a kernel's source from its file
     script.write_text(program)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_python(script, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "INDEX-ERROR T.copy destination 'B': peer 5 out of range for world size 2" in proc.stdout
     output = proc.stdout + proc.stderr  # TileLang logs to stdout

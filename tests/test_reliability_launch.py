@@ -13,89 +13,17 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from cpu_jobs import RANKS, Started, bare_ranks, clean_env, gone, launch, run_python, tilescale_run
 
-from tilescale.launch.cli import TORCHRUN_VARS, free_port, main, port_for_job
+from tilescale.launch.cli import free_port, main, port_for_job
 
-ROOT = Path(__file__).resolve().parent.parent
-PROG = ROOT / "tests" / "ranks" / "reliability.py"
+PROG = RANKS / "reliability.py"
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables (the test's own pytest may run under one)."""
-    drop = {*TORCHRUN_VARS, "MASTER_ADDR", "MASTER_PORT", "TILESCALE_LAUNCH_ID", "TILESCALE_STORE_HOSTED",
-            "TILESCALE_JOB_KEY", "TORCHELASTIC_USE_AGENT_STORE", "TILESCALE_MPIEXEC", "SLURM_JOB_ID",
-            "SLURM_STEP_ID", "TILESCALE_INIT_TIMEOUT_S"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
-def launcher_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "tilescale.launch", "run", *map(str, args)]
-
-
-class Started:
-    """A process whose output is collected line by line while it runs."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)  # fmt: skip
-        self.lines: dict[str, list[str]] = {"out": [], "err": []}
-        self._readers = [threading.Thread(target=self._read, args=(pipe, self.lines[name]), daemon=True)
-                         for name, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr))]  # fmt: skip
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(pipe, into: list[str]) -> None:
-        for line in pipe:
-            into.append(line.rstrip("\n"))
-
-    @property
-    def out(self) -> str:
-        return "\n".join(self.lines["out"])
-
-    @property
-    def err(self) -> str:
-        return "\n".join(self.lines["err"])
-
-    def wait_for(self, pattern: str, count: int = 1, stream: str = "out", timeout: float = 120) -> list[str]:
-        """The first ``count`` lines matching ``pattern``, once there are that many."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = [line for line in list(self.lines[stream]) if re.search(pattern, line)]
-            if len(found) >= count:
-                return found[:count]
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}:\n{self.explain()}"
-            assert time.monotonic() < deadline, f"no {pattern!r} within {timeout} s:\n{self.explain()}"
-            time.sleep(0.02)
-
-    def finish(self, timeout: float = 120) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        finally:
-            self.proc.kill()
-            for reader in self._readers:
-                reader.join(5)
-        return code
-
-    def explain(self) -> str:
-        return f"--- stdout\n{self.out}\n--- stderr\n{self.err}"
-
-    def job_ids(self) -> set[str]:
-        return set(re.findall(r"JOB ([0-9a-f]+)", self.out))
-
-    def pids(self) -> list[int]:
-        return [int(p) for p in re.findall(r"PID (\d+)", self.out)]
-
-
-def launch(*args: object, env: dict[str, str] | None = None) -> Started:
-    return Started(launcher_cmd(*args), clean_env(**(env or {})))
 
 
 def names_of(job_id: str) -> list[str]:
@@ -103,74 +31,36 @@ def names_of(job_id: str) -> list[str]:
     return sorted(p.name for p in SHM.glob(f"tilescale-{job_id}*"))
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie nobody reaped does not count)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def gone(pids: list[int], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 # --- 3. job isolation ------------------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_second_job_on_a_taken_port_is_refused_and_the_first_keeps_its_data(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_second_job_or_stray_ranks_on_a_jobs_port_are_refused_and_the_job_keeps_its_data(tmp_path):
+    # One job holds its port (its ranks check their peer's data until released) while, in turn,
+    # a second launcher on the same port and ranks started by hand with its MASTER_PORT try to
+    # join: a non-zero stray rank meets a foreign store (its launch id differs), a stray rank 0
+    # cannot host the store on the taken port.
     port = free_port("127.0.0.1")
     release = tmp_path / "release"
-    first = launch("-n", 2, "--cpu", "--master-port", port, PROG, "hold", env={"HOLD_UNTIL": str(release)})
+    job = launch("-n", 2, "--cpu", "--master-port", port, PROG, "hold", env={"HOLD_UNTIL": str(release)})
     try:
-        first.wait_for("HOLDING", count=2)
+        job.wait_for("HOLDING", count=2)
         start = time.monotonic()
-        second = subprocess.run(launcher_cmd("-n", 2, "--cpu", "--master-port", port, PROG, "hold"),
-                                env=clean_env(HOLD_UNTIL=str(release)), cwd=ROOT, capture_output=True, text=True,
-                                timeout=120)  # fmt: skip
+        second = tilescale_run("-n", 2, "--cpu", "--master-port", port, PROG, "hold", env={"HOLD_UNTIL": release},
+                               timeout=120)
         refused_in = time.monotonic() - start
+        strays = bare_ranks(PROG, "hold", world=2, port=port,
+                            env={"TILESCALE_LAUNCH_ID": "another-launch", "HOLD_UNTIL": release})
     finally:
         release.touch()
     assert second.returncode == 2, second.stderr
     assert f"port {port} is already in use" in second.stderr
     assert "[rank" not in second.stdout + second.stderr  # refused before any of its ranks started
     assert refused_in < 60, refused_in  # the launcher's own start-up, not a rendezvous deadline
-    assert first.finish() == 0, first.explain()
-    assert sorted(re.findall(r"DATA-OK rank=(\d)", first.out)) == ["0", "1"], first.explain()
-
-
-@pytest.mark.timeout(240)
-def test_stray_ranks_on_a_jobs_port_are_refused_naming_the_port(tmp_path):
-    # Ranks started by hand with another job's MASTER_PORT: a non-zero rank meets a foreign
-    # store (its launch id differs) and a rank 0 cannot host the store on the taken port.
-    port = free_port("127.0.0.1")
-    release = tmp_path / "release"
-    job = launch("-n", 2, "--cpu", "--master-port", port, PROG, "hold", env={"HOLD_UNTIL": str(release)})
-    try:
-        job.wait_for("HOLDING", count=2)
-        strays = {
-            rank: subprocess.Popen(
-                [sys.executable, str(PROG), "hold"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                         MASTER_PORT=str(port), TILESCALE_DEVICE="cpu",
-                                         TILESCALE_LAUNCH_ID="another-launch", HOLD_UNTIL=str(release)),
-            )
-            for rank in (0, 1)
-        }  # fmt: skip
-        results = {rank: (p.wait(timeout=120), *p.communicate()) for rank, p in strays.items()}
-    finally:
-        release.touch()
-    code, out, err = results[1]
+    code, out, err = strays[1]
     assert code != 0 and "ForeignJobError" in err and f"port {port}" in err, err
     assert "another-launch" in err and "JOB " not in out
-    code, out, err = results[0]
+    code, out, err = strays[0]
     assert code != 0 and "PortInUseError" in err and f"port {port} is already in use" in err, err
     assert "JOB " not in out
     assert job.finish() == 0, job.explain()
@@ -200,8 +90,7 @@ sys.stdout.write(f"PORT {os.environ['MASTER_PORT']} ID {os.environ['TILESCALE_LA
 def test_several_nodes_derive_the_port_and_launch_id_from_the_job(tmp_path, args, env, job_id):
     script = tmp_path / "rank.py"
     script.write_text(SHOW_PORT)
-    result = subprocess.run(launcher_cmd("--nnodes", 2, "--node-rank", 1, "-n", 2, "--cpu", *args, script),
-                            env=clean_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=100)  # fmt: skip
+    result = tilescale_run("--nnodes", 2, "--node-rank", 1, "-n", 2, "--cpu", *args, script, env=env, timeout=100)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "PORT" in line]
     assert len(lines) == 2 and all(line.endswith(f"PORT {port_for_job(job_id)} ID {job_id}") for line in lines)
@@ -233,13 +122,12 @@ def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_start_removes_thei
     job.proc.kill()
     job.finish(30)
     pids, (job_id,) = job.pids(), job.job_ids()
-    assert len(pids) == 2 and gone(pids, timeout=10), [p for p in pids if alive(p)]
+    assert len(pids) == 2 and gone(pids, timeout=10), pids
     # Nothing could remove what the ranks had in /dev/shm when they were killed; the next
     # launcher's start removes it (its owners are dead).
     script = tmp_path / "rank.py"
     script.write_text("pass\n")
-    after = subprocess.run(launcher_cmd("-n", 1, "--cpu", script), env=clean_env(), cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+    after = tilescale_run("-n", 1, "--cpu", script, timeout=120)
     assert after.returncode == 0, after.stderr
     assert names_of(job_id) == []
 
@@ -256,8 +144,7 @@ def test_names_whose_creator_is_dead_are_removed_at_the_next_start(tmp_path):
     try:
         stale.write_bytes(b"x")
         live.write_bytes(b"x")
-        result = subprocess.run(launcher_cmd("-n", 1, "--cpu", script), env=clean_env(), cwd=ROOT,
-                                capture_output=True, text=True, timeout=100)  # fmt: skip
+        result = tilescale_run("-n", 1, "--cpu", script, timeout=100)
         assert result.returncode == 0, result.stderr
         assert not stale.exists() and live.exists()
         assert "removed" in result.stderr and "dead jobs" in result.stderr
@@ -305,15 +192,8 @@ def test_peer_that_exited_zero_is_named_at_once(leaver):
 def test_rank_0_exiting_under_a_bare_launcher_gives_a_short_error():
     # Started by hand, as mpirun or srun would: rank 0 hosts the store and takes it along.
     port = free_port("127.0.0.1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(PROG), "exit-early", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                     MASTER_PORT=str(port), TILESCALE_DEVICE="cpu", TILESCALE_LAUNCH_ID="bare"),
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    (code0, _, err0), (code1, out1, err1) = [(p.wait(timeout=150), *p.communicate()) for p in procs]
+    (code0, _, err0), (code1, out1, err1) = bare_ranks(PROG, "exit-early", 0, world=2, port=port,
+                                                       env={"TILESCALE_LAUNCH_ID": "bare"})
     assert code0 == 0, err0
     assert code1 == 1, err1
     (raised,) = [line for line in out1.splitlines() if line.startswith("RAISED")]
@@ -334,8 +214,7 @@ def test_missing_tilescale_mpiexec_is_a_clear_error(tmp_path, capsys, monkeypatc
 
 @pytest.mark.timeout(120)
 def test_stale_rank_variables_without_a_rendezvous_fail_at_once():
-    result = subprocess.run([sys.executable, str(PROG), "hold"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=100, env=clean_env(RANK="1", WORLD_SIZE="2", TILESCALE_DEVICE="cpu"))  # fmt: skip
+    result = run_python(PROG, "hold", env={"RANK": "1", "WORLD_SIZE": "2", "TILESCALE_DEVICE": "cpu"}, timeout=100)
     assert result.returncode != 0
     assert "RANK=1 and WORLD_SIZE=2 are set but MASTER_ADDR/MASTER_PORT are not" in result.stderr, result.stderr
 
@@ -354,7 +233,6 @@ def test_stale_rendezvous_variables_say_within_seconds_who_is_awaited():
     seconds = float(re.search(r"has waited (\d+) s", line).group(1))
     assert seconds <= 5 and f"the job's store at 127.0.0.1:{port}" in line and "left over from another job" in line
     # With a deadline of its own it gives up with a clear error, naming what it waited for.
-    result = subprocess.run([sys.executable, str(PROG), "hold"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=150, env=clean_env(**stale, TILESCALE_INIT_TIMEOUT_S="3"))  # fmt: skip
+    result = run_python(PROG, "hold", env={**stale, "TILESCALE_INIT_TIMEOUT_S": "3"}, timeout=150)
     assert result.returncode != 0
     assert f"no store answered at 127.0.0.1:{port} within 3 s" in result.stderr, result.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import scaling_model as model  # noqa: E402
+from cpu_jobs import run_python  # noqa: E402
 
 NODES = (1, 2, 4, 8, 16)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,9 +26,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.timeout(300)
 def test_scaling_driver_runs_every_world_size_and_skips_the_missing_backend(tmp_path):
     out = tmp_path / "scaling.json"
-    cmd = [sys.executable, "benchmarks/scaling.py", "--cpu", "--small", "--worlds", "2,4",
-           "--backend", "host_shm,nvshmem", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    proc = run_python("benchmarks/scaling.py", "--cpu", "--small", "--worlds", "2,4", "--backend", "host_shm,nvshmem",
+                      "--out", out, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["name"] == "scaling-cpu-path" and data["versions"]["torch"]

@@ -17,27 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_jobs import RANKS, SHM, clean_env, launcher_cmd
 
 import tilescale as ts
 from tilescale import runtime
 
-RANKS = Path(__file__).resolve().parent / "ranks"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-SHM = Path("/dev/shm")
 JOB_TIMEOUT_S = 90
 
 needs_mpiexec = pytest.mark.skipif(
     not (MPIEXEC.is_file() and os.access(MPIEXEC, os.X_OK)), reason='needs MPICH: pip install "tilescale[mpi]"'
 )
 needs_shm = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory in /dev/shm")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without launcher or tilescale variables (whatever CI exported)."""
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-    prefixes = ("PMI_", "MPI_LOCAL", "OMPI_", "SLURM_", "TILESCALE_", "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith(prefixes)}
-    return {**env, **extra}
 
 
 def shm_names() -> set[str]:
@@ -79,9 +70,9 @@ class Job:
         assert not left, f"shared-memory segments left behind: {left}"
 
 
-def tilescale_run(n: int, script: Path, env: dict[str, str] | None = None) -> Job:
-    cmd = [sys.executable, "-m", "tilescale.launch", "run", "-n", str(n), "--cpu", str(script)]
-    return Job(cmd, env or clean_env())
+def cpu_job(n: int, script: Path, **env: str) -> Job:
+    """``tilescale run -n n --cpu script`` to its end."""
+    return Job(launcher_cmd("-n", n, "--cpu", script), clean_env(**env))
 
 
 # --- the full symmetric-tensor program, 4 ranks through tilescale run, 2 through mpiexec --------
@@ -89,7 +80,7 @@ def tilescale_run(n: int, script: Path, env: dict[str, str] | None = None) -> Jo
 
 @pytest.fixture(scope="module")
 def four_ranks() -> Job:
-    return tilescale_run(4, RANKS / "symmetric_ops.py")
+    return cpu_job(4, RANKS / "symmetric_ops.py")
 
 
 @pytest.mark.timeout(120)
@@ -138,7 +129,7 @@ def test_two_ranks_under_mpiexec_agree_on_a_rendezvous_through_mpi():
 
 @pytest.fixture(scope="module")
 def collective_errors() -> Job:
-    return tilescale_run(2, RANKS / "collective_errors.py", clean_env(TILESCALE_COLLECTIVE_TIMEOUT_S="3"))
+    return cpu_job(2, RANKS / "collective_errors.py", TILESCALE_COLLECTIVE_TIMEOUT_S="3")
 
 
 def markers(job: Job, name: str) -> dict[int, tuple[float, str]]:
@@ -196,7 +187,7 @@ def test_failed_allocations_leave_no_shared_memory(collective_errors):
 
 @pytest.mark.timeout(120)
 def test_rank_exiting_during_a_barrier_fails_the_job_fast(tmp_path):
-    job = tilescale_run(2, RANKS / "dead_peer.py")
+    job = cpu_job(2, RANKS / "dead_peer.py")
     assert job.result.returncode == 3, job.explain()
     assert re.search(r"rank 1 \(pid \d+\) exited with code 3", job.err), job.explain()
     assert "[rank 0] RANK0-IN-BARRIER" in job.out and "RANK0-PASSED-BARRIER" not in job.out, job.explain()

@@ -108,7 +108,11 @@ class GroupState:
         return self.backend.kernel_lowering()
 
     def describe(self) -> str:
-        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``."""
+        """How errors name the group, after "the": ``"whole job"`` or ``"group of ranks [0, 2]"``.
+
+        Returns:
+            The name.
+        """
         return "whole job" if self.whole_job else f"group of ranks {self.ranks}"
 
     def exchange(self, key: tuple, create: Callable[[], Any]) -> Any:
@@ -117,6 +121,13 @@ class GroupState:
         Example::
 
             ex = state.exchange(("tp_gemm", "ag", rows, k), lambda: make_buffers())
+
+        Args:
+            key: what the state is for (the op, its role and its shapes).
+            create: makes the state; called once per key (collective calls inside are made by every rank alike).
+
+        Returns:
+            The state.
         """
         self.check_live()
         found = self.exchanges.get(key)
@@ -141,6 +152,9 @@ class GroupState:
         the group that the caller still holds stay valid local tensors but are no longer
         symmetric (peer views and kernels refuse them); on the ``nvshmem`` backend, whose
         frees cannot follow the tensors, their memory goes back to the heap: drop them first.
+
+        Args:
+            barrier: meet the group's ranks first (pass False only where they cannot be reached any more).
         """
         if self.released:
             return

@@ -26,17 +26,13 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
-import socket
-import time
-import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tilescale import comm, plans
+from tilescale import comm, plans, startup
 from tilescale.errors import (
     MISMATCH,
     WAIT_STATUS_FIELDS,
@@ -76,7 +72,11 @@ class Runtime:
 
     @property
     def sync_workspace(self) -> torch.Tensor | None:
-        """The whole job's barrier workspace (each group has its own: ``group_state(g).sync_workspace``)."""
+        """The whole job's barrier workspace (each group has its own: ``group_state(g).sync_workspace``).
+
+        Returns:
+            The int32 tensor, or None before :func:`init` has set the job's group up.
+        """
         state = self.groups.get(None)
         return state.sync_workspace if state is not None else None
 
@@ -88,172 +88,10 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
-# Counts init() calls: each session's store keys get their own prefix, so a re-init that
-# meets the previous session's store (tilescale run's lives as long as the job) never reads stale keys.
-_session = 0
-# Start-up deadline, and how often a wait is reported, when RANK/WORLD_SIZE/MASTER_* come with
-# no launcher's marks (maybe stale).
-UNMARKED_TIMEOUT_S, UNMARKED_PROGRESS_S = 30.0, 2.0
-# Whether this process hosts the job's store (rank 0 under launchers other than tilescale run),
-# and how long it keeps it up at exit for peers to read that it exited.
-_hosts_store = False
+# How long the process hosting the job's store (startup.hosts_store()) keeps it up at exit for
+# peers to read that it exited.
 HOST_LINGER_S = 1.0
 
-
-
-def _choose_device(device: str | None) -> torch.device:
-    wanted = device or os.environ.get("TILESCALE_DEVICE")
-    if wanted not in (None, "", "cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {wanted!r}")
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
-    if wanted == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
-
-
-def _shares_gpus(env: LaunchEnv) -> bool:
-    """Whether this node runs more ranks than it has GPUs, which only TILESCALE_SHARE_GPUS allows."""
-    count = torch.cuda.device_count()
-    if env.local_world_size <= count:
-        return False
-    if os.environ.get("TILESCALE_SHARE_GPUS", "0") in ("", "0"):
-        raise RuntimeError(
-            f"{env.local_world_size} ranks on this node but only {count} visible GPUs; start one "
-            "rank per GPU, use --cpu, or --share-gpus (TILESCALE_SHARE_GPUS=1) to check a "
-            "program's correctness with ranks sharing GPUs"
-        )
-    return True
-
-
-def _bind_gpu(env: LaunchEnv) -> torch.device:
-    count = torch.cuda.device_count()
-    index = env.local_rank % count
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 7:
-        raise RuntimeError(
-            f"GPU {index} ({torch.cuda.get_device_name(index)}) has compute capability {major}.{minor}; "
-            "tilescale needs 7.0 or newer (9.0 for TMA and clusters)"
-        )
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def _mpi_rendezvous(env: LaunchEnv) -> tuple[str, int, str]:
-    # mpirun gives no rendezvous address: rank 0 picks one, and a launch id, and broadcasts them over MPI.
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise RuntimeError(
-            f"started by {env.launcher} without MASTER_ADDR/MASTER_PORT: export them, or "
-            'install mpi4py (pip install "tilescale[mpi]") so ranks can agree on one'
-        ) from None
-    chosen = None
-    if env.rank == 0:
-        addr = socket.gethostbyname(socket.gethostname()) if env.local_world_size < env.world_size else "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            chosen = (addr, s.getsockname()[1], env.launch_id or f"mpi:{uuid.uuid4().hex[:12]}")
-    return MPI.COMM_WORLD.bcast(chosen, root=0)
-
-
-def _restart() -> str:
-    # torchrun restarts the ranks of a failed attempt against the same store: keep attempts apart.
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def _rendezvous(env: LaunchEnv, timeout_s: float, timeout_given: bool) -> dist.Store:
-    """Join the job's store (rank 0 hosts it when no launcher does), after checking it is this
-    launch's, and wait until every rank has joined; returns the store."""
-    global _hosts_store
-    launch_id = env.launch_id
-    addr, port = env.master_addr, env.master_port
-    if addr is None or port is None:
-        if env.launcher == "torchrun":
-            raise RuntimeError(
-                f"RANK={env.rank} and WORLD_SIZE={env.world_size} are set but MASTER_ADDR/MASTER_PORT are not: "
-                "stale variables of another job? Unset RANK and WORLD_SIZE to run as one process, or start the "
-                "program with tilescale run / torchrun"
-            )
-        addr, port, launch_id = _mpi_rendezvous(env)
-    where = f"{addr}:{port}"
-    # RANK/WORLD_SIZE and MASTER_* with no launcher's marks may be left over from another job:
-    # say so early, and give up long before the usual start-up deadline.
-    unmarked = env.launcher == "torchrun" and not launch_id
-    hint = ""
-    if unmarked:
-        hint = (f" (RANK={env.rank}, WORLD_SIZE={env.world_size}, MASTER_ADDR and MASTER_PORT come from the "
-                "environment with no launcher's marks: if they are left over from another job, unset them)")
-        if not timeout_given:
-            timeout_s = min(timeout_s, UNMARKED_TIMEOUT_S)
-    every = UNMARKED_PROGRESS_S if unmarked else rendezvous.PROGRESS_S
-
-    def waiting_for(what: str) -> Callable[[float], None]:
-        return lambda s: rendezvous.say(f"rank {env.rank} has waited {s:.0f} s for {what}{hint}")
-
-    hosted = os.environ.get(rendezvous.HOSTED_VAR) == "1"  # by tilescale run
-    agent = not hosted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's
-    if env.rank == 0 and not hosted and not agent:
-        try:
-            store = rendezvous.host_store(port, launch_id, timeout_s)
-        except rendezvous.PortInUseError as err:
-            raise rendezvous.PortInUseError(f"rank 0 cannot host the job's store: {err}") from None
-        _hosts_store = True
-    else:
-        store = rendezvous.connect(addr, port, timeout_s, waiting_for(f"the job's store at {where}"), every)
-        if not agent:  # torchrun's agent holds the port itself, and writes no launch id
-            rendezvous.verify_launch(store, launch_id, where, timeout_s, waiting_for(f"the store at {where}"), every)
-    _join(store, env, where, timeout_s, waiting_for, every)
-    return store
-
-
-def _join(store: dist.Store, env: LaunchEnv, where: str, timeout_s: float,
-          waiting_for: Callable[[str], Callable[[float], None]], every: float) -> None:
-    # Each rank claims its number: a second process given the same RANK (stale variables, or
-    # another job's rank on this port) is refused instead of standing in for it.
-    keys = [f"tilescale/join/{_restart()}.{_session}/{r}" for r in range(env.world_size)]
-    me = f"{socket.gethostname()} pid {os.getpid()}"
-    claimed = store.compare_set(keys[env.rank], "", me).decode()
-    if claimed != me:
-        raise RuntimeError(
-            f"rank {env.rank}: another process ({claimed}) already joined the store at {where} as rank {env.rank}: "
-            "two processes were given the same RANK (stale variables, or two jobs on one MASTER_PORT?)"
-        )
-    progress = rendezvous.Progress(every)
-    while not store.check(keys):
-        if progress.elapsed() >= timeout_s:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise TimeoutError(f"rank {env.rank}: ranks {missing} did not join the job at {where} within "
-                               f"{timeout_s:g} s (did they start, with the same MASTER_ADDR/MASTER_PORT?)")
-        progress.tick(lambda s: waiting_for(
-            f"ranks {[r for r, k in enumerate(keys) if not store.check([k])]} to join at {where}")(s))
-        time.sleep(0.01)
-
-
-def _init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, timeout_given: bool,
-                        gpus_shared: bool) -> dist.Store:
-    """Create the default process group; returns the job's store."""
-    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo stages CUDA tensors on the host.
-    backend = "gloo" if device.type == "cpu" or gpus_shared else "cpu:gloo,cuda:nccl"
-    kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    if device.type == "cuda" and not gpus_shared:
-        kwargs["device_id"] = device
-    if env.world_size == 1 and env.master_addr is None:
-        store = dist.HashStore()
-    else:
-        store = _rendezvous(env, timeout_s, timeout_given)
-    # Its own prefix per session: a re-init meets the store the previous session wrote into.
-    pg_store = dist.PrefixStore(f"tilescale/pg/{_restart()}.{_session}", store)
-    dist.init_process_group(backend, store=pg_store, rank=env.rank, world_size=env.world_size, **kwargs)
-    return store
-
-
-def _job_id(group_store: dist.Store, rank: int, timeout_s: float) -> str:
-    # Prefixed by the key of tilescale run's node launcher, which removes the job's /dev/shm names by it.
-    if rank == 0:
-        group_store.set("tilescale/job_id", os.environ.get(rendezvous.JOB_KEY_VAR, "") + uuid.uuid4().hex[:12])
-    group_store.wait(["tilescale/job_id"], timedelta(seconds=timeout_s))
-    return group_store.get("tilescale/job_id").decode()
 
 
 def _publish_exit() -> None:
@@ -263,7 +101,7 @@ def _publish_exit() -> None:
     if rt is None or rt.group.exits is None:
         return
     rendezvous.publish_exit(rt.group.exits, rt.env.rank, None)
-    if _hosts_store:  # the store ends with this process: let waiting peers read the exit first
+    if startup.hosts_store():  # the store ends with this process: let waiting peers read the exit first
         others = [r for r in range(rt.env.world_size) if r != rt.env.rank]
         rendezvous.linger(rt.group.exits, others, HOST_LINGER_S)
 
@@ -280,8 +118,17 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     ``cuda_ipc`` on GPUs and ``host_shm`` on the CPU). Calling ``init`` again returns the
     existing runtime; asking it for a different backend or device then is an error.
     If torch.distributed is already initialised (by the user), its group is reused.
+
+    Args:
+        backend: the communication backend (``cuda_ipc``, ``host_shm``, ``nvshmem``); None: ``TILESCALE_BACKEND``,
+            else the device's default.
+        device: ``"cuda"`` or ``"cpu"``; None: ``TILESCALE_DEVICE``, else a GPU when torch sees one.
+        timeout_s: the start-up deadline (rendezvous, process group); None: ``TILESCALE_INIT_TIMEOUT_S``, else 300.
+
+    Returns:
+        The process's :class:`Runtime` (also :func:`current`).
     """
-    global _runtime, _session
+    global _runtime
     backend = backend or os.environ.get("TILESCALE_BACKEND") or None
     if _runtime is not None:
         if backend not in (None, _runtime.backend.name) or (device not in (None, _runtime.device.type)):
@@ -293,17 +140,17 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
     timeout_given = timeout_s is not None or "TILESCALE_INIT_TIMEOUT_S" in os.environ
     timeout_s = float(os.environ.get("TILESCALE_INIT_TIMEOUT_S", "300")) if timeout_s is None else timeout_s
     env = detect()
-    dev = _choose_device(device)
+    dev = startup.choose_device(device)
     name = backend or comm.default_backend(dev.type)
     comm.check(name, dev.type)
-    gpus_shared = dev.type == "cuda" and _shares_gpus(env)
+    gpus_shared = dev.type == "cuda" and startup.shares_gpus(env)
     if dev.type == "cuda":
-        dev = _bind_gpu(env)
+        dev = startup.bind_gpu(env)
     owns = not dist.is_initialized()
-    _session += 1
+    startup.begin_session()
     plans.invalidate()  # plans name the groups and memory of the last session
     if owns:
-        store = _init_process_group(env, dev, timeout_s, timeout_given, gpus_shared)
+        store = startup.init_process_group(env, dev, timeout_s, timeout_given, gpus_shared)
     else:  # the user's process group: its store, under the prefix torch gave it
         store = dist.distributed_c10d._get_default_store()
         if isinstance(store, dist.PrefixStore):
@@ -312,9 +159,9 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             env = LaunchEnv(env.launcher, dist.get_rank(), dist.get_world_size(), env.local_rank,
                             env.local_world_size, env.master_addr, env.master_port, env.launch_id)
-        group_store = dist.PrefixStore(f"tilescale/{_restart()}.{_session}", store)
+        group_store = dist.PrefixStore(f"tilescale/{startup.session_key()}", store)
         group = comm.Group(env.rank, env.world_size, env.local_rank, env.local_world_size, group_store,
-                           _job_id(group_store, env.rank, timeout_s), exits=store)
+                           startup.job_id(group_store, env.rank, timeout_s), exits=store)
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
                            gpus_shared=gpus_shared)
@@ -329,39 +176,67 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has run (and :func:`finalize` has not)."""
+    """Whether :func:`init` has run (and :func:`finalize` has not).
+
+    Returns:
+        True between :func:`init` and :func:`finalize`.
+    """
     return _runtime is not None
 
 
 def current() -> Runtime:
-    """The runtime set up by :func:`init`; raises if there is none."""
+    """The runtime set up by :func:`init`; raises if there is none.
+
+    Returns:
+        The :class:`Runtime` of this process.
+    """
     if _runtime is None:
         raise RuntimeError("tilescale is not initialised: call tilescale.init() first")
     return _runtime
 
 
 def rank() -> int:
-    """This process's global rank."""
+    """This process's global rank.
+
+    Returns:
+        The rank, 0 to ``world_size() - 1``.
+    """
     return current().group.rank
 
 
 def world_size() -> int:
-    """Number of ranks in the job."""
+    """Number of ranks in the job.
+
+    Returns:
+        The number of ranks.
+    """
     return current().group.world_size
 
 
 def local_rank() -> int:
-    """This process's rank among the ranks of its node."""
+    """This process's rank among the ranks of its node.
+
+    Returns:
+        The rank on this node, 0 to ``LOCAL_WORLD_SIZE - 1``.
+    """
     return current().group.local_rank
 
 
 def device() -> torch.device:
-    """The device this rank computes on (``cuda:<local GPU>`` or ``cpu``)."""
+    """The device this rank computes on (``cuda:<local GPU>`` or ``cpu``).
+
+    Returns:
+        The rank's ``torch.device``.
+    """
     return current().device
 
 
 def backend_name() -> str:
-    """Name of the communication backend in use."""
+    """Name of the communication backend in use.
+
+    Returns:
+        ``"cuda_ipc"``, ``"host_shm"`` or ``"nvshmem"``.
+    """
     return current().backend.name
 
 
@@ -371,6 +246,10 @@ def check_device_waits(name_address: Callable[[int], str | None] | None = None) 
 
     Kernels launched through ``tilescale.jit`` call this before every launch (reading host
     memory only, never synchronising), passing ``name_address`` to name the flag.
+
+    Args:
+        name_address: maps the address of the flag that timed out to a name (``"flags[1]"``); None: look
+            it up among the arguments of the last distributed kernel.
     """
     rt = current()
     for state in rt.groups.values():
@@ -392,6 +271,9 @@ def check_not_capturing(what: str) -> None:
     Example::
 
         check_not_capturing("moe_dispatch at tokens=128")  # RuntimeError inside a capture
+
+    Args:
+        what: the op and what it would create, for the message.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: first call inside a CUDA graph capture; call it once before capturing (that "
@@ -425,6 +307,10 @@ def barrier(timeout_s: float | None = None, *, group: dist.ProcessGroup | None =
         ts.barrier(group=tp)         # the ranks of tp only
 
     Raises ``TimeoutError`` naming the missing ranks instead of hanging.
+
+    Args:
+        timeout_s: seconds to wait for the other ranks; None: TILESCALE_COLLECTIVE_TIMEOUT_S, else 120.
+        group: the process group; None: the whole job.
     """
     state = group_state(group)
     synchronize()
@@ -467,6 +353,12 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
     Example::
 
         group_size(tp)     # 2
+
+    Args:
+        group: a process group this rank belongs to; None: the whole job.
+
+    Returns:
+        Its number of ranks.
     """
     return current().group.world_size if _is_job(group) else len(_group_ranks(group))
 
@@ -482,6 +374,12 @@ def group_state(group: dist.ProcessGroup | None = None) -> GroupState:
     that they agree on which torch group this is (ranks that created their groups in
     different orders get a ValueError here), then allocate its barrier workspace. A rank
     that is not a member of ``group`` gets a ValueError at once.
+
+    Args:
+        group: a process group this rank belongs to; None: the whole job.
+
+    Returns:
+        The group's :class:`GroupState` (created, collectively, at its first use).
     """
     rt = current()
     if _is_job(group):
@@ -530,7 +428,11 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
 
 
 def forget_group(state: GroupState) -> None:
-    """Drop a released group's state from the runtime (``GroupState.release`` calls this)."""
+    """Drop a released group's state from the runtime (``GroupState.release`` calls this).
+
+    Args:
+        state: the state :func:`group_state` returned.
+    """
     if _runtime is None:
         return
     for key, found in list(_runtime.groups.items()):
@@ -540,7 +442,11 @@ def forget_group(state: GroupState) -> None:
 
 def live_groups() -> Collection[GroupState]:
     """Every group's state in this job (none before ``init``): a live view, read on every
-    symmetric-tensor lookup (copy it to keep a snapshot)."""
+    symmetric-tensor lookup (copy it to keep a snapshot).
+
+    Returns:
+        The states of the groups in use (none before :func:`init`).
+    """
     return _runtime.groups.values() if _runtime is not None else ()
 
 
@@ -554,7 +460,13 @@ def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
     torch requires every rank to create every group, in the same order; when they do not,
     ``dist.new_group`` itself hangs (torch 2.13, gloo). This checks first, through the job's
     store: ranks whose n-th group differs all get a ValueError naming each rank's ranks.
-    Returns what ``dist.new_group`` returns (``GroupMember.NON_GROUP_MEMBER`` on ranks not in it).
+
+    Args:
+        ranks: the global ranks of the group (every rank of the job calls this with the same list).
+        **kwargs: passed to ``torch.distributed.new_group``.
+
+    Returns:
+        The process group (``GroupMember.NON_GROUP_MEMBER`` on ranks not in ``ranks``).
     """
     rt = current()
     wanted = sorted(int(r) for r in ranks)

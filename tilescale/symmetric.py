@@ -50,6 +50,15 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
     ``device`` defaults to this rank's device and must match it if given. Ranks that ask for
     different shapes or dtypes all get a ``ValueError`` naming the ranks and values; a rank
     that never calls makes the others raise ``TimeoutError`` naming it.
+
+    Args:
+        shape: the shape (an int for one dimension), the same on every rank.
+        dtype: the element type, the same on every rank.
+        device: None, or this rank's device (``ts.device()``).
+        group: the process group whose ranks allocate it together; None: the whole job.
+
+    Returns:
+        This rank's copy, on this rank's device; peers reach theirs through :func:`peer_view` and kernels.
     """
     rt = current()
     dims = _normalize_shape(shape)
@@ -61,7 +70,16 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
 
 
 def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """:func:`empty` over the ranks of the group whose state is ``state`` (for tilescale's own buffers)."""
+    """:func:`empty` over the ranks of the group whose state is ``state`` (for tilescale's own buffers).
+
+    Args:
+        state: the group's state (``ts.group_state(group)``).
+        dims: the shape.
+        dtype: the element type.
+
+    Returns:
+        This rank's copy.
+    """
     state.check_live()
     tag = state.comm.next_tag("alloc")
     request = [list(dims), str(dtype)]
@@ -90,7 +108,14 @@ def _forget(state: GroupState, key: int) -> None:
 
 def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
           device: torch.device | str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Like :func:`empty`, zero-filled on every rank before any rank returns."""
+    """Like :func:`empty`, zero-filled on every rank before any rank returns.
+
+    Example::
+
+        flags = ts.zeros((8,), dtype=torch.int32)    # every rank's copy is 0 when any rank returns
+
+    Args and returns: those of :func:`empty`.
+    """
     # Backends hand out zeroed memory and synchronise before returning.
     return empty(shape, dtype, device, group=group)
 
@@ -113,6 +138,13 @@ def is_symmetric(t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> 
 
         ts.is_symmetric(x)                 # symmetric over any group
         ts.is_symmetric(x, group=tp)       # over tp
+
+    Args:
+        t: any object (False for anything but a tensor).
+        group: None: any group; else the tensor must be symmetric over this one.
+
+    Returns:
+        Whether ``t`` is symmetric (over ``group``).
     """
     found = _lookup(t) if isinstance(t, torch.Tensor) else None
     if found is None:
@@ -126,6 +158,12 @@ def group_of(t: torch.Tensor) -> GroupState:
     Example::
 
         ts.symmetric.group_of(x).ranks     # [0, 1]
+
+    Args:
+        t: a symmetric tensor or a view of one (TypeError otherwise).
+
+    Returns:
+        The group's :class:`GroupState`.
     """
     return _require(t, "the tensor")[0].group
 
@@ -145,6 +183,11 @@ def check_group(owner: GroupState, wanted: GroupState, what: str) -> None:
     Example::
 
         check_group(group_of(x), ts.group_state(dp), "x")   # ValueError: x is symmetric over ...
+
+    Args:
+        owner: the group the tensor was allocated over (:func:`group_of`).
+        wanted: the group of the operation.
+        what: the tensor's name, for the message.
     """
     if owner is not wanted:
         raise ValueError(f"{what} is a symmetric tensor of the {owner.describe()}, but it is used on the "
@@ -159,6 +202,14 @@ def peer_view(t: torch.Tensor, rank: int, *, group: dist.ProcessGroup | None = N
         ts.peer_view(x, 0)[:8].copy_(x[:8])     # write my first 8 rows into rank 0's copy
 
     ``rank`` is a rank within ``t``'s group; ``group``, if given, must be that group.
+
+    Args:
+        t: a symmetric tensor or a view of one.
+        rank: the peer's rank within ``t``'s group.
+        group: None, or ``t``'s group (ValueError for another).
+
+    Returns:
+        The view (``t`` itself for this rank), of ``t``'s shape, strides and dtype.
     """
     entry, offset = _require(t, "peer_view's tensor", group)
     state = entry.group
@@ -180,12 +231,27 @@ def peer_ptrs(t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> tor
 
     This is the table a kernel indexes with a peer rank to build a view of that peer's copy;
     tables are cached per view offset. ``group``, if given, must be ``t``'s group.
+
+    Args:
+        t: a symmetric tensor or a view of one.
+        group: None, or ``t``'s group (ValueError for another).
+
+    Returns:
+        An int64 tensor of the group's size; do not modify it (it is shared by the cache).
     """
     return peer_table(*_require(t, "peer_ptrs' tensor", group))
 
 
 def peer_table(entry: SymmetricEntry, offset: int) -> torch.Tensor:
-    """The peer table of the view at byte ``offset`` of ``entry``'s allocation (cached)."""
+    """The peer table of the view at byte ``offset`` of ``entry``'s allocation (cached).
+
+    Args:
+        entry: the allocation (:func:`lookup`).
+        offset: the view's byte offset within it.
+
+    Returns:
+        The int64 tensor of peer addresses, on the allocation's device.
+    """
     table = entry.ptr_tables.get(offset)
     if table is None:
         check_not_capturing("a kernel's first use of this symmetric tensor (its peer table)")
@@ -196,7 +262,14 @@ def peer_table(entry: SymmetricEntry, offset: int) -> torch.Tensor:
 
 
 def lookup(t: object) -> tuple[SymmetricEntry, int] | None:
-    """``(entry, byte offset)`` of the symmetric tensor ``t``, None for anything else (for ``tilescale.jit``)."""
+    """``(entry, byte offset)`` of the symmetric tensor ``t``, None for anything else (for ``tilescale.jit``).
+
+    Args:
+        t: any object.
+
+    Returns:
+        ``(entry, byte offset)``, or None.
+    """
     return _lookup(t) if isinstance(t, torch.Tensor) else None
 
 
@@ -205,6 +278,9 @@ def host_regions() -> list[tuple[int, int, torch.Tensor, int, int]]:
 
     One ``(address, nbytes, uint8 tensor, key of this rank's copy, peer's global rank)`` per
     peer copy; the CPU execution path resolves the addresses in peer tables with it.
+
+    Returns:
+        The regions, in no particular order.
     """
     regions = []
     for state in live_groups():

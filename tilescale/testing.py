@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,14 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
     All ranks start the timed loop together (a host barrier after the warm-up). Timed with
     CUDA events on GPUs, with the host clock on the CPU path; the benchmarks in
     ``benchmarks/`` report medians of single calls.
+
+    Args:
+        fn: the call to time (no arguments).
+        warmup: untimed calls first.
+        iters: timed calls.
+
+    Returns:
+        Milliseconds per call.
     """
     for _ in range(warmup):
         fn()
@@ -49,6 +58,16 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: t
 
     ``router`` (experts, hidden), ``w1`` (experts, ffn, hidden), ``w2`` (experts, hidden, ffn),
     the routing as ``ts.nn.ExpertParallelMoE`` does it (softmax, top-k, renormalised).
+
+    Args:
+        x: the tokens (tokens, hidden).
+        router: the router's weight (experts, hidden).
+        w1: the experts' first weights (experts, ffn, hidden).
+        w2: the experts' second weights (experts, hidden, ffn).
+        topk: experts per token.
+
+    Returns:
+        The layer's output, like ``x``.
     """
     probs = torch.softmax(x @ router.T, dim=-1)
     weights, experts = probs.topk(topk, dim=-1)
@@ -76,6 +95,12 @@ def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: tor
     ``ref_tokens``) may exceed that of ``tokens``' choice by at most ``atol``, the logits'
     tolerance (bf16 rounding can flip such a choice; everything after it differs).
 
+    Args:
+        tokens: the decoding to check (batch, length).
+        ref_tokens: the reference's decoding of the same prompts, same shape.
+        ref_logits: the reference's logits over ``ref_tokens`` (batch, length, vocabulary).
+        atol: the logits' tolerance.
+
     Returns:
         The number of sequences that parted at a near-tie. Raises AssertionError otherwise.
     """
@@ -91,3 +116,78 @@ def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: tor
                                 f"{theirs}, whose reference logit is {margin:.3g} higher (tolerance {atol:g})")
         ties += 1
     return ties
+
+
+@dataclass
+class ShardedComparison:
+    """What :func:`compare_sharded_model` measured (the checks themselves passed)."""
+
+    tokens: torch.Tensor
+    """The sharded model's greedy decoding, prompt included: (batch, prompt length + new tokens)."""
+    new_tokens: torch.Tensor
+    """Only the generated part of ``tokens``."""
+    ties: int
+    """Sequences that parted from the reference at a near-tie (see :func:`check_greedy`)."""
+    ms: float
+    """Prefill milliseconds of the sharded model (:func:`do_bench`)."""
+    ref_ms: float
+    """Prefill milliseconds of the original model."""
+
+    def describe_tokens(self) -> str:
+        """``greedy tokens: [[...], ...]``, naming the sequences that parted at a near-tie.
+
+        Returns:
+            The line the examples print on rank 0.
+        """
+        ties = f" ({self.ties} sequences part from the reference at a near-tie)" if self.ties else ""
+        return f"greedy tokens: {self.new_tokens.tolist()}{ties}"
+
+
+def compare_sharded_model(model: torch.nn.Module, prompt: torch.Tensor, shard: Callable[[torch.nn.Module], None],
+                          new_tokens: int = 4) -> ShardedComparison:
+    """Check that ``shard`` (which replaces parts of ``model`` in place) keeps a causal LM's outputs.
+
+    Example::
+
+        def shard(model):
+            for layer in model.model.layers:
+                layer.mlp = TensorParallelMLP(layer.mlp)
+
+        result = compare_sharded_model(model, prompt, shard)     # every rank, the same model and prompt
+        if ts.rank() == 0:
+            print(result.describe_tokens())
+
+    The logits of ``prompt`` must match the original's within the tolerance of the model's
+    dtype (absolute 5e-2 in bfloat16, 1e-4 otherwise), and ``new_tokens`` greedy tokens (a
+    Hugging Face ``generate``: no sampling, no stop at an end-of-sequence token) must equal the
+    original's but where :func:`check_greedy` allows a near-tie. Both models' prefills are
+    timed (fewer iterations on the CPU path, which interprets the kernels).
+
+    Args:
+        model: the unsharded model, in eval mode, the same on every rank.
+        prompt: token ids (batch, length) on the model's device.
+        shard: called once with ``model`` between the reference run and the sharded one.
+        new_tokens: how many tokens to decode greedily.
+
+    Returns:
+        The sharded model's tokens and the timings. Raises AssertionError where a check fails.
+    """
+    atol = 5e-2 if next(model.parameters()).dtype == torch.bfloat16 else 1e-4
+    bench = dict(warmup=5, iters=20) if prompt.device.type == "cuda" else dict(warmup=1, iters=2)
+
+    def generate() -> torch.Tensor:
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+        ref_tokens = generate()
+        ref_token_logits = model(ref_tokens).logits  # where a choice was a near-tie (see check_greedy)
+        ref_ms = do_bench(lambda: model(prompt), **bench)
+        shard(model)
+        logits = model(prompt).logits
+        tokens = generate()
+        ms = do_bench(lambda: model(prompt), **bench)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol)
+    ties = check_greedy(tokens, ref_tokens, ref_token_logits, atol)
+    return ShardedComparison(tokens, tokens[:, prompt.shape[1]:], ties, ms, ref_ms)

@@ -2,27 +2,11 @@
 with reductions, a scalar loop on a local buffer) run unchanged on the CPU path."""
 
 import torch
+from shared_kernels import gemm
 
 import tilescale as ts
 import tilescale.language as T
 
-
-@ts.jit
-def gemm(M, N, K, bM=32, bN=32, bK=16, dtype="float16"):
-    @T.prim_func
-    def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((M, N), dtype)):
-        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), threads=128) as (bx, by):
-            As = T.alloc_shared((bM, bK), dtype)
-            Bs = T.alloc_shared((bK, bN), dtype)
-            Cl = T.alloc_fragment((bM, bN), "float32")
-            T.use_swizzle(panel_size=10)
-            T.clear(Cl)
-            for k in T.Pipelined(T.ceildiv(K, bK), num_stages=3):
-                T.copy(A[by * bM, k * bK], As)
-                T.copy(B[k * bK, bx * bN], Bs)
-                T.gemm(As, Bs, Cl)
-            T.copy(Cl, C[by * bM, bx * bN])
-    return main
 
 @ts.jit
 def softmax(M, N, bM=8):
@@ -57,7 +41,8 @@ def scalar_local(N):
 ts.init(device="cpu")
 A, B = torch.randn(70, 40).half(), torch.randn(40, 50).half()
 C = torch.empty(70, 50).half()
-gemm(70, 50, 40)(A, B, C)
+# 32x32x16 tiles, 3 stages, swizzled, fp16 out: the CPU path runs what one GPU would
+ts.jit(gemm)(T, 70, 50, 40, bM=32, bN=32, bK=16, out_dtype="float16", stages=3)(A, B, C)
 torch.testing.assert_close(C.float(), A.float() @ B.float(), rtol=1e-2, atol=1e-2)
 X = torch.randn(20, 33)
 Y = torch.empty_like(X)

@@ -18,6 +18,7 @@ import os
 from datetime import timedelta
 
 import torch
+from expect import expect_mismatch
 
 import tilescale as ts
 from tilescale.ops._gemm import WIDE, TileConfig
@@ -25,19 +26,6 @@ from tilescale.ops._gemm import WIDE, TileConfig
 # 64 x 64 tiles: 5 column tiles of N = 320 are more blocks than the CPU path's 4 "SMs", so
 # gemm_all_reduce takes its two-kernel plan.
 SHORT = TileConfig(64, 64, 64, 2, 128, "FullRow")
-
-
-def expect_mismatch(case: str, call) -> None:
-    try:
-        call()
-    except ts.ShapeMismatchError as err:
-        print(f"MISMATCH case={case} rank={ts.rank()} msg={err}", flush=True)
-    else:
-        raise AssertionError(f"rank {ts.rank()}: {case}: no ShapeMismatchError")
-    # One job checks every op: sound here because every op's kernels ran to their end on both
-    # ranks (CPU path) and the next op uses other buffers. A real program ends the job.
-    ts.current().wait_status.zero_()
-    ts.barrier()
 
 
 def main() -> None:
