@@ -14,9 +14,10 @@ import torch
 import tilescale as ts
 from tilescale.ops import collectives, p2p
 from tilescale.ops._common import op_plans, sm_count
+from tilescale.ops.tp_gemm import all_gather, reduce
 
 jit_module = sys.modules["tilescale.jit"]
-builds = {"all_reduce": 0, "put": 0}
+builds = {"all_reduce": 0, "put": 0, "tp_gemm": 0}
 
 
 def counted(fn, name):
@@ -29,6 +30,9 @@ def counted(fn, name):
 
 collectives._all_reduce_plan = counted(collectives._all_reduce_plan, "all_reduce")
 p2p.transfer_kernel = counted(p2p.transfer_kernel, "put")  # p2p's plan builder looks its kernel up once
+# The TP GEMM ops check their arguments once per plan, first thing when they build one.
+all_gather._check_pair = counted(all_gather._check_pair, "tp_gemm")
+reduce._check_pair = counted(reduce._check_pair, "tp_gemm")
 
 
 def all_reduce_checked(make, group=None) -> None:
@@ -45,6 +49,51 @@ def expect(error: type, call, what: str) -> str:
     except error as err:
         return str(err)
     raise AssertionError(f"rank {ts.rank()}: {what}: no {error.__name__}")
+
+
+def tp_gemms_reuse_their_plans(rank: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    a_all = torch.randn(2, 16, 32, generator=g)  # each rank's rows
+    weight = torch.randn(24, 32, generator=g)
+    calls = {
+        "all_gather_gemm fused": (lambda a: ts.ops.all_gather_gemm(a, weight, plan="fused"),
+                                  lambda a_all: a_all.reshape(-1, 32) @ weight.T),
+        "all_gather_gemm unfused": (lambda a: ts.ops.all_gather_gemm(a, weight, plan="unfused"),
+                                    lambda a_all: a_all.reshape(-1, 32) @ weight.T),
+        "gemm_all_reduce fused": (lambda a: ts.ops.gemm_all_reduce(a, weight, plan="fused"),
+                                  lambda a_all: a_all.sum(0) @ weight.T),
+        "gemm_reduce_scatter unfused": (lambda a: ts.ops.gemm_reduce_scatter(a, weight, plan="unfused"),
+                                        lambda a_all: (a_all[0] @ weight.T + a_all[1] @ weight.T).chunk(2)[rank]),
+    }
+    for name, (call, reference) in calls.items():
+        for rows, new_plan in ((16, True), (16, False), (8, True), (16, False)):
+            before = builds["tp_gemm"]
+            data = a_all[:, :rows] + len(op_plans)  # other values on every call
+            y = call(data[rank])
+            torch.testing.assert_close(y, reference(data), rtol=1e-4, atol=1e-4)
+            assert builds["tp_gemm"] == before + new_plan, (name, rows, builds)
+    # Layers (seed 0: every rank drew the same full weight and bias, see layer_params).
+    weight, bias = layer_params(48, 32)
+    column = ts.nn.ColumnParallelLinear(32, 48, bias=True, dtype=torch.float32)  # sequence parallel
+    row = ts.nn.RowParallelLinear(32, 48, bias=True, dtype=torch.float32, sequence_parallel=False)
+    for shape, new_plan in (((4, 32), True), ((4, 32), False), ((1, 6, 32), True), ((1, 6, 32), False)):
+        x_all = torch.randn(2, *shape, generator=g)  # both ranks draw the same
+        before = builds["tp_gemm"]
+        with torch.no_grad():
+            y = column(x_all[rank])  # this rank's rows in, every rank's rows of its output columns out
+        want = (torch.cat(list(x_all)) @ weight.T + bias).chunk(2, -1)[rank]
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        y = row(x_all[0].chunk(2, -1)[rank])  # the replicated input's columns of this rank (recording gradients)
+        torch.testing.assert_close(y, x_all[0] @ weight.T + bias, rtol=1e-4, atol=1e-4)
+        assert builds["tp_gemm"] == before + 2 * new_plan, (shape, builds)
+
+
+def layer_params(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full weight and bias a layer built with ``seed=0`` draws (as ``nn.Linear`` does)."""
+    g = torch.Generator().manual_seed(0)
+    bound = 1 / in_features**0.5
+    weight = (torch.rand(out_features, in_features, generator=g) * 2 - 1) * bound
+    return weight, (torch.rand(out_features, generator=g) * 2 - 1) * bound
 
 
 def main() -> None:
@@ -106,6 +155,10 @@ def main() -> None:
     assert "out of range" in msg, msg
     ts.barrier()
     assert torch.equal(y, torch.full((256,), 11.0 - rank)), y
+
+    # TP GEMM ops and the ts.nn layers on them: a second call of a shape reuses its plan (fused and
+    # not), a new shape builds one; results stay right on every call.
+    tp_gemms_reuse_their_plans(rank)
 
     # Freeing symmetric memory drops every plan that may know its address.
     ts.barrier()

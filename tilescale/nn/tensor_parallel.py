@@ -43,17 +43,33 @@ def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     return out
 
 
-class _ColumnParallel(torch.autograd.Function):
+def _column_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None,
+                    sequence_parallel: bool) -> torch.Tensor:
     """``x @ W_r.T + b_r`` over every rank's rows (gathered, sequence parallel) or over the
-    replicated input (plain TP)."""
+    replicated input (plain TP); ``x`` contiguous rows."""
+    if not sequence_parallel:
+        return x @ weight.T if bias is None else torch.addmm(bias, x, weight.T)  # bias in the GEMM
+    y = ops.all_gather_gemm(x, weight, group=group)
+    return y if bias is None else y.add_(bias)  # y is the op's own new tensor
+
+
+def _row_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool) -> torch.Tensor:
+    """``x @ W_r.T`` summed over ranks (reduce-scattered by rows, sequence parallel, or
+    all-reduced, plain TP), plus the replicated bias; ``x`` contiguous rows."""
+    reduce = ops.gemm_reduce_scatter if sequence_parallel else ops.gemm_all_reduce
+    y = reduce(x, weight, group=group)
+    return y if bias is None else y.add_(bias)  # y is the op's own new tensor
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """:func:`_column_forward` and its backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):  # noqa: ANN001, ANN205 - autograd signature
-        x = x.contiguous()
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        y = ops.all_gather_gemm(x, weight, group=group) if sequence_parallel else x @ weight.T
-        return y if bias is None else y + bias
+        return _column_forward(x, weight, bias, group, sequence_parallel)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
@@ -74,17 +90,13 @@ class _ColumnParallel(torch.autograd.Function):
 
 
 class _RowParallel(torch.autograd.Function):
-    """``x @ W_r.T`` summed over ranks (reduce-scattered by rows, sequence parallel, or
-    all-reduced, plain TP), plus the replicated bias."""
+    """:func:`_row_forward` and its backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):  # noqa: ANN001, ANN205
-        x = x.contiguous()
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        reduce = ops.gemm_reduce_scatter if sequence_parallel else ops.gemm_all_reduce
-        y = reduce(x, weight, group=group)
-        return y if bias is None else y + bias
+        return _row_forward(x, weight, bias, group, sequence_parallel)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
@@ -151,6 +163,7 @@ class _ParallelLinear(nn.Module):
 
     shard_dim: int
     function: type[torch.autograd.Function]
+    compute: staticmethod  # the function's forward, for calls that record no gradient
 
     def __init__(self, in_features: int, out_features: int, blocks: Sequence[int], *, weight: torch.Tensor | None,
                  bias: bool | torch.Tensor, seed: int, dtype: torch.dtype, device: torch.device | None,
@@ -177,8 +190,14 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"sequence-parallel layers shard the input's first dimension: need (rows, ..., features), "
                              f"got {tuple(x.shape)}")
         lead = self._output_lead(x.shape[:-1])  # checked before any rank communicates
-        y = self.function.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.group, self.sequence_parallel)
-        return y.reshape(*lead, y.shape[-1])
+        rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        weight, bias = self.weight, self.bias
+        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
+                                        or bias is not None and bias.requires_grad):
+            y = self.function.apply(rows, weight, bias, self.group, self.sequence_parallel)
+        else:  # nothing to differentiate: no autograd node
+            y = self.compute(rows, weight, bias, self.group, self.sequence_parallel)
+        return y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])  # 2-D: y has the output's shape
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -188,6 +207,7 @@ class _ParallelLinear(nn.Module):
 class _ColumnParallelBase(_ParallelLinear):
     shard_dim = 0
     function = _ColumnParallel
+    compute = staticmethod(_column_forward)
 
     def _output_lead(self, lead: torch.Size) -> tuple[int, ...]:
         # Sequence parallel: every rank's rows, rank by rank along the first dimension.
@@ -287,6 +307,7 @@ class RowParallelLinear(_ParallelLinear):
 
     shard_dim = 1
     function = _RowParallel
+    compute = staticmethod(_row_forward)
 
     def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
                  bias: bool | torch.Tensor = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

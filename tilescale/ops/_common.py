@@ -171,12 +171,25 @@ def call_identity(state: GroupState, sig: int) -> tuple[torch.Tensor, int]:
     on the group through here, so it is the same on every rank of the group for the same call.
     A CUDA graph replays the number it captured, which every rank's graph replays alike.
     """
+    board = state.workspaces.get(("call board",))
+    if board is None:
+        board = call_board(state)
+    state.announced_calls = state.announced_calls % 0x7FFFFFFF + 1
+    return board, (state.announced_calls << 32) | sig
+
+
+def call_board(state: GroupState) -> torch.Tensor:
+    """The group's call board (:func:`call_identity`), allocated, collectively, at first use.
+
+    Example::
+
+        peer_ptrs(call_board(state))     # its peer table made before a CUDA graph capture
+    """
     key = ("call board",)
     if key not in state.workspaces:
         runtime.check_not_capturing(f"the call board of the {state.describe()}")
         state.workspaces[key] = allocate(state, (2 * state.size,), torch.int64)  # 0: no call announced
-    state.announced_calls = state.announced_calls % 0x7FFFFFFF + 1
-    return state.workspaces[key], (state.announced_calls << 32) | sig
+    return state.workspaces[key]
 
 
 def check_same_across_ranks(state: GroupState, what: str, value: list, every_call: bool = False) -> None:

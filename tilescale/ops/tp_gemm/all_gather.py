@@ -1,7 +1,8 @@
 """``all_gather_gemm``: the column-parallel GEMM whose gathered rows arrive while it runs,
 moved by the copy engines or by SM pusher blocks (the package's docstring says how)."""
 
-import contextlib
+import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,15 @@ from tilescale import runtime
 from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
-from tilescale.ops._common import call_identity, check_same_across_ranks, signature, tl_dtype
+from tilescale.ops._common import (
+    call_board,
+    call_identity,
+    check_same_across_ranks,
+    layout_key,
+    op_plans,
+    signature,
+    tl_dtype,
+)
 from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange, _gather_exchange, _StreamWrites
 from tilescale.ops.tp_gemm.kernels import ag_own_gemm_kernel, ag_peer_gemm_kernel, announce_kernel
@@ -19,17 +28,21 @@ from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
 
+# A plan's per-call part: (a_shard, weight, out) -> None, the rows of ``out`` filled.
+GatherLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                        tile: TileConfig, ident: tuple[torch.Tensor, int]) -> None:
-    """The all-gather GEMM with copies as producer. On the main stream, the own segment's GEMM
-    (:func:`ag_own_gemm_kernel`, no pushers) starts at once; meanwhile, on a high-priority side
-    stream, :func:`announce_kernel` announces the call (``ident``: the call board and this
-    call's identity) and this rank's rows go chunk by chunk into every peer's gather buffer
-    (``rank - 1, rank - 2, ...``), each chunk followed by a stream-ordered write of the call's
-    epoch to its flag there. The main stream then waits for those copies and runs the peers'
-    segments (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks and check the
-    senders' announcements.
+
+def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, tile: TileConfig,
+                        sig: int) -> GatherLaunch:
+    """The all-gather GEMM with copies as producer, resolved once for ``a_shard``'s and ``weight``'s
+    layout: its exchange, kernels, copies and flag addresses. Each call: on the main stream, the
+    own segment's GEMM (:func:`ag_own_gemm_kernel`, no pushers) starts at once; meanwhile, on a
+    high-priority side stream, :func:`announce_kernel` announces the call (``sig``: its signature
+    on the call board, :func:`call_identity`) and this rank's rows go chunk by chunk into every
+    peer's gather buffer (``rank - 1, rank - 2, ...``), each chunk followed by a stream-ordered
+    write of the call's epoch to its flag there. The main stream then waits for those copies and
+    runs the peers' segments (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks and
+    check the senders' announcements.
 
     Waiting for this rank's own copies before the waiting kernel is what keeps it free of
     deadlock whoever executes a copy (a device-to-device copy may run on SMs): the copies
@@ -52,69 +65,88 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     padded = -(-m // bm) * bm
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
     if world == 1:  # nothing to gather, no peer to agree with
-        own(a_shard, weight, out, group=group)
-        return
+        return lambda a_shard, weight, out: own(a_shard, weight, out, group=group)
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
     ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
                           world * chunks)
     peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", group=group)
-    ex.calls += 1
-    epoch, first = ex.calls, (ex.calls % 2) * world * padded
-    main = torch.cuda.current_stream() if ex.stream is not None else None
-
-    def side() -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(ex.stream) if main is not None else contextlib.nullcontext()
-
-    if main is not None:
+    announce = announce_kernel(world, group=group)
+    on_gpu = ex.stream is not None
+    if on_gpu:
         _stream_writes = _stream_writes or _StreamWrites()
-        ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
-    with side():  # launched before the own GEMM, so that it gets an SM before the GEMM takes them all
-        announce_kernel(world, group=group)(*ident, group=group)
-    own(a_shard, weight, out, group=group)
-    with side():
-        for step in range(1, world):
-            peer = (rank - step) % world
-            for c in range(chunks):
-                rows = slice(c * per_copy * bm, min(m, (c + 1) * per_copy * bm))
-                dst = first + rank * padded
-                ex.peer_buffers[peer][dst + rows.start:dst + rows.stop].copy_(a_shard[rows])
-                if main is not None:
-                    flag = ex.peer_flags[peer].data_ptr() + (rank * chunks + c) * ex.flags.element_size()
+    # Per copy: the rows it sends, its destination in each buffer set (calls alternate) and its flag
+    # (an address for a stream-ordered write on GPUs, the peer's flags and the index on the CPU path).
+    copies = []
+    for step in range(1, world):
+        peer = (rank - step) % world
+        for c in range(chunks):
+            rows = slice(c * per_copy * bm, min(m, (c + 1) * per_copy * bm))
+            dsts = [ex.peer_buffers[peer][s * world * padded + rank * padded + rows.start:
+                                          s * world * padded + rank * padded + rows.stop] for s in (0, 1)]
+            index = rank * chunks + c
+            flag = ex.peer_flags[peer].data_ptr() + index * ex.flags.element_size() if on_gpu else \
+                (ex.peer_flags[peer], index)
+            copies.append((rows, dsts, flag))
+    gathered = [ex.buffers[s * world * padded:(s + 1) * world * padded] for s in (0, 1)]
+
+    def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        ident = call_identity(state, sig)  # every call: the peer kernel checks the ranks agree on it
+        ex.calls += 1
+        epoch, buffer_set = ex.calls, ex.calls % 2
+        if on_gpu:
+            main = torch.cuda.current_stream()
+            ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
+            with torch.cuda.stream(ex.stream):  # before the own GEMM, so that it gets an SM before the GEMM takes all
+                announce(*ident, group=group)
+        else:
+            announce(*ident, group=group)
+        own(a_shard, weight, out, group=group)
+        if on_gpu:
+            with torch.cuda.stream(ex.stream):
+                for rows, dsts, flag in copies:
+                    dsts[buffer_set].copy_(a_shard[rows])
                     _stream_writes(ex.stream, flag, epoch)
-                else:  # CPU path: the copy above is done; stores reach the peer in order
-                    ex.peer_flags[peer][rank * chunks + c] = epoch
-    if main is not None:
-        main.wait_stream(ex.stream)
-    peers(ex.buffers[first:first + world * padded], weight, out, ex.flags, epoch, *ident, group=group)
+            main.wait_stream(ex.stream)
+        else:  # CPU path: each copy is done before its flag is set; stores reach the peer in order
+            for rows, dsts, (flags, index) in copies:
+                dsts[buffer_set].copy_(a_shard[rows])
+                flags[index] = epoch
+        peers(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, group=group)
+
+    return launch
 
 
-def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
-               tile: TileConfig, push_blocks: int, ident: tuple[torch.Tensor, int]) -> None:
-    """The all-gather GEMM with SM pushers: :func:`ag_own_gemm_kernel` (the pushers, which
+def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, tile: TileConfig, push_blocks: int,
+               sig: int) -> GatherLaunch:
+    """The all-gather GEMM with SM pushers, resolved once for ``a_shard``'s and ``weight``'s
+    layout (its exchange, peer tables and kernels: made outside any capture, so a CUDA graph
+    can capture a call later). Each call: :func:`ag_own_gemm_kernel` (the pushers, which
     announce the call first, and the own segment), then :func:`ag_peer_gemm_kernel` (the
-    peers' segments, counted flags, waits checking the announcements); ``ident``: the call
-    board and this call's identity (:func:`call_identity`). Call counts and flag targets live
-    on the device, so a CUDA graph can capture it. ``out=None``: only make its exchange, peer
-    tables and kernels (for a capture later). Pushers write only the peers' copies of this
-    rank's own exchange, sized alike on every rank, so a peer whose call differs is never
-    written out of bounds."""
+    peers' segments, counted flags, waits checking the announcements); ``sig``: the call's
+    signature on the call board (:func:`call_identity`). Call counts and flag targets live
+    on the device, so a CUDA graph can capture it. Pushers write only the peers' copies of
+    this rank's own exchange, sized alike on every rank, so a peer whose call differs is
+    never written out of bounds."""
     world, group = state.size, state.process_group
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
     ex = _exchange(state, ("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype,
                    world * padded // bm)
-    peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(ident[0])  # peer tables, made outside any capture
+    peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(call_board(state))  # peer tables
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
     peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
-    if out is None:
-        ex.step(push_blocks)
-        return
-    ex.advance(push_blocks)  # every pusher signals every row tile once per call
-    own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
-    if peers is not None:
-        peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+    ex.step(push_blocks)
+
+    def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
+        ex.advance(push_blocks)  # every pusher signals every row tile once per call
+        own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+        if peers is not None:
+            peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+
+    return launch
 
 
 PRODUCERS = ("copy_engine", "sm")
@@ -140,6 +172,13 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
+    capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Calls keep what their first call of a key resolved (plans, see tilescale.plans).
+    key = ("all_gather_gemm", layout_key(a_shard), layout_key(weight), plan, tile, push_blocks, producer, group,
+           os.environ.get("TILESCALE_TP_PLAN"), capturing)
+    launch = op_plans.get(key)
+    if launch is not None:
+        return launch(a_shard, weight)
     _check_pair(a_shard, weight)
     if push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
@@ -157,13 +196,15 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
                        (world - 1) * m * k * a_shard.element_size())
     if _choose(plan, world * m, wins, group) == "unfused":
-        gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
-        dist.all_gather_into_tensor(gathered, a_shard, group=group)
-        return gathered @ weight.T
-    capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
+
+        def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
+            dist.all_gather_into_tensor(gathered, a_shard, group=group)
+            return gathered @ weight.T
+
+        return op_plans.put(key, launch)(a_shard, weight)
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
     mapped = kernel_lowering(group) in (None, ADDRESS)
-    out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
     producer = producer or ("sm" if capturing or not mapped else "copy_engine")
     if producer == "copy_engine":
         if capturing:
@@ -172,13 +213,18 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         if not mapped:
             raise ValueError("all_gather_gemm(producer='copy_engine') needs every peer's memory mapped in this "
                              "process; with NVSHMEM calls between the ranks use producer='sm' (the default there)")
-    ident = call_identity(state, signature("all_gather_gemm", a_shard, f"N={n}", tile,
-                                    producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}"))
+    sig = signature("all_gather_gemm", a_shard, f"N={n}", tile,
+                    producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}")
     if producer == "copy_engine":
         if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
-            _sm_gather(state, a_shard, weight, None, tile, push_blocks, ident)
-        _copy_engine_gather(state, a_shard, weight, out, tile, ident)
+            _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
+        gather = _copy_engine_gather(state, a_shard, weight, tile, sig)
     else:
-        _sm_gather(state, a_shard, weight, out, tile, push_blocks, ident)
-    return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
+        gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
 
+    def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
+        gather(a_shard, weight, out)
+        return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
+
+    return op_plans.put(key, launch)(a_shard, weight)

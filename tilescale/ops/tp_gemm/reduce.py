@@ -2,6 +2,7 @@
 products are summed across the group (the package's docstring says how)."""
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,11 +40,13 @@ from tilescale.ops.tp_gemm.plan import (
     reduce_grid,
 )
 
+Launch = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, owners: int, grid: GemmGrid,
-                      ident: tuple[torch.Tensor, int]) -> torch.Tensor:
-    """The GEMM pushing partial tiles, then the reduction kernel; ``grid`` is :func:`reduce_grid`'s,
-    ``ident`` the call's board and identity (:func:`call_identity`)."""
+                      sig: int) -> Launch:
+    """The plan of the GEMM pushing partial tiles, then the reduction kernel; ``grid`` is
+    :func:`reduce_grid`'s, ``sig`` the call's signature (:func:`call_identity`)."""
     world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
@@ -51,15 +54,22 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
     slots = world * splits
     ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
                    world)
-    ex.advance(tiles * splits * (tile.threads // 32))  # per block, its consumer warps (see gemm_push_kernel)
+    arrivals = tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
     push = gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)
-    push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
-    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # Row r of a received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
-    reduce(ex.buffers.view(2 * slots, padded * n), out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
-    return out
+    received = ex.buffers.view(2 * slots, padded * n)
+
+    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
+        ex.advance(arrivals)
+        push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
+        out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+        reduce(received, out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
+        return out
+
+    return launch
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -78,7 +88,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
-    # Fused calls of one kernel keep what their first call resolved (plans, see tilescale.plans).
+    # Calls keep what their first call resolved (plans, see tilescale.plans).
     key = ("gemm_reduce_scatter", layout_key(a), layout_key(weight), plan, tile, group,
            os.environ.get("TILESCALE_TP_PLAN"))
     launch = op_plans.get(key)
@@ -98,14 +108,18 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
     if _choose(plan, m, wins, group) == "unfused":
-        out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
-        return out
+
+        def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
+            dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
+            return out
+
+        return op_plans.put(key, launch)(a, weight)
     # Remote writes go only to the peers' copies of this call's own exchange (symmetric, sized
     # alike on every rank), so a peer whose call differs is not written out of bounds.
     sig = signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}")
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return _gemm_then_reduce(state, a, weight, world, grid, call_identity(state, sig))
+        return op_plans.put(key, _gemm_then_reduce(state, a, weight, world, grid, sig))(a, weight)
     ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
@@ -142,7 +156,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
     on every rank; zero rows on every rank give an empty result.
     """
-    # Fused one-kernel calls keep what their first call resolved (plans, see tilescale.plans).
+    # Calls keep what their first call resolved (plans, see tilescale.plans).
     key = ("gemm_all_reduce", layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"))
     launch = op_plans.get(key)
     if launch is not None:
@@ -173,15 +187,19 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     wins = one_kernel or gather and world > 1 and _fused_wins(2 * m * k * n, [world * grid.tiles],
                                                               2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
-        out = a @ weight.T
-        dist.all_reduce(out, group=group)
-        return out
+
+        def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            out = a @ weight.T
+            dist.all_reduce(out, group=group)
+            return out
+
+        return op_plans.put(key, launch)(a, weight)
     sig = signature("gemm_all_reduce", a, f"N={n}", grid.tile, f"splits={grid.splits}",
                     "one kernel" if one_kernel else "gather" if gather else "two kernels")
     if gather:
-        return _gemm_scatter_gather(state, a, weight, grid, call_identity(state, sig))
+        return op_plans.put(key, _gemm_scatter_gather(state, a, weight, grid, sig))(a, weight)
     if not one_kernel:
-        return _gemm_then_reduce(state, a, weight, 1, grid, call_identity(state, sig))
+        return op_plans.put(key, _gemm_then_reduce(state, a, weight, 1, grid, sig))(a, weight)
     tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
     ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
@@ -199,22 +217,27 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
 
 
 def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tensor, grid: GemmGrid,
-                         ident: tuple[torch.Tensor, int]) -> torch.Tensor:
-    """The all-reduce as the reduce-scatter GEMM whose owners send their summed tiles to every
-    peer, then the copy of the peers' segments (``grid``: :func:`reduce_grid` with ``world``
-    owners; ``ident``: the call's board and identity)."""
+                         sig: int) -> Launch:
+    """The plan of the all-reduce as the reduce-scatter GEMM whose owners send their summed tiles
+    to every peer, then the copy of the peers' segments (``grid``: :func:`reduce_grid` with
+    ``world`` owners; ``sig``: the call's signature, :func:`call_identity`)."""
     world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     tile, dtype = grid.tile, tl_dtype(a)
     # Per buffer set: a slot per sender for the partials, then one per sender for the finals.
     ex = _exchange(state, ("ar-rs-ag", grid.padded, n, a.dtype, grid.tiles, tile.threads), (2 * world * grid.padded, n),
                    a.dtype, 2 * world * grid.tiles)
-    ex.advance(tile.threads // 32)  # a sender's consumer warps signal each flag once per call
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     panel = _panel_dividing(grid.padded // tile.block_M, tile.panel)
     kernel = gemm_reduce_scatter_kernel(world, dtype, m, k, n, tile, panel, True, group=group)
-    kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-    if world > 1:
-        copy_in = gather_segments_kernel(world, dtype, m, n, tile, group=group)
-        copy_in(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-    return out
+    copy_in = gather_segments_kernel(world, dtype, m, n, tile, group=group) if world > 1 else None
+
+    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
+        ex.advance(tile.threads // 32)  # a sender's consumer warps signal each flag once per call
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        if copy_in is not None:
+            copy_in(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        return out
+
+    return launch
