@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import socket
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -134,6 +135,9 @@ class HostShmBackend(CommBackend):
         if group.rank == 0:
             remove_stale()
         # The job-wide lock: rank 0 creates the file, every rank opens it, rank 0 unlinks it.
+        # flock excludes other processes only (threads share the open file), so the blocks the
+        # interpreter runs as threads take a thread lock first.
+        self._thread_lock = threading.Lock()
         if group.rank == 0:
             path = _name(group.job_id, "lock", os.getpid())
             self._lock_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -155,11 +159,12 @@ class HostShmBackend(CommBackend):
             with backend.job_lock():
                 flag[0] += 1
         """
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
         g = self.group
