@@ -126,6 +126,29 @@ for step, tokens in enumerate((24, 0 if rank == 0 else 3, 11 + rank)):
     y = buf.combine(recv_x, recv_w, handle)  # identity experts
     torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
     assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
+# Calls of one shape reuse the first one's plan (kernels, output sizes) and the buffer's
+# memory; each call's results are right for its own routing (a token naming one expert twice
+# in the second), and an earlier handle's outputs stay as they were (they are the caller's).
+scale = (rank * (num_experts // world) + torch.arange(num_experts // world) + 1).float()
+for step in range(3):
+    g = torch.Generator(device=ts.device()).manual_seed(700 + 10 * step + rank)
+    x = torch.randn(24, hidden, generator=g).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(24, num_experts, generator=g).topk(2, dim=1)
+    if step == 1:
+        topk_idx[:, 1] = topk_idx[:, 0]
+    recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=True)
+    expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
+    y = buf.combine(expert_out, recv_w, handle)
+    want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    if step == 0:
+        plans, plan = len(buf._plans), buf._plans[(24, hidden, torch.bfloat16, True)]
+        kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
+                handle.expert_slot, recv_w]
+        then = [t.clone() for t in kept]
+    assert len(buf._plans) == plans and buf._plans[(24, hidden, torch.bfloat16, True)] is plan, "plan not reused"
+    assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
+assert all(map(torch.equal, kept, then)), "a later call overwrote an earlier handle's outputs"
 for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),
                                                       torch.zeros(25, 2, dtype=torch.long), torch.ones(25, 2))),
                    ("top-1", lambda: buf.dispatch(torch.randn(4, hidden).to(torch.bfloat16),

@@ -91,7 +91,8 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
         return _empty_dispatch(x, topk_idx, topk_weights, num_experts, low_latency, group)
     dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
     buf = cached_buffer(group, capacity, values.shape[1], topk_idx.shape[1], num_experts, dtype)
-    return buf.dispatch(x, topk_idx, topk_weights, low_latency=low_latency)
+    buf._check_live()
+    return buf._dispatch(x, values, tokens, topk_idx, topk_weights, low_latency)
 
 
 def _empty_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,

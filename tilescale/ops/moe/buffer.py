@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tilescale import runtime
+from tilescale.jit import DistributedKernel
 from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
@@ -35,6 +36,24 @@ from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, w
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
+# int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
+# vector accesses may assume their tensors start aligned, as torch's allocations do.
+_ALIGN = 64
+
+
+@dataclass
+class _SendPlan:
+    """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call."""
+
+    route: DistributedKernel | None  # the routing kernel (None for no tokens)
+    route_sizes: tuple[int, ...]  # its outputs' int32 words (and padding): dest, slot, send_counts, expert_slot,
+    # expert_counts, bad
+    send: DistributedKernel  # the dispatch kernel
+    output_sizes: tuple[int, ...]  # its int32 outputs' words (and padding): counts, offsets, received_counts,
+    # position, source_row, row_expert
+    signature: int  # what the ranks must agree on, for the call board
+    received: torch.Tensor  # the receive rows
+    flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
 
 
 @dataclass
@@ -126,6 +145,10 @@ class Buffer:
                                         allocate(state, (world, blocks), torch.int32))
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
+        self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
+        self._plans: dict[tuple, _SendPlan] = {}  # sends by (tokens, hidden, dtype, low_latency)
+        # combine's (kernel, return rows, signature) by (tokens, hidden, dtype)
+        self._combines_by: dict[tuple, tuple] = {}
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
         self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
@@ -164,7 +187,7 @@ class Buffer:
         self.released = True
         for key in [k for k, v in self.state.exchanges.items() if v is self]:  # its own key, and the ops' cache
             del self.state.exchanges[key]
-        self._flags, self._rows_in, self._rows_back = {}, {}, {}
+        self._flags, self._rows_in, self._rows_back, self._plans, self._combines_by = {}, {}, {}, {}, {}
         self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
 
     def _check_live(self) -> None:
@@ -209,23 +232,34 @@ class Buffer:
         if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
             x = quantize_fp8(x)
         values = x[0] if is_fp8(x) else x
-        tokens = _check_routing(values, topk_idx, topk_weights)
+        return self._dispatch(x, values, _check_routing(values, topk_idx, topk_weights), topk_idx, topk_weights,
+                              low_latency)
+
+    def _dispatch(self, x: Rows, values: torch.Tensor, tokens: int, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, low_latency: bool,
+                  ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
+        """:meth:`dispatch` of rows whose shapes ``_check_routing`` has checked (``values``: ``x``'s
+        values, ``tokens``: their rows), for ``ts.ops.moe_dispatch``, which checks them first."""
         dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
         if not self.fits(tokens, values.shape[1], topk_idx.shape[1], self.num_experts, dtype):
             raise ValueError(f"moe dispatch: {tokens} tokens x {values.shape[1]} ({dtype}), "
                              f"top-{topk_idx.shape[1]}, do not fit {self!r}")
-        check_same_across_ranks(self.state, "moe_dispatch", [self.max_tokens, self.hidden, self.topk, str(self.dtype),
-                                                             self.num_experts, f"low_latency={low_latency}",
-                                                             f"SMs={self.sms}"])
+        if low_latency not in self._modes:  # the ranks agree on the mode (at its first call; then on the device)
+            check_same_across_ranks(self.state, "moe_dispatch", [self.max_tokens, self.hidden, self.topk,
+                                                                 str(self.dtype), self.num_experts,
+                                                                 f"low_latency={low_latency}", f"SMs={self.sms}"])
+            self._modes.add(low_latency)
+        sent = pack(x) if self.fp8 else x
+        plan = self._plan(tokens, sent, low_latency)
         idx = expert_ids(topk_idx, self.num_experts)
         weights = topk_weights.to(torch.float32).contiguous()
-        routes = self._route(idx, tokens)
+        routes = self._route(idx, tokens, plan)
         capturing = _capturing(values)
         if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
             watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
         idx, weights = _padded(idx, -1), _padded(weights, 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(pack(x) if self.fp8 else x, 0), idx, weights, routes, tokens, low_latency)
+            _padded(sent, 0), idx, weights, routes, plan)
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
@@ -235,24 +269,50 @@ class Buffer:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
 
-    def _route(self, idx: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+    def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool) -> _SendPlan:
+        """What every call sending ``tokens`` rows like ``x`` resolves alike (kernels, receive
+        rows, flags, the call's signature, output sizes), made at the first such call: later
+        ones skip that host work. Every call's agreement is the dispatch kernel's, on the device."""
+        hidden, dtype = x.shape[1], x.dtype
+        key = (tokens, hidden, dtype, low_latency)
+        plan = self._plans.get(key)
+        if plan is None:
+            world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
+            received = self._received(hidden, dtype)
+            plan = self._plans[key] = _SendPlan(
+                route=route_kernel(world, tokens, topk, self.num_experts, group=self.group) if tokens else None,
+                route_sizes=_aligned((world * held, world * held, world, held * topk, self.num_experts, 1)),
+                send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
+                                     low_latency, capacity=self.max_tokens, group=self.group),
+                output_sizes=_aligned((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
+                                       rows)),
+                # The call's identity names what every rank must agree on (not this rank's token count).
+                signature=signature("moe_dispatch", received, f"topk={topk}", f"experts={self.num_experts}",
+                                    f"low_latency={low_latency}", f"SMs={self.sms}"),
+                received=received, flags=self._flags[low_latency])
+        return plan
+
+    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan) -> dict[str, torch.Tensor]:
         """The routing kernel's outputs; for no tokens, those of one token routed nowhere."""
         i32 = dict(dtype=torch.int32, device=idx.device)
-        world, held = self.world, max(tokens, 1)
-        out = {"dest": torch.full((world * held,), -1, **i32), "slot": torch.full((world * held,), -1, **i32),
-               "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(held, self.topk, **i32),
-               "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32)}
-        if tokens:
-            # Pair (t, r) exists when token t has an expert on rank r; its slot at r is its order
-            # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
-            # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
-            route_kernel(world, tokens, self.topk, self.num_experts, group=self.group)(
-                idx, out["dest"], out["slot"], out["send_counts"], out["expert_slot"], out["expert_counts"],
-                out["bad"])
-        return out
+        world = self.world
+        if not tokens:
+            return {"dest": torch.full((world,), -1, **i32), "slot": torch.full((world,), -1, **i32),
+                    "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(1, self.topk, **i32),
+                    "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32)}
+        # Pair (t, r) exists when token t has an expert on rank r; its slot at r is its order
+        # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
+        # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
+        # The kernel writes every element of these (no fill needed): one allocation, viewed.
+        words = torch.empty(sum(plan.route_sizes), **i32)
+        dest, slot, send_counts, expert_slot, expert_counts, bad = words.split(plan.route_sizes)[::2]
+        expert_slot = expert_slot.view(tokens, self.topk)
+        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad)
+        return {"dest": dest, "slot": slot, "send_counts": send_counts, "expert_slot": expert_slot,
+                "expert_counts": expert_counts, "bad": bad}
 
     def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
-              tokens: int, low_latency: bool) -> tuple[torch.Tensor, ...]:
+              plan: _SendPlan) -> tuple[torch.Tensor, ...]:
         """Every token to its destinations, and what this rank receives grouped by local expert,
         from the routing kernel's outputs; no host round trip.
 
@@ -261,25 +321,19 @@ class Buffer:
         ``position`` (received rows, topk); and the rows received from each source.
         """
         world, rows, hidden = self.world, self.rows, x.shape[1]
-        i32 = dict(dtype=torch.int32, device=x.device)
-        counts, offsets = torch.empty(self.per_rank, **i32), torch.empty(self.per_rank, **i32)
-        received_counts = torch.empty(world, **i32)
-        position = torch.empty(world * self.max_tokens, self.topk, **i32)
+        # The outputs are the caller's (a handle outlives the next call): new on every call,
+        # the int32 ones as views of one allocation.
+        ints = torch.empty(sum(plan.output_sizes), dtype=torch.int32, device=x.device)
+        counts, offsets, received_counts, position, source_row, row_expert = ints.split(plan.output_sizes)[::2]
+        position = position.view(world * self.max_tokens, self.topk)
         weight = torch.empty(rows, dtype=torch.float32, device=x.device)
-        source_row, row_expert = torch.empty(rows, **i32), torch.empty(rows, **i32)
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-        received = self._received(hidden, x.dtype)
-        kernel = dispatch_kernel(world, tokens, hidden, self.topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                 low_latency, capacity=self.max_tokens, group=self.group)
-        # The call's identity names what every rank must agree on (not this rank's token count).
-        board, ident = call_identity(self.state, signature("moe_dispatch", received, f"topk={self.topk}",
-                                                           f"experts={self.num_experts}",
-                                                           f"low_latency={low_latency}", f"SMs={self.sms}"))
-        ranges, progress = self._flags[low_latency]
-        kernel(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"], routes["expert_counts"],
-               received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
-               self._arrived, self._sends, counts, offsets, received_counts, position, weight, source_row,
-               row_expert, recv_x, board, ident, group=self.group)
+        board, ident = call_identity(self.state, plan.signature)
+        ranges, progress = plan.flags
+        plan.send(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
+                  routes["expert_counts"], plan.received, self._idx, self._w, self._slot, self._counts,
+                  self._expert_counts, ranges, progress, self._arrived, self._sends, counts, offsets,
+                  received_counts, position, weight, source_row, row_expert, recv_x, board, ident, group=self.group)
         return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -291,7 +345,8 @@ class Buffer:
             raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
         routes = {"dest": handle.dest, "slot": handle.slot, "send_counts": handle.send_counts,
                   "expert_slot": handle.expert_slot, "expert_counts": handle.expert_send_counts}
-        return self._send(_padded(x, 0), handle.topk_idx, handle.topk_w, routes, handle.tokens, low_latency=False)[0]
+        plan = self._plan(handle.tokens, x, low_latency=False)
+        return self._send(_padded(x, 0), handle.topk_idx, handle.topk_w, routes, plan)[0]
 
     def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Weighted sum of each token's expert outputs, back on its source rank in its order
@@ -307,13 +362,24 @@ class Buffer:
                              f"{tuple(expert_out.shape)} and {tuple(recv_weights.shape)}")
         tokens = handle.tokens
         out = torch.empty(max(tokens, 1), hidden, dtype=expert_out.dtype, device=expert_out.device)
-        back = self._returned(hidden, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
-        kernel = combine_kernel(self.world, tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
-                                capacity=self.max_tokens, group=self.group)
+        key = (tokens, hidden, expert_out.dtype)
+        plan = self._combines_by.get(key)
+        if plan is None:  # the first combine of these sizes: its kernel, return rows and signature
+            back = self._returned(hidden, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
+            plan = self._combines_by[key] = (
+                combine_kernel(self.world, tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
+                               capacity=self.max_tokens, group=self.group),
+                back, signature("moe_combine", back, f"topk={self.topk}"))
+        kernel, back, sig = plan
         kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
-               handle.dest, handle.slot, back, out, self._combines,
-               signature("moe_combine", back, f"topk={self.topk}"), group=self.group)
-        return out[:tokens]
+               handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
+        return out if tokens else out[:0]
+
+
+def _aligned(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """``sizes`` (int32 words of tensors sharing one allocation) with a padding after each, so
+    every tensor starts ``_ALIGN`` words into it, as aligned as an allocation of its own."""
+    return tuple(x for n in sizes for x in (n, -n % _ALIGN))
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ receiver adds its (source, expert) base to place the entry without a scan.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,8 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
     Block world + e: the order of each (token, k) entry naming expert e among this rank's
     entries naming it, in (token, k) order (``expert_slot``), and how many
     (``expert_counts[e]``). The last block counts the ids outside [0, num_experts) into
-    ``bad[0]``: those are routed nowhere."""
+    ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1. Every element of every
+    output is written (the caller allocates them unfilled)."""
     scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
     chunk = scan_rows * SCAN_COLS
 
@@ -100,6 +102,12 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
                             expert_slot[t, k] = (done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j]
                                                  - hits[i, j] + T.if_then_else(
                                                      hits[i, j] > 1, _earlier(topk_idx, t, k, b - world, topk), 0))
+                else:  # entries of ids out of range get no expert slot (written, so no output needs a fill)
+                    for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
+                        u = c * chunk + i * SCAN_COLS + j
+                        t = T.min(u, tokens - 1)
+                        if u < tokens and T.Or(topk_idx[t, k] < 0, topk_idx[t, k] >= num_experts):
+                            expert_slot[t, k] = -1
                 done[0] = done[0] + row_end[scan_rows - 1]
             if b < world:
                 send_counts[b] = done[0]
@@ -116,12 +124,18 @@ def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     (the one check of id values); ids of wider types are clamped to [-1, num_experts] first,
     which keeps every bad id bad, so that no cast wraps one into range (2**32 + 1 would
     become expert 1)."""
-    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-        raise TypeError(f"moe_dispatch: topk_idx must hold integer expert ids, got {topk_idx.dtype}")
-    info = torch.iinfo(topk_idx.dtype)
-    if info.min < torch.iinfo(torch.int32).min or info.max > torch.iinfo(torch.int32).max:
+    if _wider_than_int32(topk_idx.dtype):
         topk_idx = topk_idx.to(torch.int64).clamp(-1, num_experts)  # uint64 ids past 2**63 turn negative: bad
     return topk_idx.to(torch.int32).contiguous()
+
+
+@functools.cache
+def _wider_than_int32(dtype: torch.dtype) -> bool:
+    """Whether integer ``dtype`` holds values int32 does not (TypeError for other dtypes): once per dtype."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"moe_dispatch: topk_idx must hold integer expert ids, got {dtype}")
+    info, i32 = torch.iinfo(dtype), torch.iinfo(torch.int32)
+    return info.min < i32.min or info.max > i32.max
 
 
 @dataclass
