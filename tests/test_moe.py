@@ -69,21 +69,22 @@ LAYOUT_CHECK = textwrap.dedent("""
     tokens = moe.SCAN_ROWS * moe.SCAN_COLS + 5  # two chunks of the routing scan
     idx, _, _ = draw(tokens, 7 + rank)
     idx[::97, 1] = idx[::97, 0]
-    idx[3, 2], idx[tokens - 1, 0] = -1, num_experts
+    idx[3, 2], idx[tokens - 1, 0], idx[5, 1] = -1, num_experts, 2**32 + 1  # int64 ids, read as passed
     i32 = dict(dtype=torch.int32)
     dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
     send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
-    expert_counts, bad = torch.empty(num_experts, **i32), torch.empty(1, **i32)
-    moe.route_kernel(world, tokens, topk, num_experts)(idx.to(torch.int32), dest, slot, send_counts, expert_slot,
-                                                       expert_counts, bad)
+    expert_counts, bad, ids = torch.empty(num_experts, **i32), torch.empty(1, **i32), torch.empty(tokens, topk, **i32)
+    moe.route_kernel(world, tokens, topk, num_experts, "int64")(idx, dest, slot, send_counts, expert_slot,
+                                                                expert_counts, bad, ids)
     flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < num_experts)
+    assert torch.equal(ids.flatten().long(), torch.where(valid, flat, -1))  # what the dispatch sends
     order = torch.full_like(flat, -1)
     for e in range(num_experts):
         hits = (flat == e).nonzero()[:, 0]
         order[hits] = torch.arange(len(hits))
     assert torch.equal(expert_slot.flatten()[valid].long(), order[valid])
     assert torch.equal(expert_counts.long(), torch.bincount(flat[valid], minlength=num_experts))
-    assert int(bad[0]) == 2
+    assert int(bad[0]) == 3
     for d in range(world):
         assert torch.equal(slot[d * tokens:(d + 1) * tokens].long(), slots(idx, d)), d
         assert torch.equal(dest[d * tokens:(d + 1) * tokens].long(), torch.where(slots(idx, d) >= 0, d, -1)), d
@@ -219,10 +220,10 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize("tokens", [TOKENS, 128])
-def test_route_kernel_lowers_and_compiles(tokens, tmp_path):
+@pytest.mark.parametrize(("tokens", "id_dtype"), [(TOKENS, "int32"), (128, "int64")])
+def test_route_kernel_lowers_and_compiles(tokens, id_dtype, tmp_path):
     with build_options(world_size=W):
-        src = lower_cuda(moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK))
+        src = lower_cuda(moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK, id_dtype))
     # Two-level scan: a warp per row of tokens, then the row totals.
     assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
     proc = nvcc(src, tmp_path / "route.cubin")

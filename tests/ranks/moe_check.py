@@ -142,11 +142,12 @@ for step in range(3):
     want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
     if step == 0:
-        plans, plan = len(buf._plans), buf._plans[(24, hidden, torch.bfloat16, True)]
+        key = (24, hidden, torch.bfloat16, True, torch.int64)  # tokens, hidden, dtype, low_latency, id dtype
+        plans, plan = len(buf._plans), buf._plans[key]
         kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
                 handle.expert_slot, recv_w]
         then = [t.clone() for t in kept]
-    assert len(buf._plans) == plans and buf._plans[(24, hidden, torch.bfloat16, True)] is plan, "plan not reused"
+    assert len(buf._plans) == plans and buf._plans[key] is plan, "plan not reused"
     assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
 assert all(map(torch.equal, kept, then)), "a later call overwrote an earlier handle's outputs"
 for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),

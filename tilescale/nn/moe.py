@@ -167,11 +167,29 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
-        recv_x, recv_w, handle = _Dispatch.apply(x, weights, experts, self.num_experts, self.low_latency, self.group,
-                                                   self.max_tokens)
-        h = _ACTIVATIONS[self.activation](_GroupedGemm.apply(recv_x, self.w1, handle)).to(x.dtype)
-        out = _GroupedGemm.apply(h, self.w2, handle)
-        return _Combine.apply(out, recv_w, handle).reshape(*lead, out.shape[-1])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, self.w1, self.w2)):
+            dispatch, gemm, combine = _Dispatch.apply, _GroupedGemm.apply, _Combine.apply
+        else:  # nothing to differentiate: no autograd nodes (their host time is most of a decode step's)
+            dispatch, gemm, combine = _dispatch, _grouped_gemm, ops.moe_combine
+        recv_x, recv_w, handle = dispatch(x, weights, experts, self.num_experts, self.low_latency, self.group,
+                                          self.max_tokens)
+        h = _ACTIVATIONS[self.activation](gemm(recv_x, self.w1, handle)).to(x.dtype)
+        out = gemm(h, self.w2, handle)
+        return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
+
+
+def _dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, low_latency: bool,
+              group: dist.ProcessGroup | None, max_tokens: int | None,
+              ) -> tuple[torch.Tensor, torch.Tensor, ops.moe.DispatchHandle]:
+    """``moe_dispatch`` as the layer uses it: rows, weights and the handle."""
+    recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
+                                                 group=group, max_tokens=max_tokens)
+    return recv_x, recv_w, handle
+
+
+def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, handle: ops.moe.DispatchHandle) -> torch.Tensor:
+    """``grouped_gemm`` over the dispatch layout."""
+    return ops.grouped_gemm(x, w, handle.row_expert)
 
 
 def _valid_rows(handle: ops.moe.DispatchHandle) -> torch.Tensor:
@@ -185,8 +203,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, experts, num_experts, low_latency, group, max_tokens):  # noqa: ANN001, ANN205
-        recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
-                                                     group=group, max_tokens=max_tokens)
+        recv_x, recv_w, handle = _dispatch(x, weights, experts, num_experts, low_latency, group, max_tokens)
         ctx.handle = handle  # remembers the group: the combines of the backward run over it
         return recv_x, recv_w, handle
 
@@ -235,7 +252,7 @@ class _GroupedGemm(torch.autograd.Function):
     def forward(ctx, x, w, handle):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, w)
         ctx.handle = handle
-        return ops.grouped_gemm(x, w, handle.row_expert)
+        return _grouped_gemm(x, w, handle)
 
     @staticmethod
     def backward(ctx, d_out):  # noqa: ANN001, ANN205

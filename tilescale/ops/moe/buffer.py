@@ -46,11 +46,11 @@ class _SendPlan:
     """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call."""
 
     route: DistributedKernel | None  # the routing kernel (None for no tokens)
-    route_sizes: tuple[int, ...]  # its outputs' int32 words (and padding): dest, slot, send_counts, expert_slot,
-    # expert_counts, bad
+    route_words: _Words  # its outputs in one int32 allocation: dest, slot, send_counts, expert_slot, expert_counts,
+    # bad, ids
     send: DistributedKernel  # the dispatch kernel
-    output_sizes: tuple[int, ...]  # its int32 outputs' words (and padding): counts, offsets, received_counts,
-    # position, source_row, row_expert
+    output_words: _Words  # its int32 outputs in one allocation: counts, offsets, received_counts, position,
+    # source_row, row_expert
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
@@ -65,7 +65,8 @@ class DispatchHandle:
     """
 
     tokens: int  # this rank's tokens (0 allowed)
-    topk_idx: torch.Tensor  # (max(tokens, 1), topk) int32 expert ids this rank dispatched (-1: padding row)
+    topk_idx: torch.Tensor  # (max(tokens, 1), topk) int32 expert ids this rank dispatched (-1: out of range, or
+    # the padding row of no tokens)
     topk_w: torch.Tensor  # (max(tokens, 1), topk) float32 their routing weights
     expert_slot: torch.Tensor  # (max(tokens, 1), topk) order of entry (t, k) among this rank's entries of its expert
     dest: torch.Tensor  # (world * max(tokens, 1),) destination of pair (rank r, token t) at r * tokens + t, or -1
@@ -250,14 +251,13 @@ class Buffer:
                                                                  f"low_latency={low_latency}", f"SMs={self.sms}"])
             self._modes.add(low_latency)
         sent = pack(x) if self.fp8 else x
-        plan = self._plan(tokens, sent, low_latency)
-        idx = expert_ids(topk_idx, self.num_experts)
-        weights = topk_weights.to(torch.float32).contiguous()
-        routes = self._route(idx, tokens, plan)
+        ids = expert_ids(topk_idx, self.num_experts)
+        plan = self._plan(tokens, sent, low_latency, ids.dtype)
+        routes = self._route(ids, tokens, plan)
         capturing = _capturing(values)
         if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
             watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
-        idx, weights = _padded(idx, -1), _padded(weights, 0)
+        idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
             _padded(sent, 0), idx, weights, routes, plan)
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
@@ -269,23 +269,26 @@ class Buffer:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
 
-    def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool) -> _SendPlan:
-        """What every call sending ``tokens`` rows like ``x`` resolves alike (kernels, receive
-        rows, flags, the call's signature, output sizes), made at the first such call: later
-        ones skip that host work. Every call's agreement is the dispatch kernel's, on the device."""
+    def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool, id_dtype: torch.dtype | None) -> _SendPlan:
+        """What every call sending ``tokens`` rows like ``x`` (expert ids of ``id_dtype`` to route;
+        None: along known routes) resolves alike (kernels, receive rows, flags, the call's
+        signature, output sizes), made at the first such call: later ones skip that host work.
+        Every call's agreement is the dispatch kernel's, on the device."""
         hidden, dtype = x.shape[1], x.dtype
-        key = (tokens, hidden, dtype, low_latency)
+        key = (tokens, hidden, dtype, low_latency, id_dtype)
         plan = self._plans.get(key)
         if plan is None:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
             plan = self._plans[key] = _SendPlan(
-                route=route_kernel(world, tokens, topk, self.num_experts, group=self.group) if tokens else None,
-                route_sizes=_aligned((world * held, world * held, world, held * topk, self.num_experts, 1)),
+                route=route_kernel(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
+                                   group=self.group) if tokens and id_dtype else None,
+                route_words=_Words((world * held, world * held, world, held * topk, self.num_experts, 1,
+                                    held * topk)),
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, capacity=self.max_tokens, group=self.group),
-                output_sizes=_aligned((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
-                                       rows)),
+                output_words=_Words((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
+                                     rows)),
                 # The call's identity names what every rank must agree on (not this rank's token count).
                 signature=signature("moe_dispatch", received, f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
@@ -293,23 +296,24 @@ class Buffer:
         return plan
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan) -> dict[str, torch.Tensor]:
-        """The routing kernel's outputs; for no tokens, those of one token routed nowhere."""
+        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends); for no
+        tokens, those of one token routed nowhere."""
         i32 = dict(dtype=torch.int32, device=idx.device)
-        world = self.world
+        world, topk = self.world, self.topk
         if not tokens:
             return {"dest": torch.full((world,), -1, **i32), "slot": torch.full((world,), -1, **i32),
-                    "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(1, self.topk, **i32),
-                    "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32)}
+                    "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(1, topk, **i32),
+                    "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32),
+                    "ids": torch.full((1, topk), -1, **i32)}
         # Pair (t, r) exists when token t has an expert on rank r; its slot at r is its order
         # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
         # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
-        words = torch.empty(sum(plan.route_sizes), **i32)
-        dest, slot, send_counts, expert_slot, expert_counts, bad = words.split(plan.route_sizes)[::2]
-        expert_slot = expert_slot.view(tokens, self.topk)
-        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad)
+        dest, slot, send_counts, expert_slot, expert_counts, bad, ids = plan.route_words.views(idx.device)
+        expert_slot, ids = expert_slot.view(tokens, topk), ids.view(tokens, topk)
+        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids)
         return {"dest": dest, "slot": slot, "send_counts": send_counts, "expert_slot": expert_slot,
-                "expert_counts": expert_counts, "bad": bad}
+                "expert_counts": expert_counts, "bad": bad, "ids": ids}
 
     def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
               plan: _SendPlan) -> tuple[torch.Tensor, ...]:
@@ -323,8 +327,7 @@ class Buffer:
         world, rows, hidden = self.world, self.rows, x.shape[1]
         # The outputs are the caller's (a handle outlives the next call): new on every call,
         # the int32 ones as views of one allocation.
-        ints = torch.empty(sum(plan.output_sizes), dtype=torch.int32, device=x.device)
-        counts, offsets, received_counts, position, source_row, row_expert = ints.split(plan.output_sizes)[::2]
+        counts, offsets, received_counts, position, source_row, row_expert = plan.output_words.views(x.device)
         position = position.view(world * self.max_tokens, self.topk)
         weight = torch.empty(rows, dtype=torch.float32, device=x.device)
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
@@ -345,7 +348,7 @@ class Buffer:
             raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
         routes = {"dest": handle.dest, "slot": handle.slot, "send_counts": handle.send_counts,
                   "expert_slot": handle.expert_slot, "expert_counts": handle.expert_send_counts}
-        plan = self._plan(handle.tokens, x, low_latency=False)
+        plan = self._plan(handle.tokens, x, low_latency=False, id_dtype=None)
         return self._send(_padded(x, 0), handle.topk_idx, handle.topk_w, routes, plan)[0]
 
     def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -376,10 +379,20 @@ class Buffer:
         return out if tokens else out[:0]
 
 
-def _aligned(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """``sizes`` (int32 words of tensors sharing one allocation) with a padding after each, so
-    every tensor starts ``_ALIGN`` words into it, as aligned as an allocation of its own."""
-    return tuple(x for n in sizes for x in (n, -n % _ALIGN))
+class _Words:
+    """Int32 tensors of the given sizes as views of one new allocation per call, each starting
+    ``_ALIGN`` words into it (as aligned as an allocation of its own)."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.spans, start = [], 0
+        for n in sizes:
+            self.spans.append((start, n))
+            start += n + -n % _ALIGN
+        self.total = start
+
+    def views(self, device: torch.device) -> list[torch.Tensor]:
+        words = torch.empty(self.total, dtype=torch.int32, device=device)
+        return [words.narrow(0, start, n) for start, n in self.spans]
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:

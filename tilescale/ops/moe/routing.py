@@ -14,6 +14,7 @@ receiver adds its (source, expert) base to place the entry without a scan.
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import tilescale.language as T
@@ -27,11 +28,18 @@ SCAN_COLS = 128
 SCAN_THREADS = 512
 
 
-def _entries(idx, t, topk, lo, hi):
+def _id(idx, t, k, num_experts):
+    """Entry (t, k)'s expert id as int32, ids of a wider type clamped to [-1, num_experts]
+    first, which keeps every bad id bad: no cast wraps one into range (2**32 + 1 is not 1)."""
+    return T.Cast("int32", T.max(T.min(idx[t, k], num_experts), -1))
+
+
+def _entries(idx, t, topk, lo, hi, num_experts):
     """Entries k of token t whose expert id is in [lo, hi) (unrolled over k)."""
     n = 0
     for k in range(topk):
-        n = n + T.if_then_else(T.And(lo <= idx[t, k], idx[t, k] < hi), 1, 0)
+        e = _id(idx, t, k, num_experts)
+        n = n + T.if_then_else(T.And(lo <= e, e < hi), 1, 0)
     return n
 
 
@@ -40,36 +48,38 @@ def _token_hits(idx, t, b, world, num_experts, topk):
     (b < world), its entries naming expert b - world, or (last block) its ids out of range."""
     per_rank = num_experts // world
     return T.if_then_else(
-        b < world, T.min(_entries(idx, t, topk, b * per_rank, b * per_rank + per_rank), 1),
-        T.if_then_else(b < world + num_experts, _entries(idx, t, topk, b - world, b - world + 1),
-                       topk - _entries(idx, t, topk, 0, num_experts)))
+        b < world, T.min(_entries(idx, t, topk, b * per_rank, b * per_rank + per_rank, num_experts), 1),
+        T.if_then_else(b < world + num_experts, _entries(idx, t, topk, b - world, b - world + 1, num_experts),
+                       topk - _entries(idx, t, topk, 0, num_experts, num_experts)))
 
 
-def _earlier(idx, t, k, expert, topk):
+def _earlier(idx, t, k, expert, topk, num_experts):
     """Entries before k of token t naming ``expert`` (several only for repeated ids)."""
     n = 0
     for kk in range(topk - 1):
-        n = n + T.if_then_else(T.And(kk < k, idx[t, kk] == expert), 1, 0)
+        n = n + T.if_then_else(T.And(kk < k, _id(idx, t, kk, num_experts) == expert), 1, 0)
     return n
 
 
 @jit
-def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
+def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32"):
     """Block r < world: which tokens go to rank r (``dest``), their slots there in token
     order (``slot``), how many (``send_counts[r]``); pair index ``r * tokens + t``.
     Block world + e: the order of each (token, k) entry naming expert e among this rank's
     entries naming it, in (token, k) order (``expert_slot``), and how many
     (``expert_counts[e]``). The last block counts the ids outside [0, num_experts) into
-    ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1. Every element of every
+    ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1; and writes the int32 ids
+    the dispatch sends (``ids``: -1 for those). ``topk_idx`` is read as passed (``id_dtype``:
+    int32 or int64), so the caller's ids need no conversion kernel. Every element of every
     output is written (the caller allocates them unfilled)."""
     scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
     chunk = scan_rows * SCAN_COLS
 
     @T.prim_func
-    def main(topk_idx: T.Tensor((tokens, topk), "int32"), dest: T.Tensor((world * tokens,), "int32"),
+    def main(topk_idx: T.Tensor((tokens, topk), id_dtype), dest: T.Tensor((world * tokens,), "int32"),
              slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
-             bad: T.Tensor((1,), "int32")):
+             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32")):
         with T.Kernel(world + num_experts + 1, threads=SCAN_THREADS) as b:
             hits = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # per token: 0/1 (rank), entries (expert)
             prefix = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # inclusive, along each row
@@ -98,15 +108,19 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
                     for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
                         u = c * chunk + i * SCAN_COLS + j
                         t = T.min(u, tokens - 1)
-                        if u < tokens and topk_idx[t, k] == b - world:
+                        if u < tokens and _id(topk_idx, t, k, num_experts) == b - world:
                             expert_slot[t, k] = (done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j]
                                                  - hits[i, j] + T.if_then_else(
-                                                     hits[i, j] > 1, _earlier(topk_idx, t, k, b - world, topk), 0))
+                                                     hits[i, j] > 1,
+                                                     _earlier(topk_idx, t, k, b - world, topk, num_experts), 0))
                 else:  # entries of ids out of range get no expert slot (written, so no output needs a fill)
                     for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
                         u = c * chunk + i * SCAN_COLS + j
                         t = T.min(u, tokens - 1)
-                        if u < tokens and T.Or(topk_idx[t, k] < 0, topk_idx[t, k] >= num_experts):
+                        e = _id(topk_idx, t, k, num_experts)
+                        if u < tokens:
+                            ids[t, k] = T.if_then_else(T.And(e >= 0, e < num_experts), e, -1)
+                        if u < tokens and T.Or(e < 0, e >= num_experts):
                             expert_slot[t, k] = -1
                 done[0] = done[0] + row_end[scan_rows - 1]
             if b < world:
@@ -120,13 +134,13 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int):
 
 
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The routing kernel's int32 expert ids. It counts and drops ids outside [0, num_experts)
-    (the one check of id values); ids of wider types are clamped to [-1, num_experts] first,
-    which keeps every bad id bad, so that no cast wraps one into range (2**32 + 1 would
-    become expert 1)."""
-    if _wider_than_int32(topk_idx.dtype):
-        topk_idx = topk_idx.to(torch.int64).clamp(-1, num_experts)  # uint64 ids past 2**63 turn negative: bad
-    return topk_idx.to(torch.int32).contiguous()
+    """The expert ids as the routing kernel reads them: int32 and int64 ids as passed (the
+    kernel clamps and casts them, the one check of id values), other integer types widened
+    to one of those, keeping every value (TypeError for other dtypes)."""
+    wide = _wider_than_int32(topk_idx.dtype)
+    if topk_idx.dtype in (torch.int32, torch.int64):
+        return topk_idx.contiguous()
+    return topk_idx.to(torch.int64 if wide else torch.int32)  # uint64 ids past 2**63 turn negative: bad
 
 
 @functools.cache
@@ -142,39 +156,39 @@ def _wider_than_int32(dtype: torch.dtype) -> bool:
 class _IdCheck:
     """The routing kernel's count of out-of-range expert ids for one call, read when ready."""
 
-    bad: torch.Tensor  # (1,) int32 in host memory (pinned, filled by an asynchronous copy, on GPUs)
-    ready: torch.cuda.Event | None  # recorded after that copy; None on the CPU path
+    bad: np.ndarray  # (1,) int32: on GPUs pinned host memory that an asynchronous copy fills, -1 until it lands
+    host: torch.Tensor | None  # that pinned memory (None on the CPU path), reused once the check is read
     idx: torch.Tensor  # the call's expert ids, for the message
     num_experts: int
 
 
 _id_checks: list[_IdCheck] = []
-# Pinned buffers and events of finished checks, for the next calls: allocating them anew
-# cost a low-latency dispatch + combine 4% of its host time (252 -> 242 us, one H200).
-_spare: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+# Pinned words of finished checks, for the next calls: allocating them anew cost a
+# low-latency dispatch + combine 4% of its host time (252 -> 242 us, one H200).
+_spare: list[torch.Tensor] = []
 
 
 def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
-    """Queue the device's id check of this call, without waiting for it."""
+    """Queue the device's id check of this call, without waiting for it: the count is copied
+    into pinned host memory holding -1 until the copy lands (a 4-byte store, seen whole), so
+    no event is needed to know when it is there."""
     if bad.is_cuda:
-        if _spare:
-            host, ready = _spare.pop()
-        else:  # a CPU tensor whatever the default device
-            host, ready = torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True), torch.cuda.Event()
+        host = _spare.pop() if _spare else torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)
+        word = host.numpy()
+        word[0] = -1
         host.copy_(bad, non_blocking=True)
-        ready.record()
-        _id_checks.append(_IdCheck(host, ready, idx, num_experts))
+        _id_checks.append(_IdCheck(word, host, idx, num_experts))
     else:
-        _id_checks.append(_IdCheck(bad, None, idx, num_experts))
+        _id_checks.append(_IdCheck(bad.numpy(), None, idx, num_experts))
 
 
 def raise_bad_ids() -> None:
     """Raise for the first finished id check that found ids out of range (finished checks are dropped)."""
-    while _id_checks and (_id_checks[0].ready is None or _id_checks[0].ready.query()):
+    while _id_checks and _id_checks[0].bad[0] >= 0:
         check = _id_checks.pop(0)
         found = int(check.bad[0])
-        if check.ready is not None:
-            _spare.append((check.bad, check.ready))
+        if check.host is not None:
+            _spare.append(check.host)
         if found:
             low, high = int(check.idx.min()), int(check.idx.max())
             raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {check.num_experts}); "
