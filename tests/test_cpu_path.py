@@ -202,3 +202,54 @@ def test_ops_match_torch_distributed(n):
 def test_single_gpu_tilelang_programs_run_unchanged():
     proc = run_python(RANKS / "tilelang_programs.py", timeout=100)
     assert "SINGLE-GPU-PROGRAMS-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_count_call_counts_each_launch_once(tmp_path):
+    """``T.count_call``: every block of a launch gets the same call (number, flag target), the
+    launch advances the count once, also when only some blocks count (``blocks``) and when a
+    wait in it timed out (the next launch gets the next call)."""
+    script = tmp_path / "count.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        import tilescale.language as T
+
+        @ts.jit
+        def counted(blocks, counting, wait):
+            @T.prim_func
+            def main(state: T.Tensor((3,), "int32"), seen: T.Tensor((blocks, 2), "int32"),
+                     flag: T.Tensor((1,), "int32")):
+                with T.Kernel(blocks, threads=128) as b:
+                    with T.Scale("device"):
+                        if b < counting:
+                            call = T.alloc_local((2,), "int32")
+                            T.count_call(state, 5, call, counting)
+                            seen[b, 0] = call[0]
+                            seen[b, 1] = call[1]
+                            if wait and b == 0:
+                                T.wait(flag[0], "ge", 1)
+
+            return main
+
+        ts.init(device="cpu")
+        state, flag = torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        for i, (blocks, counting) in enumerate(((4, 4), (4, 4), (6, 2)), start=1):
+            seen = torch.zeros(blocks, 2, dtype=torch.int32)
+            counted(blocks, counting, False)(state, seen, flag)
+            assert seen[:counting].tolist() == [[i, 5 * i]] * counting, seen
+            assert state.tolist() == [i, 5 * i, 0], state
+        try:
+            counted(4, 4, True)(state, torch.zeros(4, 2, dtype=torch.int32), flag)
+            raise AssertionError("the wait did not time out")
+        except ts.WaitTimeoutError:
+            ts.current().wait_status.zero_()
+        assert state.tolist() == [4, 20, 0], state
+        flag[0] = 1
+        seen = torch.zeros(4, 2, dtype=torch.int32)
+        counted(4, 4, True)(state, seen, flag)
+        assert seen.tolist() == [[5, 25]] * 4 and state.tolist() == [5, 25, 0], (seen, state)
+        print("COUNT-OK")
+    """))
+    proc = run_python(script, timeout=100, cwd=tmp_path, env={"TILESCALE_WAIT_TIMEOUT_S": "1"})
+    assert "COUNT-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

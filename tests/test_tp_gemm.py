@@ -23,6 +23,8 @@ def test_fused_tp_gemms_match_torch(n):
     assert proc.stdout.count("(16, 256, 96) ok") == 2 * n  # split K
     assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
     assert proc.stdout.count("shapes differ across ranks (rank 0: [73, 32, 48") == n
+    # Each fused plan's calls are counted on the device by its own kernels, one call each.
+    assert proc.stdout.count(" kernel(s), +") == 5 * n
 
 
 @pytest.mark.timeout(300)
@@ -93,6 +95,21 @@ def test_gemm_kernels_lower_to_wgmma_with_signals():
     fused = lower("gemm_reduce_scatter_in_gemm")  # own-segment tiles wait per warp, then sum the peers'
     assert fused.index("tilescale::warp_wait(") < fused.index("tilescale::warp_signal(")
     assert "tl::rasterization2DRow<8>()" in fused and "tilescale::grid_barrier(" not in fused
+
+
+@pytest.mark.timeout(300)
+def test_each_call_is_counted_by_its_first_kernel():
+    """No kernel before a call's own: its first kernel counts it on the device
+    (``T.count_call``, with what the call adds to each flag: here 8 tiles x 4 K parts x 8
+    consumer warps to a sender's flag, 16 pushers' signals to a row tile's flag), before
+    its announcement is released; a second kernel reads the count its first advanced."""
+    push, own = lower("gemm_all_reduce_split"), lower("all_gather_gemm")
+    assert "tilescale::count_call(state, 256, 0, call);" in push
+    assert "tilescale::count_call(state, 16, 16, call);" in own  # only the 16 pushers count
+    assert own.index("tilescale::count_call(") < own.index("tilescale::block_signal(")
+    for name in ("all_gather_gemm_peers", "sum_received", "gather_segments"):
+        src = lower(name)
+        assert "count_call(state" not in src and "state[1]" in src and "state[0] & 1" in src, name
 
 
 @pytest.mark.timeout(120)
@@ -207,7 +224,7 @@ def test_split_k_all_reduce_gemm_sends_each_part_to_its_slot():
     src = lower("gemm_all_reduce_split")
     assert "for (int k = 0; k < 4; ++k)" in src
     assert "((((int)blockIdx.y) * 256) + (k * 64))" in src
-    assert "((((state[0] & 1) * 1024) + (ts_rank * 512)) + (((int)blockIdx.y) * 128))" in src
+    assert "((((call[0] & 1) * 1024) + (ts_rank * 512)) + (((int)blockIdx.y) * 128))" in src
     assert "tilescale::warp_signal(" in src
 
 
@@ -261,7 +278,7 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
         func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 128, 1024, 8192, NARROW)
     src = lower_cuda(func)
     assert "wgmma" in src and "warpgroup_reg_dealloc" in src
-    assert "recv__peers[" in src and "state[0] & 1" in src
+    assert "recv__peers[" in src and "call[0] & 1" in src
     assert src.index("tilescale::warp_signal(") < src.index("tilescale::warp_wait(")
     assert "tilescale::block_wait(" not in src and "tilescale::grid_barrier(" not in src
     proc = nvcc(src, tmp_path / "all_reduce_gemm.cubin")

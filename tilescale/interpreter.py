@@ -52,7 +52,7 @@ from tilescale import comm, runtime
 from tilescale.errors import WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
 from tilescale.language.scale import STATUS_PARAM
-from tilescale.language.sync import ADDRESS_HELPERS
+from tilescale.language.sync import ADDRESS_HELPERS, COUNT_CALL_EXTERN
 from tilescale.protocol import (
     ARRIVALS_WORD,
     COMPARISON_TEXT,
@@ -142,6 +142,8 @@ class _Launch:
         self.cluster_barriers: dict[tuple, threading.Barrier] = \
             collections.defaultdict(lambda: threading.Barrier(cluster_size))
         self.cluster_tiles: dict[tuple, torch.Tensor] = {}
+        # T.count_call: the call each counted state gave this launch, by the state's address.
+        self.calls: dict[int, torch.Tensor] = {}
 
     def cluster_tile(self, cluster: tuple, rank: int, buf: tirx.Buffer, shape: list[int]) -> torch.Tensor:
         """Shared tile ``buf`` of block ``rank`` of ``cluster``, made on first use by either side."""
@@ -550,8 +552,23 @@ class _Block:
             self.barrier(self.env[args[0]], int(self.eval(args[1])), int(self.eval(args[2])))
         elif name == BARRIER_EXTERN:
             self.cluster_barrier()
+        elif name == COUNT_CALL_EXTERN:
+            self.count_call(self.env[args[0]], int(self.eval(args[1])), self.env[args[3]])
         else:
             raise self.unsupported(f"call to '{name}'")
+
+    def count_call(self, state: torch.Tensor, step: int, call: torch.Tensor) -> None:
+        """``T.count_call``: every block of the launch gets the call after the one ``state``
+        counts (its number and flag target), and the launch advances ``state`` once. Here the
+        first block to get here advances it and the launch keeps the call for its other blocks,
+        so a launch that stops early (a wait that timed out ends the CPU path's blocks) still
+        advances it once, as a GPU's, whose every block runs to its end."""
+        with self.launch.lock:
+            counted = self.launch.calls.get(state.data_ptr())
+            if counted is None:
+                state[:2] += torch.tensor([1, step], dtype=torch.int32)  # int32: wraps as on the GPU
+                counted = self.launch.calls[state.data_ptr()] = state[:2].clone()
+        call[:2] = counted
 
     def cluster_barrier(self) -> None:
         # The threads of one cluster; clusters never wait for each other.

@@ -28,3 +28,83 @@ def expect_mismatch(case: str, call: Callable[[], object]) -> None:
         raise AssertionError(f"rank {ts.rank()}: {case}: no ShapeMismatchError")
     ts.current().wait_status.zero_()
     ts.barrier()
+
+
+def exchange_states() -> dict[tuple, list[int]]:
+    """The device-counted state of every fused TP GEMM exchange of the whole job's group:
+    ``[calls, flag target, blocks counted in]`` (``tilescale.ops.tp_gemm.exchange._Exchange``).
+
+    Example::
+
+        before = exchange_states()
+        ts.ops.gemm_all_reduce(a, w, plan="fused")
+        after = exchange_states()     # one exchange: one more call, blocks counted in back to 0
+    """
+    from tilescale.ops.tp_gemm.exchange import _Exchange
+
+    return {key: ex.state.tolist() for key, ex in ts.group_state().exchanges.items() if isinstance(ex, _Exchange)}
+
+
+def counted_calls(op: Callable[[], object], calls: int) -> tuple[int, int]:
+    """Run ``op`` (a fused TP GEMM call whose plan is built) ``calls`` times and check that only
+    its own kernels count them: one exchange advances by exactly ``calls`` calls (blocks
+    counted in back at 0) and no torch operation outside a kernel touches its state.
+
+    Example::
+
+        step, kernels = counted_calls(lambda: ts.ops.gemm_all_reduce(a, w, plan="fused"), 5)
+
+    Args:
+        op: the call, run as it is (its plan already built by an earlier call).
+        calls: how many times to run it.
+
+    Returns:
+        What each call added to the exchange's flag target, and the kernels each call launched.
+
+    Raises:
+        AssertionError: another count, or a host operation on the state.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tilescale.jit import DistributedKernel
+    from tilescale.ops.tp_gemm.exchange import _Exchange
+
+    states = [ex.state for ex in ts.group_state().exchanges.values() if isinstance(ex, _Exchange)]
+    storages = {s.untyped_storage().data_ptr() for s in states}
+    inside, launched, touched = [False], [0], []
+
+    class HostOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                flat = torch.utils._pytree.tree_leaves((args, kwargs))
+                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages for t in flat):
+                    touched.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    launch = DistributedKernel.__call__
+
+    def counted(self, *args, **kwargs):  # the kernel itself runs as always
+        launched[0] += 1
+        inside[0] = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    before = exchange_states()
+    DistributedKernel.__call__ = counted
+    try:
+        with HostOps():
+            for _ in range(calls):
+                op()
+    finally:
+        DistributedKernel.__call__ = launch
+    after = exchange_states()
+    changed = [key for key in after if after[key] != before.get(key)]
+    assert len(changed) == 1, (before, after)
+    delta = [a - b for a, b in zip(after[changed[0]], before.get(changed[0], [0, 0, 0]), strict=True)]
+    assert delta[0] == calls and delta[2] == 0 and delta[1] > 0 and delta[1] % calls == 0, delta
+    assert not touched, f"host operations on an exchange's state: {touched}"
+    assert launched[0] % calls == 0, launched
+    return delta[1] // calls, launched[0] // calls

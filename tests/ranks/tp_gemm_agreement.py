@@ -4,7 +4,8 @@ count has been seen, or the same rows with another tile or producer, and with ze
 ``TILESCALE_TEST_CASE`` picks what runs:
 
 * ``mismatch``: one disagreeing call of each op and plan (both all-gather producers, the
-  one- and two-kernel reduce-scatter and all-reduce), then calls that differ only in the
+  one- and two-kernel reduce-scatter and all-reduce), each after agreeing calls and counted
+  on the device, like them, as one call by its own kernels, then calls that differ only in the
   all-gather's tile or producer; markers ``MISMATCH case=<case> rank=<r> msg=<message>``,
   then ``EMPTY-OK rank=<r>`` after zero rows on every rank gave empty results;
 * ``zero-on-one-rank``: rank 0 passes zero rows, rank 1 64 (both counts seen before); every
@@ -18,7 +19,7 @@ import os
 from datetime import timedelta
 
 import torch
-from expect import expect_mismatch
+from expect import counted_calls, exchange_states, expect_mismatch
 
 import tilescale as ts
 from tilescale.ops._gemm import WIDE, TileConfig
@@ -61,7 +62,17 @@ def main() -> None:
             op(64)
     if os.environ["TILESCALE_TEST_CASE"] == "mismatch":
         for name, op in ops.items():
+            # The call that raises still counts as one call on the device, as every call does: a
+            # later call's buffer set and flag targets stay those of the ranks' other calls.
+            counted = name != "all_gather_gemm"  # the copy engines' calls are counted on the host
+            step = counted_calls(lambda op=op: op(64), 3)[0] if counted else 0
+            before = exchange_states()
             expect_mismatch(name, lambda op=op: op(64 if rank == 0 else 72))
+            after = exchange_states()
+            if counted:
+                changed = [[a - b for a, b in zip(after[key], before[key], strict=True)] for key in after
+                           if after[key] != before[key]]
+                assert changed == [[1, step, 0]], (name, changed, step)
         # Last: after the producers differed, each rank's count of all-gather calls differs per producer.
         for name, pair in plans.items():
             expect_mismatch(name, lambda pair=pair: pair[rank](64))

@@ -101,6 +101,30 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
             torch.testing.assert_close(got.float(), reference(name), rtol=2e-2, atol=3e-1)
         print(rank, name, "CUDA graph, 3 replays ok", flush=True)
 
+if next(cases) % PARTS == PART:  # each fused plan's calls are counted by its own kernels, and only those
+    from expect import counted_calls
+
+    from tilescale.ops._common import sm_count
+    from tilescale.ops.tp_gemm import choose_tile, reduce_grid
+
+    a, a2, a3 = (torch.randn(rows, k, dtype=torch.bfloat16)
+                 for rows, k in ((64, 96), (world * 64, 96), (world * 16, 256)))
+    w, w3 = torch.randn(80, 96, dtype=torch.bfloat16), torch.randn(96, 256, dtype=torch.bfloat16)
+    # SHORT tiles outnumber the SMs: the gathering plan.
+    w4 = torch.randn(64 * (sm_count() // world + 1), 96, dtype=torch.bfloat16)
+    # K = 256 is split where a segment's one tile leaves SMs idle (the GEMM, then the reduction).
+    split = reduce_grid(world * 16, 256, 96, world, choose_tile(16, 96, split_k=True, kernels=(world,))).splits > 1
+    kernels = {"all_gather_gemm sm": (lambda: ts.ops.all_gather_gemm(a, w, plan="fused", producer="sm"), 2),
+               "gemm_reduce_scatter": (lambda: ts.ops.gemm_reduce_scatter(a2, w, plan="fused"), 1),
+               "gemm_reduce_scatter split K": (lambda: ts.ops.gemm_reduce_scatter(a3, w3, plan="fused"), 1 + split),
+               "gemm_all_reduce one kernel": (lambda: ts.ops.gemm_all_reduce(a, w, plan="fused"), 1),
+               "gemm_all_reduce gathering": (lambda: ts.ops.gemm_all_reduce(a2, w4, plan="fused", tile=SHORT), 2)}
+    for name, (op, expected) in kernels.items():
+        op()  # builds the plan and the exchange
+        step, launched = counted_calls(op, 4)
+        assert launched == (expected if world > 1 else 1), (name, launched)
+        print(rank, name, f"counted by its {launched} kernel(s), +{step} per flag per call", flush=True)
+
 a = torch.randn(64, 32).half()
 w = torch.randn(48, 32).half()
 errors = []

@@ -24,6 +24,7 @@ from tilelang.language import __all__ as _tilelang_all
 from tilescale.language.kernel import Kernel, prim_func  # noqa: F401 - replace TileLang's, in __all__
 from tilescale.language.remote import copy  # noqa: F401 - replaces TileLang's, in __all__
 from tilescale.language.scale import Scale, build_options
-from tilescale.language.sync import agree, announce, barrier, fence, signal, wait
+from tilescale.language.sync import agree, announce, barrier, count_call, fence, signal, wait
 
-__all__ = [*_tilelang_all, "Scale", "agree", "announce", "barrier", "build_options", "fence", "signal", "wait"]
+__all__ = [*_tilelang_all, "Scale", "agree", "announce", "barrier", "build_options", "count_call", "fence", "signal",
+           "wait"]

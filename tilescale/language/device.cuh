@@ -246,6 +246,35 @@ __device__ __forceinline__ int grid_agree(const void* peer_table, int rank, int 
                     [&](int word, int value, int p) { reinterpret_cast<volatile int*>(peers[p])[word] = value; });
 }
 
+// T.count_call: state (int32, this rank's) = [calls, flag target, blocks counted in]. Every
+// thread reads the first two (nothing writes them before every counted block has read them)
+// and gets this call's: call[0] = calls + 1, call[1] = target + step. After the block's reads
+// (__syncthreads), its last thread counts the block in (acq_rel: the block's reads come
+// before, the last block's stores after); the last of `blocks` (0: the grid) stores the
+// call's values and resets the count for the next launch, which stream order puts after
+// this one. The last thread, not thread 0: under TileLang's warp specialisation thread 0
+// issues the first loads, while the last is a consumer's, which waits for them anyway.
+// TileLang declares `state` read-only (it sees no store to it); every access here is a
+// volatile asm with a memory clobber, which the compiler neither caches nor reorders.
+__device__ __forceinline__ void count_call(const int* state_arg, int step, int blocks, int* call) {
+  int* state = const_cast<int*>(state_arg);
+  int calls, target;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(calls) : "l"(state) : "memory");
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(target) : "l"(state + 1) : "memory");
+  call[0] = calls + 1;
+  call[1] = target + step;
+  __syncthreads();
+  if (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z) == blockDim.x * blockDim.y * blockDim.z - 1) {
+    int counted;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(counted) : "l"(state + 2) : "memory");
+    if (counted == (blocks > 0 ? blocks : (int)(gridDim.x * gridDim.y * gridDim.z)) - 1) {
+      asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(state + 2), "r"(0) : "memory");
+      asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(state), "r"(calls + 1) : "memory");
+      asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(state + 1), "r"(target + step) : "memory");
+    }
+  }
+}
+
 // T.announce: the leader stores this call's identity in slot `rank` of row (call number % 2)
 // of every rank's board.
 __device__ __forceinline__ void announce(const void* board_table, int rank, int world, long long ident) {

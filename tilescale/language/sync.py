@@ -1,5 +1,6 @@
 """Cross-device signals, waits, fences and barriers: ``T.signal``, ``T.wait``, ``T.fence``, ``T.barrier``;
-and the ranks' agreement on what they call: ``T.agree``, ``T.announce``.
+the ranks' agreement on what they call: ``T.agree``, ``T.announce``; and a kernel's own call
+count on the device: ``T.count_call``.
 
 Example (a producer block announces a tile it put into its peer's buffer)::
 
@@ -54,6 +55,9 @@ ADDRESS_HELPERS = {
     "wait": "tilescale::block_wait", "warp_wait": "tilescale::warp_wait", "fence": "tilescale::block_fence",
     "barrier": "tilescale::grid_barrier", "agree": "tilescale::grid_agree", "announce": "tilescale::announce",
 }
+
+# T.count_call's device helper: the same in every lowering (it touches only this rank's memory).
+COUNT_CALL_EXTERN = "tilescale::count_call"
 
 # The address lowering's device helpers and the protocol's device side (package data; the
 # numbers it writes as literals are tilescale.protocol's, checked by tests/test_language.py).
@@ -179,6 +183,46 @@ def announce(board: tirx.Buffer, ident: int | tirx.PrimExpr) -> tirx.PrimExpr:
                               ctx.world, ident, ctx.pe_table().data)
     table = ctx.peer_table(board)
     return tl.call_extern("handle", ADDRESS_HELPERS["announce"], table.data, ctx.rank, ctx.world, ident)
+
+
+def count_call(state: tirx.Buffer, step: int | tirx.PrimExpr, call: tirx.Buffer,
+               blocks: int | tirx.PrimExpr = 0) -> tirx.PrimExpr:
+    """Count a kernel's calls on the device: ``call[0]`` gets this call's number (1, 2, ...) and
+    ``call[1]`` its flag target (the running total of ``step`` per call), and the kernel's last
+    block to get here advances ``state``, so the next launch in stream order reads the next
+    call's. No host value: a CUDA graph replays the count.
+
+    Example::
+
+        with T.Kernel(1, threads=128):                 # one block: one signal per flag per call
+            with T.Scale("device") as (rank, world):
+                call = T.alloc_local((2,), "int32")
+                T.count_call(state, 1, call)           # state: zeros(3) int32, this rank's
+                T.copy(tile, recv[call[0] % 2 * 64, 0], dst_pe=peer)   # buffer sets alternate
+                T.signal(flags[rank], 1, pe=peer, op="add")
+                T.wait(flags[peer], "ge", call[1])     # flags only grow: no reset between calls
+
+    Every block reads the count before it counts itself in, and only the last of ``blocks``
+    (0: every block of the grid) writes the next one, after every block has counted itself
+    in: no block reads a half-advanced count, and a launch advances it exactly once (on GPUs
+    every block runs to its end, also after a wait that timed out). ``state[2]`` holds the
+    blocks counted in so far (0 between launches). Every thread of the block must reach it
+    (it synchronises the block); blocks counted need not be resident together.
+
+    Args:
+        state: a 1-D int32 tensor argument of (at least) 3 elements on this rank, zeros at first.
+        step: what the call adds to the flag target.
+        call: a local int32 buffer of 2 elements that receives the call's number and target.
+        blocks: how many blocks count themselves in per launch (0: every block of the grid).
+
+    Returns:
+        The statement.
+    """
+    if not isinstance(state, tirx.Buffer) or str(state.dtype) != "int32" or len(state.shape) != 1:
+        raise TypeError("T.count_call: state must be a 1-D int32 tensor argument (3 elements)")
+    if not isinstance(call, tirx.Buffer) or str(call.dtype) != "int32" or not call.scope().startswith("local"):
+        raise TypeError('T.count_call: call must be a local int32 buffer, T.alloc_local((2,), "int32")')
+    return tl.call_extern("handle", COUNT_CALL_EXTERN, state.data, step, blocks, call.data)
 
 
 def fence() -> tirx.PrimExpr:

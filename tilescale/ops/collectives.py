@@ -77,17 +77,17 @@ def all_gather_kernel(world: int, dtype: str, vec: int, sms: int):
     @T.prim_func
     def main(x: T.Tensor((1, n), dtype), out: T.Tensor((world, n), dtype), sig: T.int32):
         with T.Kernel(grid, threads=THREADS) as bx:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 agreed = T.alloc_local((1,), "int32")
                 agreed[0] = T.agree(sig)
                 for t in T.serial(T.ceildiv(T.ceildiv(n, BLOCK) - bx, grid)):
                     base = (bx + t * grid) * BLOCK
                     if agreed[0] == 1:
-                        for p in T.serial(ranks):
+                        for p in T.serial(world):
                             T.copy(x[0:1, base:base + BLOCK], out[rank:rank + 1, base:base + BLOCK],
-                                   dst_pe=(rank + 1 + p) % ranks)
+                                   dst_pe=(rank + 1 + p) % world)
                     else:
-                        for r in T.serial(ranks):
+                        for r in T.serial(world):
                             _poison(out, r, base, BLOCK, n, poison_value(dtype))
                 T.barrier()
 
@@ -116,7 +116,7 @@ def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
     @T.prim_func
     def main(src: T.Tensor((rows, cols), dtype), out: T.Tensor((1, cols), dtype), sig: T.int32):
         with T.Kernel(grid, threads=THREADS) as bx:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, world):
                 acc = T.alloc_fragment((1, REDUCE_BLOCK), accum)
                 part = T.alloc_fragment((1, REDUCE_BLOCK), dtype)
                 row = rank % rows
@@ -126,14 +126,14 @@ def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
                     base = (bx + t * grid) * REDUCE_BLOCK
                     if agreed[0] == 1:
                         T.clear(acc)
-                        for p in T.serial(ranks):
-                            T.copy(src[row, base], part, src_pe=(rank + p) % ranks)
+                        for p in T.serial(world):
+                            T.copy(src[row, base], part, src_pe=(rank + p) % world)
                             for i, j in T.Parallel(1, REDUCE_BLOCK):
                                 acc[i, j] += T.cast(part[i, j], accum)
                         T.copy(acc, part)
                         if mode == "push":
-                            for p in T.serial(ranks):
-                                T.copy(part, src[row, base], dst_pe=(rank + 1 + p) % ranks)
+                            for p in T.serial(world):
+                                T.copy(part, src[row, base], dst_pe=(rank + 1 + p) % world)
                         else:
                             T.copy(part, out[0, base])
                     elif mode == "push":

@@ -42,7 +42,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
              back: T.Tensor((2, world, capacity, hidden), dtype), out: T.Tensor((held, hidden), dtype),
              combines: T.Tensor((1,), "int32"), sig: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 acc = T.alloc_fragment((1, hidden), "float32")
                 part = T.alloc_fragment((1, hidden), dtype)
                 row = T.alloc_shared((1, hidden), dtype)
@@ -52,8 +52,8 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                 for q in T.serial(T.ceildiv(received - bx, blocks)):
                     # Sources interleaved (row j of source src at step j * ranks + src): the rows
                     # in flight go back to every rank at once, not to one rank from all.
-                    src = (bx + q * blocks) % ranks
-                    j = (bx + q * blocks) // ranks
+                    src = (bx + q * blocks) % world
+                    j = (bx + q * blocks) // world
                     if j < counts[src]:
                         T.clear(acc)
                         for k in T.serial(topk):
@@ -74,7 +74,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                     t = bx + q * blocks
                     if t < tokens and agreed[0] == 1:
                         T.clear(acc)
-                        for d in T.serial(ranks):
+                        for d in T.serial(world):
                             if dest[d * held + t] >= 0:
                                 T.copy(back[s, d, slot[d * held + t]:slot[d * held + t] + 1, 0:hidden], part)
                                 for i, c in T.Parallel(1, hidden):

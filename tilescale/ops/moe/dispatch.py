@@ -106,7 +106,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 recv = Received(recv_x, recv_idx, recv_w, recv_slot, ranges, progress)
                 layout = Layout(position, weight, source_row, row_expert, out, counts, offsets, received_counts)
                 # A group of rows with their entries' expert ids, weights and expert slots: read
@@ -122,7 +122,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 seg = Segments(given, got, upto, end, world, per_rank)
                 call = T.alloc_local((1,), "int32")
                 call[0] = sends[0]
-                if b < ranks:  # the counts first: a receiver needs every source's to place any row
+                if b < world:  # the counts first: a receiver needs every source's to place any row
                     T.announce(board, ident)  # released by the signal below: the receiver checks it
                     T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
                     T.copy(expert_counts[b * per_rank:b * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
@@ -138,7 +138,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                             _put_group(tile, slot, span, recv, b * chunk + g * group,
                                        _group_tokens(b, g, chunk, group, tokens), _peer(b, j, world), b, g, held)
                     if g == 0:
-                        for src in T.serial(ranks):
+                        for src in T.serial(world):
                             T.wait(arrived[src], "eq", call[0] + 1, agree=(board, ident))
                         segments(recv_expert_counts, recv_counts, seg)
                     if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:

@@ -21,9 +21,11 @@ kernel sums them once its flags say they have landed.
 Flags only grow: each call adds one "epoch" of arrivals, and waits compare against the
 running total, so no flag is ever reset between calls (which would race with a fast peer);
 flags are per sender, so a peer already in its next call cannot stand in for a slow one.
-The call count and that total live on the device, advanced in stream order before each
-call's kernels, so a call captured in a CUDA graph advances them on every replay (the
-copy-engine all-gather counts on the host, so captures take the pushers' plan).
+The call count and that total live on the device, advanced by each call's first kernel
+(``T.count_call``: its blocks read them, its last block advances them; a second kernel reads
+the advanced ones), so a fused call launches only its own kernels and a call captured in a
+CUDA graph advances them on every replay (the copy-engine all-gather counts on the host, so
+captures take the pushers' plan).
 Every fused call announces itself (op, shapes, tile, plan: its signature, and a call number)
 on the job's call board before it signals, and its waits check the peers' announcements:
 ranks whose calls differ get ``ts.ShapeMismatchError``, not each other's data (README "When

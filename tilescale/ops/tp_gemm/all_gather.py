@@ -1,7 +1,6 @@
 """``all_gather_gemm``: the column-parallel GEMM whose gathered rows arrive while it runs,
 moved by the copy engines or by SM pusher blocks (the package's docstring says how)."""
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -15,7 +14,6 @@ from tilescale.ops._common import (
     call_board,
     call_identity,
     check_same_across_ranks,
-    layout_key,
     op_plans,
     signature,
     tl_dtype,
@@ -23,7 +21,15 @@ from tilescale.ops._common import (
 from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange, _gather_exchange, _StreamWrites
 from tilescale.ops.tp_gemm.kernels import ag_own_gemm_kernel, ag_peer_gemm_kernel, announce_kernel
-from tilescale.ops.tp_gemm.plan import PUSH_BLOCKS, _check_pair, _choose, _fused_wins, choose_tile, chunk_tiles
+from tilescale.ops.tp_gemm.plan import (
+    PUSH_BLOCKS,
+    _cached_plan,
+    _check_pair,
+    _choose,
+    _fused_wins,
+    choose_tile,
+    chunk_tiles,
+)
 from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
@@ -137,11 +143,9 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
     peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(call_board(state))  # peer tables
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
     peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
-    ex.step(push_blocks)
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        ex.advance(push_blocks)  # every pusher signals every row tile once per call
         own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
         if peers is not None:
             peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
@@ -173,10 +177,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
-    # Calls keep what their first call of a key resolved (plans, see tilescale.plans).
-    key = ("all_gather_gemm", layout_key(a_shard), layout_key(weight), plan, tile, push_blocks, producer, group,
-           os.environ.get("TILESCALE_TP_PLAN"), capturing)
-    launch = op_plans.get(key)
+    # Calls reuse it; a capture may take another producer than eager calls.
+    key, launch = _cached_plan("all_gather_gemm", a_shard, weight, plan, tile, group, push_blocks, producer, capturing)
     if launch is not None:
         return launch(a_shard, weight)
     _check_pair(a_shard, weight)

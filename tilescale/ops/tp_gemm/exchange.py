@@ -3,7 +3,7 @@ double-buffered, with the call count on the device (:class:`_Exchange`) or, for 
 copy-engine all-gather, on the host (:class:`_GatherExchange`), and the stream-ordered flag
 writes that producer uses (:class:`_StreamWrites`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +15,15 @@ from tilescale.symmetric import allocate, peer_view
 @dataclass
 class _Exchange:
     """Two sets of symmetric receive buffers (stacked along the rows), the flags, and on the
-    device ``state``: the calls so far and the arrivals each flag has counted in them.
+    device ``state``: the calls so far, the arrivals each flag has counted in them, and the
+    blocks of the running call's first kernel counted in so far (0 between calls).
+
+    A call's first kernel counts the call (``T.count_call``): its blocks read the call's
+    number (call i uses buffer set i % 2) and flag target (the total so far plus what this
+    call adds to each flag), and its last block advances ``state``; the call's second kernel,
+    if any, reads the advanced ``state``. Nothing is done on the host per call, so a CUDA
+    graph replays the count, and every launch advances it once, also when a wait in it timed
+    out (the kernel still runs to its end).
 
     Calls alternate between the two buffers, which is what lets a rank write into a peer
     without first meeting it in a barrier: when rank r starts call i + 2 (writing buffer
@@ -26,20 +34,7 @@ class _Exchange:
 
     buffers: torch.Tensor
     flags: torch.Tensor
-    state: torch.Tensor  # (2,) int32 on this rank's device: [calls, running total of arrivals per flag]
-    steps: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def step(self, arrivals: int) -> torch.Tensor:
-        """The device-side increment of a call adding ``arrivals`` to each flag (made at first use)."""
-        step = self.steps.get(arrivals)
-        if step is None:
-            runtime.check_not_capturing(f"a TP GEMM call adding {arrivals} arrivals per flag")
-            step = self.steps[arrivals] = torch.tensor([1, arrivals], dtype=torch.int32, device=self.state.device)
-        return step
-
-    def advance(self, arrivals: int) -> None:
-        """Count one more call, which adds ``arrivals`` to each flag (before its kernels, in stream order)."""
-        self.state += self.step(arrivals)
+    state: torch.Tensor  # (3,) int32 on this rank's device: [calls, flag target, blocks counted in]
 
 
 def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, flags: int) -> _Exchange:
@@ -48,7 +43,7 @@ def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torc
     def create() -> _Exchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
         return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
-                         torch.zeros(2, dtype=torch.int32, device=runtime.device()))
+                         torch.zeros(3, dtype=torch.int32, device=runtime.device()))
 
     return state.exchange(("tp_gemm", *key), create)
 

@@ -3,6 +3,11 @@ peer-segment kernels, the reduce-scatter GEMM with its reduction in the owner's 
 one-kernel decode all-reduce GEMM, and the push-then-sum pair where K is split. The host
 side that picks and launches them is in ``all_gather.py`` and ``reduce.py``; the protocol
 (flags that only grow, per-sender flags, the call board) in the package's docstring.
+
+Each call's first kernel counts the call on the device (``T.count_call`` on its exchange's
+``state``): its blocks get the call's number (its buffer set: the number's parity) and flag
+target, and its last block advances ``state``; a call's second kernel reads the advanced
+``state`` itself.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -25,8 +30,9 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     ``rank - 1, rank - 2, ...`` order (rank r - p computes this rank's segment p-th). Every
     pusher adds 1 to a row tile's flag at the peer once it has pushed its share of that tile
     (``flags[rank * m_tiles + row_tile]``), so the peer's tiles start as soon as their rows
-    are in, and announces the call on ``board`` first (the peers' waits check it). Nothing
-    here waits, so the peers' second kernels always get their rows.
+    are in, and announces the call on ``board`` first (the peers' waits check it). The
+    pushers count the call (``T.count_call``: each adds ``push_blocks`` arrivals to every
+    flag). Nothing here waits, so the peers' second kernels always get their rows.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -44,16 +50,18 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     @T.macro
     def own_kernel(x, gathered, W, C, flags, state, board, ident):
         with T.Kernel(push_blocks + m_tiles * n_tiles, threads=tile_cfg.threads) as b:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 if push_blocks and b < push_blocks:  # no pusher code at all without pushers
+                    call = T.alloc_local((2,), "int32")  # this call's number and flag target
+                    T.count_call(state, push_blocks, call, push_blocks)  # every pusher signals every row tile
                     T.announce(board, ident)  # before this block's signals, which release it
-                    for p in T.serial(ranks - 1):
-                        peer = (rank + ranks - 1 - p) % ranks
+                    for p in T.serial(world - 1):
+                        peer = (rank + world - 1 - p) % world
                         for r in T.serial(m_tiles):
                             mine = T.max(T.min(tile_chunks, chunks - r * tile_chunks) - b, 0)
                             for t in T.serial(T.ceildiv(mine, push_blocks)):
                                 row = (r * tile_chunks + b + t * push_blocks) * chunk_rows
-                                dst = (_buffer_of(state) * world + rank) * padded_rows + row
+                                dst = (_buffer_of(call[0]) * world + rank) * padded_rows + row
                                 T.copy(x[row:row + chunk_rows, 0:K], gathered[dst:dst + chunk_rows, 0:K],
                                        dst_pe=peer, coalesced_width=vector)
                             T.signal(flags[rank * m_tiles + r], 1, pe=peer, op="add")
@@ -69,7 +77,7 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
         @T.prim_func
         def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
                  W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
-                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+                 flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((3,), "int32"),
                  board: T.Tensor((2 * world,), "int64"), ident: T.int64):
             own_kernel(x, gathered, W, C, flags, state, board, ident)
 
@@ -83,15 +91,15 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     return gemm_only
 
 
-def _peer_tile(tile, rank, ranks, m_tiles: int, n_tiles: int, panel: int):
+def _peer_tile(tile, rank, world, m_tiles: int, n_tiles: int, panel: int):
     """(segment, row tile, column tile) of the peer-segment GEMM's linear ``tile`` index:
     segments ``rank + 1, rank + 2, ...``, each in panel order (:func:`tile_coords`) or row-major."""
     if panel:
         per_segment = m_tiles * n_tiles
         by, bx = tile_coords(tile % per_segment, m_tiles, n_tiles, panel)
-        return (rank + 1 + tile // per_segment) % ranks, by, bx
+        return (rank + 1 + tile // per_segment) % world, by, bx
     by, bx = tile // n_tiles, tile % n_tiles
-    return (rank + 1 + by // m_tiles) % ranks, by % m_tiles, bx
+    return (rank + 1 + by // m_tiles) % world, by % m_tiles, bx
 
 
 @jit
@@ -102,8 +110,8 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
 
     Rows arrive in chunks of ``chunk_tiles`` row tiles, each with a flag (``flags[segment *
     chunks + chunk]``). ``target="state"``: the flags count pusher arrivals and the tile
-    waits for the running total ``state[1]``, in the buffer set ``state[0]`` names
-    (:func:`ag_own_gemm_kernel`'s pushers; CUDA-graph safe). ``target="epoch"``: the copy
+    waits for the flag target ``state[1]``, in the buffer set ``state[0]`` names (the
+    call :func:`ag_own_gemm_kernel`'s pushers counted; CUDA-graph safe). ``target="epoch"``: the copy
     engines set each flag to the call's ``epoch`` (:func:`_copy_engine_gather`), and
     ``gathered`` is the call's buffer set. The thread-block index goes through a register:
     TVM 0.1.15's simplifier rewrote ``(rank + 1 + b // tiles) % world`` into a wrong closed
@@ -119,14 +127,14 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     @T.macro
     def peer_tiles(gathered, W, C, flags, state, epoch, board, ident):
         with T.Kernel((world - 1) * m_tiles * n_tiles, threads=tile_cfg.threads) as b:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 tile = T.alloc_local((1,), "int32")
                 tile[0] = b
-                segment, by, bx = _peer_tile(tile[0], rank, ranks, m_tiles, n_tiles, tile_cfg.panel)
+                segment, by, bx = _peer_tile(tile[0], rank, world, m_tiles, n_tiles, tile_cfg.panel)
                 T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1],
                        agree=(board, ident))
                 row = segment * padded_rows + by * bm
-                first = 0 if state is None else _buffer_of(state) * world * padded_rows
+                first = 0 if state is None else _buffer_of(state[0]) * world * padded_rows
                 gemm_tile(gathered, first + row, W, bx * bn, C, row, bx * bn, K, dtype, tile_cfg.stages, tile_cfg)
 
     if target == "state":
@@ -134,7 +142,7 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
         @T.prim_func
         def counted(gathered: T.Tensor((2 * world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
                     C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
-                    state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+                    state: T.Tensor((3,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
             peer_tiles(gathered, W, C, flags, state, None, board, ident)
 
         return counted
@@ -175,23 +183,29 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     rank ``r`` lands in slot ``r * splits + s`` and the reduction sums the slots.
     The epilogue signals per warp (``scope="warp"``): under warp specialisation only the
     consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag. Every
-    block announces the call on ``board`` first (:func:`sum_received_kernel`'s waits check it).
+    block counts the call (``T.count_call``) and announces it on ``board`` first
+    (:func:`sum_received_kernel`'s waits check it).
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
     padded = -(-seg_rows // bm) * bm
     m_tiles = padded // bm
     k_part = K // splits
+    # A sender's flag at an owner gains, per call, a signal per consumer warp of each of its
+    # blocks for that owner.
+    arrivals = m_tiles * -(-N // bn) * splits * (tile_cfg.threads // 32)
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((2 * world * splits * padded, N), dtype), flags: T.Tensor((world,), "int32"),
-             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+             state: T.Tensor((3,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(T.ceildiv(N, bn), owners * m_tiles * splits, threads=tile_cfg.threads) as (bx, by):
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 T.use_swizzle(max(tile_cfg.panel, 1), enable=tile_cfg.panel > 0)
                 T.announce(board, ident)  # before this block's signals, which release it
-                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
+                call = T.alloc_local((2,), "int32")  # this call's number and flag target
+                # Synchronises the block: thread 0 announced; the consumer warps signal (release) after it.
+                T.count_call(state, arrivals, call)
                 tile_row, part = by // splits, by % splits
                 seg = (rank + 1 + tile_row // m_tiles) % owners
                 a = T.alloc_shared((bm, bk), dtype)
@@ -204,13 +218,13 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
                     T.copy(W[bx * bn, part * k_part + k * bk], w)
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 T.copy(acc, out)
-                slot_row = ((_buffer_of(state) * world + rank) * splits + part) * padded + (tile_row % m_tiles) * bm
+                slot_row = ((_buffer_of(call[0]) * world + rank) * splits + part) * padded + (tile_row % m_tiles) * bm
                 if owners > 1:
                     T.copy(out, recv[slot_row, bx * bn], dst_pe=seg)
                     T.signal(flags[rank], 1, pe=seg, op="add", scope="warp")
                 else:
-                    for p in T.serial(ranks):
-                        dst = (rank + 1 + p) % ranks
+                    for p in T.serial(world):
+                        dst = (rank + 1 + p) % world
                         T.copy(out, recv[slot_row, bx * bn], dst_pe=dst)
                         T.signal(flags[rank], 1, pe=dst, op="add", scope="warp")
 
@@ -231,8 +245,9 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     ``rank + 1, rank + 2, ...`` order), so the tiles they wait for never wait themselves.
     ``panel`` (tile rows of the panel order) divides the segment's row tiles, so no panel mixes
     own and peer tiles. Each consumer warp signals and waits on its own (``scope="warp"``).
-    Every block announces the call on ``board`` before its signals; the own tiles' waits check
-    the peers' announcements (a peer whose call differs: ShapeMismatchError).
+    Every block counts the call (``T.count_call``: a peer's consumer warps signal each flag
+    once per call) and announces it on ``board`` before its signals; the own tiles' waits
+    check the peers' announcements (a peer whose call differs: ShapeMismatchError).
 
     ``gather`` (the all-reduce of :func:`gather_segments_kernel`): ``out`` holds all ``M`` rows
     and an own tile, once summed, also goes to every peer's final slot (slots ``world +
@@ -249,13 +264,15 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * slots * padded, N), dtype),
              out: T.Tensor((M if gather else seg_rows, N), dtype), flags: T.Tensor((slots * tiles,), "int32"),
-             state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+             state: T.Tensor((3,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, world * m_tiles, threads=tile_cfg.threads) as (bx, by):
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 T.use_swizzle(panel, enable=panel > 1)
                 T.announce(board, ident)  # before the peer tiles' signals, which release it
-                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
-                seg, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
+                call = T.alloc_local((2,), "int32")  # this call's number and flag target
+                # Synchronises the block: thread 0 announced; the consumer warps signal (release) after it.
+                T.count_call(state, tile_cfg.threads // 32, call)
+                seg, row = (rank + 1 + by // m_tiles) % world, by % m_tiles
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
@@ -267,12 +284,12 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                 if seg == rank:
                     part = T.alloc_fragment((bm, bn), dtype)
-                    for p in T.serial(ranks - 1):
-                        src = (rank + 1 + p) % ranks
+                    for p in T.serial(world - 1):
+                        src = (rank + 1 + p) % world
                         # A flag per sender: a peer already in its next call adds to its own flag only.
-                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp",
+                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", call[1], scope="warp",
                                agree=(board, ident))
-                        T.copy(recv[(_buffer_of(state) * slots + src) * padded + row * bm, bx * bn], part)
+                        T.copy(recv[(_buffer_of(call[0]) * slots + src) * padded + row * bm, bx * bn], part)
                         for i, j in T.Parallel(bm, bn):
                             acc[i, j] += T.cast(part[i, j], "float32")
                     T.copy(acc, tile_out)  # through shared memory: whole-row (TMA) stores
@@ -280,15 +297,16 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
                     # which the next kernel (stream order) writes over; past M they are clipped.
                     T.copy(tile_out, out[(rank * seg_rows if gather else 0) + row * bm, bx * bn])
                     if gather:
-                        for p in T.serial(ranks - 1):
-                            dst = (rank + 1 + p) % ranks
-                            T.copy(tile_out, recv[(_buffer_of(state) * slots + world + rank) * padded + row * bm,
+                        for p in T.serial(world - 1):
+                            dst = (rank + 1 + p) % world
+                            T.copy(tile_out, recv[(_buffer_of(call[0]) * slots + world + rank) * padded + row * bm,
                                                   bx * bn], dst_pe=dst)
                             T.signal(flags[(world + rank) * tiles + row * n_tiles + bx], 1, pe=dst, op="add",
                                      scope="warp")
                 else:
                     T.copy(acc, tile_out)
-                    T.copy(tile_out, recv[(_buffer_of(state) * slots + rank) * padded + row * bm, bx * bn], dst_pe=seg)
+                    T.copy(tile_out, recv[(_buffer_of(call[0]) * slots + rank) * padded + row * bm, bx * bn],
+                           dst_pe=seg)
                     T.signal(flags[rank * tiles + row * n_tiles + bx], 1, pe=seg, op="add", scope="warp")
 
     return main
@@ -301,7 +319,8 @@ def gather_segments_kernel(world: int, dtype: str, M: int, N: int, tile_cfg: Til
     this rank's final slots, copied into its rows of ``out`` (rows past a ragged segment's
     end are not copied: they belong to the next segment). Only waits: the tiles it waits
     for come from kernels that wait only for partials this rank's GEMM already sent. The
-    waits check the senders' announcements on ``board``.
+    waits check the senders' announcements on ``board``; the call's number and flag target
+    are ``state`` as the GEMM kernel before it (stream order) advanced it.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     seg_rows = M // world
@@ -311,14 +330,14 @@ def gather_segments_kernel(world: int, dtype: str, M: int, N: int, tile_cfg: Til
 
     @T.prim_func
     def main(recv: T.Tensor((4 * world * padded, N), dtype), out: T.Tensor((M, N), dtype),
-             flags: T.Tensor((2 * world * tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             flags: T.Tensor((2 * world * tiles,), "int32"), state: T.Tensor((3,), "int32"),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, (world - 1) * m_tiles, threads=THREADS) as (bx, by):
-            with T.Scale("device") as (rank, ranks):
-                src, row = (rank + 1 + by // m_tiles) % ranks, by % m_tiles
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
+                src, row = (rank + 1 + by // m_tiles) % world, by % m_tiles
                 tile = T.alloc_shared((bm, bn), dtype)
                 T.wait(flags[(world + src) * tiles + row * n_tiles + bx], "ge", state[1], agree=(board, ident))
-                T.copy(recv[(_buffer_of(state) * 2 * world + world + src) * padded + row * bm, bx * bn], tile)
+                T.copy(recv[(_buffer_of(state[0]) * 2 * world + world + src) * padded + row * bm, bx * bn], tile)
                 for i, j in T.Parallel(bm, bn):
                     if row * bm + i < seg_rows and bx * bn + j < N:
                         out[src * seg_rows + row * bm + i, bx * bn + j] = tile[i, j]
@@ -347,8 +366,9 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
     Under TileLang's warp specialisation only the consumer warps run the epilogue, so each
     of them signals and waits on its own (``scope="warp"``): a flag per (sender, tile)
-    counts ``splits * threads // 32`` signals per call. Every block announces the call on
-    ``board`` before its signals, and the waits check the peers' announcements.
+    counts ``splits * threads // 32`` signals per call. Every block counts the call
+    (``T.count_call``) and announces it on ``board`` before its signals, and the waits check
+    the peers' announcements.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     padded = -(-M // bm) * bm
@@ -358,12 +378,14 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
              recv: T.Tensor((2 * world * splits * padded, N), dtype), out: T.Tensor((M, N), dtype),
-             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((2,), "int32"),
+             flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((3,), "int32"),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 T.announce(board, ident)  # before this block's signals, which release it
-                T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
+                call = T.alloc_local((2,), "int32")  # this call's number and flag target
+                # Synchronises the block: thread 0 announced; the consumer warps signal (release) after it.
+                T.count_call(state, splits * (tile_cfg.threads // 32), call)
                 by, s = bz // splits, bz % splits
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
@@ -379,13 +401,13 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
                 T.copy(acc, mine)
                 # Whole K: the own partial stays in shared memory. Split K: it goes to this
                 # rank's own slot too, where the tile's other blocks read it.
-                for p in T.serial(ranks - 1 if splits == 1 else ranks):
-                    dst = (rank + 1 + p) % ranks
-                    T.copy(mine, recv[((_buffer_of(state) * world + rank) * splits + s) * padded + by * bm, bx * bn],
+                for p in T.serial(world - 1 if splits == 1 else world):
+                    dst = (rank + 1 + p) % world
+                    T.copy(mine, recv[((_buffer_of(call[0]) * world + rank) * splits + s) * padded + by * bm, bx * bn],
                            dst_pe=dst)
                     T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
                 T.clear(total)
-                for p in T.serial(ranks):
+                for p in T.serial(world):
                     if splits == 1:
                         if p == rank:
                             T.copy(mine, part)
@@ -393,16 +415,16 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
                             # A flag per sender: with 3+ ranks a peer may already be in its next
                             # call and signal again; one shared count could pass before a slower
                             # peer's tile had landed.
-                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                    agree=(board, ident))
-                            T.copy(recv[(_buffer_of(state) * world + p) * padded + by * bm, bx * bn], part)
+                            T.copy(recv[(_buffer_of(call[0]) * world + p) * padded + by * bm, bx * bn], part)
                         for i, j in T.Parallel(rows, bn):
                             total[i, j] += T.cast(part[i, j], "float32")
                     else:
-                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", state[1], scope="warp",
+                        T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                agree=(board, ident))
                         for q in T.serial(splits):
-                            slot = ((_buffer_of(state) * world + p) * splits + q) * padded + by * bm
+                            slot = ((_buffer_of(call[0]) * world + p) * splits + q) * padded + by * bm
                             T.copy(recv[slot + s * rows, bx * bn], part)
                             for i, j in T.Parallel(rows, bn):
                                 total[i, j] += T.cast(part[i, j], "float32")
@@ -415,25 +437,27 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
 @jit
 def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, elems: int, sms: int):
     """``out = sum_s recv[s][:elems]`` over the ``slots`` received partials once every rank's
-    have arrived (fp32 accumulation); the waits check the senders' announcements on ``board``."""
+    have arrived (fp32 accumulation); the waits check the senders' announcements on ``board``.
+    The call's number and flag target are ``state`` as :func:`gemm_push_kernel` before it
+    (stream order) advanced it."""
     tile = 4096
     grid = min(-(-elems // tile), sms)
 
     @T.prim_func
     def main(recv: T.Tensor((2 * slots, padded_elems), dtype), out: T.Tensor((1, elems), dtype),
-             flags: T.Tensor((world,), "int32"), state: T.Tensor((2,), "int32"), board: T.Tensor((2 * world,), "int64"),
+             flags: T.Tensor((world,), "int32"), state: T.Tensor((3,), "int32"), board: T.Tensor((2 * world,), "int64"),
              ident: T.int64):
         with T.Kernel(grid, threads=THREADS) as bx:
-            with T.Scale("device") as (rank, ranks):
+            with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 acc = T.alloc_fragment((1, tile), "float32")
                 part = T.alloc_fragment((1, tile), dtype)
-                for p in T.serial(ranks):
+                for p in T.serial(world):
                     T.wait(flags[p], "ge", state[1], agree=(board, ident))
                 for t in T.serial(T.ceildiv(T.ceildiv(elems, tile) - bx, grid)):
                     base = (bx + t * grid) * tile
                     T.clear(acc)
                     for s in T.serial(slots):
-                        T.copy(recv[_buffer_of(state) * slots + s, base], part)
+                        T.copy(recv[_buffer_of(state[0]) * slots + s, base], part)
                         for i, j in T.Parallel(1, tile):
                             acc[i, j] += T.cast(part[i, j], "float32")
                     T.copy(acc, part)
@@ -442,7 +466,7 @@ def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, e
     return main
 
 
-def _buffer_of(state):
-    """Which of an exchange's two buffer sets the current call uses."""
-    return state[0] % 2
+def _buffer_of(call):
+    """Which of an exchange's two buffer sets call number ``call`` uses (calls alternate)."""
+    return call % 2
 

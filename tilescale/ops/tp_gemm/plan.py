@@ -1,9 +1,11 @@
 """What a TP GEMM call runs: its plan (``"fused"`` or ``"unfused"``: :func:`_choose`, by the
 link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEMM grid
 (:class:`GemmGrid`: the tile :func:`choose_tile` picks by the wave model, rows padded, tiles,
-K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`)."""
+K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`) and the call plan
+a call of the same key resolved before (:func:`_cached_plan`)."""
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
-from tilescale.ops._common import check_input, sm_count, tl_dtype
+from tilescale.ops._common import check_input, layout_key, op_plans, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
 
 # Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
@@ -62,6 +64,31 @@ def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
         chunk_tiles(64, 8192, 128, 2)     # 4: 512 rows of 8192 bf16 = 8 MB
     """
     return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
+
+
+def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | None, tile: TileConfig | None,
+                 group: dist.ProcessGroup | None, *options: object) -> tuple[tuple, Callable | None]:
+    """The key of a TP GEMM call's plan (``tilescale.plans``) and the plan an earlier call of
+    that key resolved (None at the key's first call, which checks its arguments and builds it).
+
+    Example::
+
+        key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)
+        if launch is not None:
+            return launch(a, weight)
+        ...                                  # checks, then op_plans.put(key, launch)
+
+    Args:
+        op: the op's name.
+        a, weight: the operands (their layouts are part of the key: :func:`layout_key`).
+        plan, tile, group: the op's arguments of those names.
+        *options: the op's other arguments that change its plan.
+
+    Returns:
+        The key (with ``TILESCALE_TP_PLAN``, which ``plan=None`` follows) and the cached plan or None.
+    """
+    key = (op, layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"), *options)
+    return key, op_plans.get(key)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:

@@ -1,7 +1,6 @@
 """``gemm_reduce_scatter`` and ``gemm_all_reduce``: the row-parallel GEMMs whose partial
 products are summed across the group (the package's docstring says how)."""
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -12,7 +11,6 @@ from tilescale.groups import GroupState
 from tilescale.ops._common import (
     call_identity,
     check_same_across_ranks,
-    layout_key,
     op_plans,
     signature,
     sm_count,
@@ -33,6 +31,7 @@ from tilescale.ops.tp_gemm.plan import (
     HBM_GBPS,
     NCCL_GBPS,
     GemmGrid,
+    _cached_plan,
     _check_pair,
     _choose,
     _fused_wins,
@@ -50,11 +49,10 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
     world, group = state.size, state.process_group
     (m, k), n = a.shape, weight.shape[0]
     rows = m // owners
-    tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
+    tile, padded, splits = grid.tile, grid.padded, grid.splits
     slots = world * splits
     ex = _exchange(state, ("rs" if owners > 1 else "ar", padded, n, a.dtype, splits), (slots * padded, n), a.dtype,
                    world)
-    arrivals = tiles * splits * (tile.threads // 32)  # per block, its consumer warps (see gemm_push_kernel)
     dtype = tl_dtype(a)
     push = gemm_push_kernel(world, dtype, m, k, n, owners, tile, splits, group=group)
     # Row r of a received block is contiguous in both views: padded rows come after it.
@@ -63,7 +61,6 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        ex.advance(arrivals)
         push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
         out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
         reduce(received, out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
@@ -88,10 +85,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
     """
-    # Calls keep what their first call resolved (plans, see tilescale.plans).
-    key = ("gemm_reduce_scatter", layout_key(a), layout_key(weight), plan, tile, group,
-           os.environ.get("TILESCALE_TP_PLAN"))
-    launch = op_plans.get(key)
+    key, launch = _cached_plan("gemm_reduce_scatter", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
         return launch(a, weight)
     _check_pair(a, weight)
@@ -127,7 +121,6 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
-        ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
         kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
@@ -156,9 +149,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
     on every rank; zero rows on every rank give an empty result.
     """
-    # Calls keep what their first call resolved (plans, see tilescale.plans).
-    key = ("gemm_all_reduce", layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"))
-    launch = op_plans.get(key)
+    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
         return launch(a, weight)
     _check_pair(a, weight)
@@ -208,7 +199,6 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
-        ex.advance(splits * (tile.threads // 32))  # a sender's blocks of a tile signal once per consumer warp
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
         kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
@@ -233,7 +223,6 @@ def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tenso
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        ex.advance(tile.threads // 32)  # a sender's consumer warps signal each flag once per call
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
         kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         if copy_in is not None:
