@@ -29,6 +29,7 @@ import tilescale.language as T
 from tilescale.groups import GroupState
 from tilescale.ops._gemm import TileConfig
 
+
 @dataclass(frozen=True)
 class StreamK:
     """A kernel's last ``tiles`` tiles (in its tile order), of ``steps`` K steps each, computed
