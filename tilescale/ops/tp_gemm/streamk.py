@@ -11,8 +11,10 @@ more. The part with a tile's last K step finishes the tile: it adds the earlier 
 partial accumulators (fp32, in block order: the same bits every call) and runs the kernel's
 epilogue. Only a block's last part can stop before its tile's end, so each block stores at
 most one partial (slot ``j`` of the workspace) and the finisher of a tile reads the slots of
-the blocks before it that started the tile. Blocks start in index order, so those are
-running or done when a finisher waits for them (as the CPU path runs them: one after another).
+the blocks before it that started the tile. A block computes its parts last to first, so
+the partial it stores comes first and the tile it finishes (waiting) last; blocks start in
+index order, so the blocks a finisher waits for are running or done and stored their
+partials at their start (the CPU path runs blocks one after another).
 
 A stored partial's flag counts the storing block's warps that hold the accumulator (under
 TileLang's warp specialisation, its consumer warps: each signals once its stores are done);
@@ -132,7 +134,12 @@ def run_tiles(block, whole, sk: StreamK, cfg: TileConfig, acc, ws, flags, work, 
     """
     total = sk.tiles * sk.steps
     streamed = block - whole  # the stream-K block's number, where >= 0
-    for p in T.serial(sk.parts):
+    for r in T.serial(sk.parts):
+        # Last part first: a block's last part (a tile's start, stored as a partial) is what
+        # the next blocks' finishers wait for, and its first part (a tile's end, which it
+        # finishes) waits for the earlier blocks' last parts. In order, block j could finish
+        # its first tile only once block j - 1 had done all its work: a chain over every block.
+        p = sk.parts - 1 - r
         tile, k0, k1 = parts(sk, streamed, p)
         whole_tile = block < whole
         if T.if_then_else(whole_tile, p == 0, k0 < k1):
