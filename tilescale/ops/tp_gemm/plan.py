@@ -167,8 +167,8 @@ def schedule_cost(tiles: int, k: int, tile: TileConfig, sms: int) -> float:
 
     Example::
 
-        schedule_cost(384, 4096, WIDE_224, 132)  # 168.0: 3 waves of 64 steps of 7/8 of 128x256
-        schedule_cost(336, 4096, WIDE, 132)      # 166.9: 2.5 waves' steps + 4
+        schedule_cost(264, 4096, WIDE_224, 132)  # 112.0: 2 waves of 64 steps of 7/8 of 128x256
+        schedule_cost(336, 4096, WIDE, 132)      # 166.9: 2.5 waves' steps + 4 (stream-K)
     """
     steps = -(-k // tile.block_K)
     size = tile.block_M * tile.block_N / (WIDE.block_M * WIDE.block_N)
