@@ -26,7 +26,7 @@ from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
-from tilescale.ops.tp_gemm import choose_tile, kernel_tiles, reduce_grid, stream_k
+from tilescale.ops.tp_gemm import choose_tile, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
@@ -263,15 +263,10 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
     weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
     cublas = lambda: a @ weight.T  # noqa: E731
     expected = cublas()
-    # The default plan's tile and schedule: the all-gather (copy engines) and reduce-scatter
-    # kernels may run their last tiles stream-K, the all-reduce's do not.
-    tile = choose_tile(m, n, split_k=op != "ag", k=0 if op == "ar" else k)
+    tile = choose_tile(m, n, split_k=op != "ag")
     plans = floor_plans(op, a, weight, tile)
-    grid = reduce_grid(m, k, n, 1, tile, streamed=op == "rs")
-    splits = 1 if op == "ag" else grid.splits
-    sk = stream_k(kernel_tiles(m, n, tile)[0], k, tile) if op == "ag" else grid.streamk
-    row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(tile), "k_splits": splits,
-           "stream_k": f"{sk.tiles} tiles x {sk.steps} steps / {sk.blocks}" if sk else "", "checks": []}
+    splits = 1 if op == "ag" else reduce_grid(m, k, n, 1, tile).splits
+    row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(tile), "k_splits": splits, "checks": []}
     tol = max(tolerance(op, shape, tile), tolerance(op, shape, WIDE))  # fixed_tile may split K otherwise
     for name, fn in plans.items():
         row["checks"].append(check_close(f"{op} {shape} {name}", fn(), expected, rtol=tol, atol=tol))
@@ -360,9 +355,9 @@ def run_floor(args: argparse.Namespace) -> None:
     if args.part:  # i/n: every n-th shape from the i-th, e.g. to build kernels in parallel processes
         i, n = map(int, args.part.split("/"))
         shapes = shapes[i::n]
-    columns = ["op", "M", "K", "N", "tile", "k_splits", "stream_k", "cublas_ms", "fused_copy_engine_ms",
-               "fused_sm_pushers_ms", "fused_ms", "fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas",
-               "fixed_tile_vs_cublas", "fused_vs_cublas",
+    columns = ["op", "M", "K", "N", "tile", "k_splits", "cublas_ms", "fused_copy_engine_ms", "fused_sm_pushers_ms",
+               "fused_ms", "fused_copy_engine_vs_cublas", "fused_sm_pushers_vs_cublas", "fixed_tile_vs_cublas",
+               "fused_vs_cublas",
                "graph_cublas_ms", "graph_fused_ms", "graph_fused_vs_cublas", "graph_fixed_tile_vs_cublas"]
     report = Report("tp-gemm-floor", columns=columns)
     for op, shape in progress(shapes, "tp_gemm floor", fmt=str):

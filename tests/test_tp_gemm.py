@@ -8,8 +8,8 @@ from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
 from tilescale.ops import tp_gemm
-from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224
-from tilescale.ops.tp_gemm import StreamK, plan
+from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_224
+from tilescale.ops.tp_gemm import plan
 
 RANKS = Path(__file__).resolve().parent / "ranks"
 
@@ -23,10 +23,6 @@ def test_fused_tp_gemms_match_torch(n):
     assert proc.stdout.count("(16, 256, 96) ok") == 2 * n  # split K
     assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
     assert proc.stdout.count("shapes differ across ranks (rank 0: [73, 32, 48") == n
-    # Stream-K: both all-gather kernels (and, with 2 ranks, the reduce-scatter kernel) take it
-    # (4 ranks: every reduce-scatter kernel has a multiple of the CPU path's 4 "SMs" in tiles).
-    done = "['ag-own', 'ag-peers', 'rs']" if n == 2 else "['ag-own', 'ag-peers']"
-    assert proc.stdout.count(f"stream-K {done} ok") == n
 
 
 @pytest.mark.timeout(300)
@@ -61,12 +57,6 @@ KERNELS = {
     "gemm_all_reduce_gather": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(2, "bfloat16", 4000, 1024, 2048,
                                                                                      WIDE_224, 8, True),
     "gather_segments": lambda: tp_gemm.gather_segments_kernel.__wrapped__(2, "bfloat16", 4000, 2048, WIDE_224),
-    # Stream-K: RS 2 x 1500 x 4608 x 7168 (672 tiles, the last 144 over 132 blocks); the
-    # copy-engine all-gather's peer kernel of 1536 padded rows (336 tiles, the last 204).
-    "gemm_reduce_scatter_streamk": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(
-        2, "bfloat16", 3000, 4608, 7168, WIDE, 4, False, StreamK(144, 72, 132)),
-    "all_gather_gemm_peers_streamk": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(
-        2, "bfloat16", 1536, 4096, 7168, 4, WIDE, "epoch", StreamK(204, 64, 132)),
 }
 
 
@@ -103,25 +93,6 @@ def test_gemm_kernels_lower_to_wgmma_with_signals():
     fused = lower("gemm_reduce_scatter_in_gemm")  # own-segment tiles wait per warp, then sum the peers'
     assert fused.index("tilescale::warp_wait(") < fused.index("tilescale::warp_signal(")
     assert "tl::rasterization2DRow<8>()" in fused and "tilescale::grid_barrier(" not in fused
-
-
-@pytest.mark.timeout(120)
-def test_stream_k_kernels_store_partials_and_finishers_fold_them():
-    """A stream-K block stores its partial tile and signals per consumer warp; a finisher's
-    warps wait for the full count, add the partials, meet in the consumer warps' barrier and
-    clear the flags; the all-gather's parts wait for their chunk before their loads."""
-    rs = lower("gemm_reduce_scatter_streamk")
-    body = rs.split("__global__")[-1]
-    assert "__launch_bounds__(384, 1)" in body and "wgmma" in body  # warp-specialised: 128 producer threads
-    signal = body.index("tilescale::warp_signal((&(sk_flags[")
-    wait = body.index("tilescale::warp_wait((&(sk_flags[")
-    assert signal < wait < body.index("tl::__sync_thread_partial(", wait)  # the fold after the stores
-    assert ", 2, 8, ts_status," in body[wait:wait + 400]  # ge 8: the 8 consumer warps of 256 threads
-    # The owner's tiles still sum the peers' partials (their flags, state[1]) after the fold.
-    assert body.index("tilescale::warp_wait((&(flags[", wait) > wait
-    ag = lower("all_gather_gemm_peers_streamk").split("__global__")[-1]
-    chunk = ag.index("tilescale::block_wait((&(flags[")
-    assert chunk < ag.index("tma_load(") and "epoch," in ag[chunk:chunk + 600]
 
 
 @pytest.mark.timeout(120)
@@ -266,35 +237,6 @@ def test_choose_tile(rows, n, split_k, kernels, expected, monkeypatch):
 
     monkeypatch.setattr(plan, "sm_count", lambda: 132)
     assert tp_gemm.choose_tile(rows, n, split_k, kernels) == getattr(_gemm, expected)
-
-
-@pytest.mark.parametrize(("tiles", "k", "tile", "expected"), [
-    (336, 4096, WIDE, StreamK(204, 64, 132)),    # AG 1500 x 7168: 2.5 waves; one wave + the partial one
-    (672, 4608, WIDE, StreamK(144, 72, 132)),    # RS 3000 x 7168: 5.1 waves
-    (448, 8192, WIDE, StreamK(184, 128, 132)),   # AG 1024 x 14336: 3.4 waves
-    (140, 4096, WIDE, None),                     # 8 tiles over 132 SMs: each finisher would read 17 partials
-    (264, 8192, WIDE, None),                     # whole waves
-    (100, 8192, WIDE, None),                     # fewer tiles than SMs: split K's place
-    (150, 256, WIDE, None),                      # 4 K steps: the fixed cost outweighs the idle SMs
-])
-def test_stream_k_takes_the_partial_wave_where_it_pays(tiles, k, tile, expected, monkeypatch):
-    monkeypatch.setattr(plan, "sm_count", lambda: 132)
-    assert tp_gemm.stream_k(tiles, k, tile) == expected
-
-
-def test_choose_tile_counts_stream_k_where_the_kernels_can_run_it(monkeypatch):
-    """With K given, a candidate's kernels count at their cheaper schedule: 128x256 with its
-    last tiles stream-K beats the narrower tiles' whole waves at the floor's misses."""
-    monkeypatch.setattr(plan, "sm_count", lambda: 132)
-    assert tp_gemm.choose_tile(1500, 7168) == WIDE_224
-    assert tp_gemm.choose_tile(1500, 7168, k=4096) == WIDE
-    assert tp_gemm.choose_tile(2048, 9216) == WIDE_192 and tp_gemm.choose_tile(2048, 9216, k=7168) == WIDE
-    assert tp_gemm.schedule_cost(384, 4096, WIDE_224, 132) == pytest.approx((384 / 132 * 64 + 4) * 224 / 256)
-    assert tp_gemm.schedule_cost(264, 4096, WIDE_224, 132) == pytest.approx(2 * 64 * 224 / 256)  # whole waves
-    assert tp_gemm.schedule_cost(336, 4096, WIDE, 132) == pytest.approx(336 / 132 * 64 + plan.STREAMK_STEPS)
-    assert StreamK(204, 64, 132).parts == 3  # 98-99 steps: the end of a tile, a whole one, a start
-    grid = tp_gemm.reduce_grid(3000, 4608, 7168, 2, WIDE, streamed=True)  # 2 x 336 tiles
-    assert grid.streamk == StreamK(144, 72, 132) and tp_gemm.reduce_grid(3000, 4608, 7168, 2, WIDE).streamk is None
 
 
 def test_reduce_grid_pads_segments_to_whole_tiles(monkeypatch):

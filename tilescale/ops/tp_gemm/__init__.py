@@ -33,8 +33,7 @@ collective + torch matmul): on GPUs by the GEMM's waves against the collective's
 (``_fused_wins``), elsewhere from the shape; pass ``plan`` to force one.
 
 Modules: ``plan`` (fused or not, the tile by the wave model, the GEMM grid), ``kernels``
-(the ``@jit`` kernels), ``streamk`` (the last tiles' K steps spread over every SM),
-``exchange`` (symmetric buffers, flags, call counts),
+(the ``@jit`` kernels), ``exchange`` (symmetric buffers, flags, call counts),
 ``all_gather`` and ``reduce`` (the ops' host side).
 """
 
@@ -61,16 +60,13 @@ from tilescale.ops.tp_gemm.plan import (
     k_splits,
     kernel_tiles,
     reduce_grid,
-    schedule_cost,
-    stream_k,
     useful_share,
     wave_efficiency,
 )
 from tilescale.ops.tp_gemm.reduce import gemm_all_reduce, gemm_reduce_scatter
-from tilescale.ops.tp_gemm.streamk import StreamK
 
-__all__ = ["FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS", "TILE_RATES", "GemmGrid", "StreamK", "_choose", "_fused_wins",
+__all__ = ["FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS", "TILE_RATES", "GemmGrid", "_choose", "_fused_wins",
            "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm", "all_reduce_gemm_kernel", "announce_kernel",
            "choose_tile", "chunk_tiles", "gather_segments_kernel", "gemm_all_reduce", "gemm_push_kernel",
            "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits", "kernel_tiles", "reduce_grid",
-           "schedule_cost", "stream_k", "sum_received_kernel", "useful_share", "wave_efficiency"]
+           "sum_received_kernel", "useful_share", "wave_efficiency"]

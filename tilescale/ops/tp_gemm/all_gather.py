@@ -23,17 +23,7 @@ from tilescale.ops._common import (
 from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange, _gather_exchange, _StreamWrites
 from tilescale.ops.tp_gemm.kernels import ag_own_gemm_kernel, ag_peer_gemm_kernel, announce_kernel
-from tilescale.ops.tp_gemm.plan import (
-    PUSH_BLOCKS,
-    _check_pair,
-    _choose,
-    _fused_wins,
-    choose_tile,
-    chunk_tiles,
-    kernel_tiles,
-    stream_k,
-)
-from tilescale.ops.tp_gemm.streamk import workspace
+from tilescale.ops.tp_gemm.plan import PUSH_BLOCKS, _check_pair, _choose, _fused_wins, choose_tile, chunk_tiles
 from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
@@ -52,8 +42,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     peer's gather buffer (``rank - 1, rank - 2, ...``), each chunk followed by a stream-ordered
     write of the call's epoch to its flag there. The main stream then waits for those copies and
     runs the peers' segments (:func:`ag_peer_gemm_kernel`), whose tiles wait for their chunks and
-    check the senders' announcements. Each kernel runs its last tiles stream-K where
-    :func:`stream_k` says that wins (a partial-tile workspace per kernel).
+    check the senders' announcements.
 
     Waiting for this rank's own copies before the waiting kernel is what keeps it free of
     deadlock whoever executes a copy (a device-to-device copy may run on SMs): the copies
@@ -74,19 +63,14 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     (m, k), n = a_shard.shape, weight.shape[0]
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
-    own_tiles = kernel_tiles(m, n, tile)[0]
-    own_sk, peer_sk = stream_k(own_tiles, k, tile), stream_k((world - 1) * own_tiles, k, tile)
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, own_sk, group=group)
-    # The stream-K kernels' partial tiles: two more arguments.
-    own_extra = workspace(state, ("ag-own", m, k, n, a_shard.dtype), own_sk, tile) if own_sk else ()
+    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
     if world == 1:  # nothing to gather, no peer to agree with
-        return lambda a_shard, weight, out: own(a_shard, weight, out, *own_extra, group=group)
+        return lambda a_shard, weight, out: own(a_shard, weight, out, group=group)
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
     ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
                           world * chunks)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", peer_sk, group=group)
-    peer_extra = workspace(state, ("ag-peers", m, k, n, a_shard.dtype), peer_sk, tile) if peer_sk else ()
+    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", group=group)
     announce = announce_kernel(world, group=group)
     on_gpu = ex.stream is not None
     if on_gpu:
@@ -117,7 +101,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
                 announce(*ident, group=group)
         else:
             announce(*ident, group=group)
-        own(a_shard, weight, out, *own_extra, group=group)
+        own(a_shard, weight, out, group=group)
         if on_gpu:
             with torch.cuda.stream(ex.stream):
                 for rows, dsts, flag in copies:
@@ -128,7 +112,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
             for rows, dsts, (flags, index) in copies:
                 dsts[buffer_set].copy_(a_shard[rows])
                 flags[index] = epoch
-        peers(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, *peer_extra, group=group)
+        peers(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, group=group)
 
     return launch
 
@@ -206,11 +190,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     check_same_across_ranks(state, "all_gather_gemm", [m, k, n, str(a_shard.dtype)], every_call=m == 0)
     if m == 0:
         return a_shard.new_empty(0, n)
-    # The copy engines' kernels can run their last tiles stream-K, which the tile choice counts.
-    mapped = kernel_lowering(group) in (None, ADDRESS)  # the copies need the peers' buffers mapped here
-    producer = producer or ("sm" if capturing or not mapped else "copy_engine")
-    explicit = tile
-    tile = tile or choose_tile(m, n, kernels=(1, world - 1), k=k if producer == "copy_engine" else 0)
+    tile = tile or choose_tile(m, n, kernels=(1, world - 1))
     padded = -(-m // tile.block_M) * tile.block_M
     seg_tiles = padded // tile.block_M * -(-n // tile.block_N)  # own segment, then the peers' in a second kernel
     wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
@@ -223,6 +203,9 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
             return gathered @ weight.T
 
         return op_plans.put(key, launch)(a_shard, weight)
+    # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
+    mapped = kernel_lowering(group) in (None, ADDRESS)
+    producer = producer or ("sm" if capturing or not mapped else "copy_engine")
     if producer == "copy_engine":
         if capturing:
             raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "
@@ -233,9 +216,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     sig = signature("all_gather_gemm", a_shard, f"N={n}", tile,
                     producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}")
     if producer == "copy_engine":
-        if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan (with its tile) ready
-            sm_tile = explicit or choose_tile(m, n, kernels=(1, world - 1))
-            _sm_gather(state, a_shard, weight, sm_tile, push_blocks, sig)
+        if a_shard.is_cuda:  # made now, so that a capture later finds the SM plan ready
+            _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
         gather = _copy_engine_gather(state, a_shard, weight, tile, sig)
     else:
         gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)

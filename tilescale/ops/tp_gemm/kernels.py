@@ -8,17 +8,14 @@ side that picks and launches them is in ``all_gather.py`` and ``reduce.py``; the
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
-from types import SimpleNamespace
-
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._gemm import THREADS, TileConfig, gemm_tile, tile_coords
-from tilescale.ops.tp_gemm.streamk import StreamK, accumulate, run_tiles, store_tile
 
 
 @jit
 def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
-                       tile_cfg: TileConfig, streamk: StreamK | None = None):
+                       tile_cfg: TileConfig):
     """The all-gather GEMM's first kernel: this rank's own segment of ``C``, read straight from
     ``x`` (no copy of it, no wait), and, in blocks ``0..push_blocks-1``, the pushers that put
     this rank's rows into every peer's gather buffer (``push_blocks == 0``: the copy engines do).
@@ -30,10 +27,6 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     (``flags[rank * m_tiles + row_tile]``), so the peer's tiles start as soon as their rows
     are in, and announces the call on ``board`` first (the peers' waits check it). Nothing
     here waits, so the peers' second kernels always get their rows.
-
-    ``streamk`` (no pushers: the copy-engine plan's kernel): the segment's last tiles are
-    computed stream-K (:mod:`~tilescale.ops.tp_gemm.streamk`), with two more arguments, the
-    partial tiles' workspace and its flags.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -71,38 +64,6 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
                     gemm_tile(x, by * bm, W, bx * bn, C, rank * padded_rows + by * bm, bx * bn, K, dtype,
                               tile_cfg.stages, tile_cfg)
 
-    if streamk is not None:
-        if push_blocks:
-            raise ValueError("stream-K tiles run in the own-segment kernel without pusher blocks")
-        whole = m_tiles * n_tiles - streamk.tiles
-
-        @T.macro
-        def own_work(tile, k0, k1, env):
-            by, bx = tile_coords(tile, m_tiles, n_tiles, tile_cfg.panel)
-            accumulate(env.x, by * bm, env.W, bx * bn, env.a, env.w, env.acc, k0, k1, tile_cfg)
-
-        @T.macro
-        def own_finish(tile, env):
-            by, bx = tile_coords(tile, m_tiles, n_tiles, tile_cfg.panel)
-            store_tile(env.acc, env.out, env.C, env.rank * padded_rows + by * bm, bx * bn, tile_cfg)
-
-        @T.prim_func
-        def streamed(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype),
-                     C: T.Tensor((world * padded_rows, N), dtype), ws: T.Tensor((streamk.blocks * bm, bn), "float32"),
-                     sk_flags: T.Tensor((streamk.blocks,), "int32")):
-            with T.Kernel(whole + streamk.blocks, threads=tile_cfg.threads) as b:
-                with T.Scale("device") as (rank, _):
-                    block = T.alloc_local((1,), "int32")  # in a register, as below
-                    block[0] = b
-                    a = T.alloc_shared((bm, tile_cfg.block_K), dtype)
-                    w = T.alloc_shared((bn, tile_cfg.block_K), dtype)
-                    acc = T.alloc_fragment((bm, bn), "float32")
-                    out = T.alloc_shared((bm, bn), dtype)
-                    run_tiles(block[0], whole, streamk, tile_cfg, acc, ws, sk_flags, own_work, own_finish,
-                              SimpleNamespace(x=x, W=W, C=C, a=a, w=w, acc=acc, out=out, rank=rank))
-
-        return streamed
-
     if push_blocks:
 
         @T.prim_func
@@ -135,7 +96,7 @@ def _peer_tile(tile, rank, ranks, m_tiles: int, n_tiles: int, panel: int):
 
 @jit
 def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, chunk_tiles: int,
-                        tile_cfg: TileConfig, target: str, streamk: StreamK | None = None):
+                        tile_cfg: TileConfig, target: str):
     """The all-gather GEMM's second kernel: the peers' segments of ``C = gathered @ W.T``, each
     output tile waiting until the chunk of rows it reads has arrived.
 
@@ -149,52 +110,11 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     form for even ranks (the wait then watched another segment's flag). The waits check the
     senders' announcements on ``board`` (``T.wait(..., agree=)``): a sender whose call differs
     ends them with a ShapeMismatchError.
-
-    ``streamk`` (``target="epoch"``): the last tiles are computed stream-K
-    (:mod:`~tilescale.ops.tp_gemm.streamk`), each part of a tile waiting for the tile's chunk
-    before its loads; two more arguments, the partial tiles' workspace and its flags.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
     n_tiles = -(-N // bn)
     chunks = -(-m_tiles // chunk_tiles)
-
-    if streamk is not None:
-        if target != "epoch":
-            raise ValueError("stream-K tiles run in the copy-engine plan's peer kernel (target='epoch')")
-        whole = (world - 1) * m_tiles * n_tiles - streamk.tiles
-
-        @T.macro
-        def peer_work(tile, k0, k1, env):
-            segment, by, bx = _peer_tile(tile, env.rank, env.ranks, m_tiles, n_tiles, tile_cfg.panel)
-            T.wait(env.flags[segment * chunks + by // chunk_tiles], "ge", env.epoch, agree=(env.board, env.ident))
-            accumulate(env.gathered, segment * padded_rows + by * bm, env.W, bx * bn, env.a, env.w, env.acc, k0, k1,
-                       tile_cfg)
-
-        @T.macro
-        def peer_finish(tile, env):
-            segment, by, bx = _peer_tile(tile, env.rank, env.ranks, m_tiles, n_tiles, tile_cfg.panel)
-            store_tile(env.acc, env.out, env.C, segment * padded_rows + by * bm, bx * bn, tile_cfg)
-
-        @T.prim_func
-        def streamed(gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
-                     C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
-                     epoch: T.int32, board: T.Tensor((2 * world,), "int64"), ident: T.int64,
-                     ws: T.Tensor((streamk.blocks * bm, bn), "float32"),
-                     sk_flags: T.Tensor((streamk.blocks,), "int32")):
-            with T.Kernel(whole + streamk.blocks, threads=tile_cfg.threads) as b:
-                with T.Scale("device") as (rank, ranks):
-                    block = T.alloc_local((1,), "int32")  # in a register (see above)
-                    block[0] = b
-                    a = T.alloc_shared((bm, tile_cfg.block_K), dtype)
-                    w = T.alloc_shared((bn, tile_cfg.block_K), dtype)
-                    acc = T.alloc_fragment((bm, bn), "float32")
-                    out = T.alloc_shared((bm, bn), dtype)
-                    run_tiles(block[0], whole, streamk, tile_cfg, acc, ws, sk_flags, peer_work, peer_finish,
-                              SimpleNamespace(gathered=gathered, W=W, C=C, flags=flags, epoch=epoch, board=board,
-                                              ident=ident, a=a, w=w, acc=acc, out=out, rank=rank, ranks=ranks))
-
-        return streamed
 
     @T.macro
     def peer_tiles(gathered, W, C, flags, state, epoch, board, ident):
@@ -299,7 +219,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
 
 @jit
 def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, panel: int,
-                               gather: bool = False, streamk: StreamK | None = None):
+                               gather: bool = False):
     """Reduce-scatter over rows of ``a @ W.T`` in one kernel, the reduction in the owner's GEMM.
 
     Rows are split in ``world`` segments; segment s belongs to rank s. A block computes one
@@ -317,12 +237,6 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     ``gather`` (the all-reduce of :func:`gather_segments_kernel`): ``out`` holds all ``M`` rows
     and an own tile, once summed, also goes to every peer's final slot (slots ``world +
     rank``, flags after the partials'), from which the peer's next kernel copies it.
-
-    ``streamk``: the last tiles of the block order (own-segment tiles) are computed stream-K
-    (:mod:`~tilescale.ops.tp_gemm.streamk`); the tile that finishes a tile sums the peers'
-    partials as above. Blocks then take tiles in a linear order (segment by segment, panels
-    of ``panel`` tile rows) and the kernel has two more arguments, the partial tiles'
-    workspace and its flags.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // world
@@ -331,74 +245,6 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     slots = 2 * world if gather else world  # per buffer set: the partials, then the gathered finals
 
     tiles = m_tiles * n_tiles
-
-    @T.macro
-    def finish(acc, tile_out, seg, row, bx, env):
-        """Segment ``seg``'s tile (``row``, ``bx``), summed over K in ``acc``: sent to its owner, or summed."""
-        if seg == env.rank:
-            part = T.alloc_fragment((bm, bn), dtype)
-            for p in T.serial(env.ranks - 1):
-                src = (env.rank + 1 + p) % env.ranks
-                # A flag per sender: a peer already in its next call adds to its own flag only.
-                T.wait(env.flags[src * tiles + row * n_tiles + bx], "ge", env.state[1], scope="warp",
-                       agree=(env.board, env.ident))
-                T.copy(env.recv[(_buffer_of(env.state) * slots + src) * padded + row * bm, bx * bn], part)
-                for i, j in T.Parallel(bm, bn):
-                    acc[i, j] += T.cast(part[i, j], "float32")
-            T.copy(acc, tile_out)  # through shared memory: whole-row (TMA) stores
-            # With gather, rows past a ragged segment's end land in the next segment's,
-            # which the next kernel (stream order) writes over; past M they are clipped.
-            T.copy(tile_out, env.out[(env.rank * seg_rows if gather else 0) + row * bm, bx * bn])
-            if gather:
-                for p in T.serial(env.ranks - 1):
-                    dst = (env.rank + 1 + p) % env.ranks
-                    T.copy(tile_out, env.recv[(_buffer_of(env.state) * slots + world + env.rank) * padded
-                                              + row * bm, bx * bn], dst_pe=dst)
-                    T.signal(env.flags[(world + env.rank) * tiles + row * n_tiles + bx], 1, pe=dst, op="add",
-                             scope="warp")
-        else:
-            T.copy(acc, tile_out)
-            T.copy(tile_out, env.recv[(_buffer_of(env.state) * slots + env.rank) * padded + row * bm, bx * bn],
-                   dst_pe=seg)
-            T.signal(env.flags[env.rank * tiles + row * n_tiles + bx], 1, pe=seg, op="add", scope="warp")
-
-    if streamk is not None:
-        whole = world * tiles - streamk.tiles
-
-        @T.macro
-        def rs_work(tile, k0, k1, env):
-            seg, row, bx = _peer_tile(tile, env.rank, env.ranks, m_tiles, n_tiles, panel)
-            accumulate(env.A, seg * seg_rows + row * bm, env.W, bx * bn, env.a, env.w, env.acc, k0, k1, tile_cfg)
-
-        @T.macro
-        def rs_finish(tile, env):
-            seg, row, bx = _peer_tile(tile, env.rank, env.ranks, m_tiles, n_tiles, panel)
-            finish(env.acc, env.tile_out, seg, row, bx, env)
-
-        @T.prim_func
-        def streamed(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
-                     recv: T.Tensor((2 * slots * padded, N), dtype),
-                     out: T.Tensor((M if gather else seg_rows, N), dtype), flags: T.Tensor((slots * tiles,), "int32"),
-                     state: T.Tensor((2,), "int32"),
-                     board: T.Tensor((2 * world,), "int64"), ident: T.int64,
-                     ws: T.Tensor((streamk.blocks * bm, bn), "float32"),
-                     sk_flags: T.Tensor((streamk.blocks,), "int32")):
-            with T.Kernel(whole + streamk.blocks, threads=tile_cfg.threads) as b:
-                with T.Scale("device") as (rank, ranks):
-                    T.announce(board, ident)  # before the peer tiles' signals, which release it
-                    T.sync_threads()  # thread 0 announced; the consumer warps signal (release) after it
-                    block = T.alloc_local((1,), "int32")  # in a register, as ag_peer_gemm_kernel's
-                    block[0] = b
-                    a = T.alloc_shared((bm, bk), dtype)
-                    w = T.alloc_shared((bn, bk), dtype)
-                    acc = T.alloc_fragment((bm, bn), "float32")
-                    tile_out = T.alloc_shared((bm, bn), dtype)
-                    run_tiles(block[0], whole, streamk, tile_cfg, acc, ws, sk_flags, rs_work, rs_finish,
-                              SimpleNamespace(A=A, W=W, recv=recv, out=out, flags=flags, state=state, board=board,
-                                              ident=ident, a=a, w=w, acc=acc, tile_out=tile_out, rank=rank,
-                                              ranks=ranks))
-
-        return streamed
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), recv: T.Tensor((2 * slots * padded, N), dtype),
@@ -419,9 +265,31 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
                     T.copy(A[seg * seg_rows + row * bm, k * bk], a)
                     T.copy(W[bx * bn, k * bk], w)
                     T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
-                finish(acc, tile_out, seg, row, bx,
-                       SimpleNamespace(rank=rank, ranks=ranks, recv=recv, out=out, flags=flags, state=state,
-                                       board=board, ident=ident))
+                if seg == rank:
+                    part = T.alloc_fragment((bm, bn), dtype)
+                    for p in T.serial(ranks - 1):
+                        src = (rank + 1 + p) % ranks
+                        # A flag per sender: a peer already in its next call adds to its own flag only.
+                        T.wait(flags[src * tiles + row * n_tiles + bx], "ge", state[1], scope="warp",
+                               agree=(board, ident))
+                        T.copy(recv[(_buffer_of(state) * slots + src) * padded + row * bm, bx * bn], part)
+                        for i, j in T.Parallel(bm, bn):
+                            acc[i, j] += T.cast(part[i, j], "float32")
+                    T.copy(acc, tile_out)  # through shared memory: whole-row (TMA) stores
+                    # With gather, rows past a ragged segment's end land in the next segment's,
+                    # which the next kernel (stream order) writes over; past M they are clipped.
+                    T.copy(tile_out, out[(rank * seg_rows if gather else 0) + row * bm, bx * bn])
+                    if gather:
+                        for p in T.serial(ranks - 1):
+                            dst = (rank + 1 + p) % ranks
+                            T.copy(tile_out, recv[(_buffer_of(state) * slots + world + rank) * padded + row * bm,
+                                                  bx * bn], dst_pe=dst)
+                            T.signal(flags[(world + rank) * tiles + row * n_tiles + bx], 1, pe=dst, op="add",
+                                     scope="warp")
+                else:
+                    T.copy(acc, tile_out)
+                    T.copy(tile_out, recv[(_buffer_of(state) * slots + rank) * padded + row * bm, bx * bn], dst_pe=seg)
+                    T.signal(flags[rank * tiles + row * n_tiles + bx], 1, pe=seg, op="add", scope="warp")
 
     return main
 

@@ -1,8 +1,7 @@
 """What a TP GEMM call runs: its plan (``"fused"`` or ``"unfused"``: :func:`_choose`, by the
 link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEMM grid
 (:class:`GemmGrid`: the tile :func:`choose_tile` picks by the wave model, rows padded, tiles,
-K splits, the last tiles stream-K where :func:`stream_k` finds it wins), plus the copy-engine
-all-gather's chunking (:func:`chunk_tiles`)."""
+K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`)."""
 
 import os
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
-from tilescale.ops.tp_gemm.streamk import StreamK
 
 # Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
 # rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
@@ -41,25 +39,18 @@ HBM_GBPS = 3000.0
 # relative to WIDE at full waves (benchmarks/gemm_tiles.py --floor on one H100, mean over the
 # floor's 16 GEMMs with >= 1024 rows: 128x224 0.983, 128x192 0.948; 128x128 0.88 never wins).
 TILE_RATES = ((WIDE, 1.0), (WIDE_224, 0.98), (WIDE_192, 0.95))
-# What a stream-K schedule costs besides its K steps (stream_k), in K steps of its tile, per
-# partial tile a finisher reads: the partial's fp32 store and load (128 KB each way for
-# 128x256, about 1 us of one SM's bandwidth) and one more pipeline fill and epilogue of the
-# stream-K block (a K step of 128x256 is ~0.74 us on one H100 at 750 TFLOP/s). An estimate.
-STREAMK_STEPS = 4
 
 
 @dataclass(frozen=True)
 class GemmGrid:
     """The fused GEMM of one call: its ``tile``, each row segment's rows padded to whole row
     tiles (``padded``), the output tiles per segment (``tiles``) and the parts K is split in
-    (``splits``, each its own block and partial tile), and the last tiles' stream-K schedule
-    (``streamk``, :func:`stream_k`; None: whole tiles only)."""
+    (``splits``, each its own block and partial tile)."""
 
     tile: TileConfig
     padded: int
     tiles: int
     splits: int = 1
-    streamk: StreamK | None = None
 
 
 def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
@@ -95,7 +86,7 @@ def kernel_tiles(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...] =
     return [segments * per_segment for segments in kernels if segments]
 
 
-def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,), k: int = 0) -> TileConfig:
+def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,)) -> TileConfig:
     """The fused kernels' GEMM tile for row segments of ``rows`` x ``n`` outputs, computed by
     kernels of ``kernels[i]`` segments each (one kernel of one segment by default; the
     all-gather GEMM: ``(1, world - 1)``; the reduce-scatter GEMM: ``(world,)``).
@@ -104,9 +95,7 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     the one whose waves, weighted by its speed per FLOP, keep the SMs busiest with outputs
     (:func:`useful_share`): on one H100 the pick was the fastest of the three at each of
     the floor's 16 GEMMs with >= 1024 rows, e.g. 1024 x 14336 in 128x224 tiles, 512 of them =
-    3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). With ``k`` (the
-    kernels can run their last tiles stream-K, :func:`stream_k`), each candidate's kernels
-    count at their cheaper schedule (:func:`schedule_cost`). Else, for the
+    3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). Else, for the
     reduce-scatter and all-reduce GEMMs (``split_k``): ``NARROW`` (128x64) where a segment is
     one 128-row tile and its tiles give 90% of the SMs a block (decode, K whole); ``TALL``
     (256x128) for 129-256 rows, so one row tile streams the weight once; otherwise ``WIDE``;
@@ -117,65 +106,16 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
 
         choose_tile(8192, 14336)                 # WIDE
         choose_tile(1024, 14336)                 # WIDE_224 on a 132-SM GPU
-        choose_tile(1024, 14336, k=8192)         # WIDE, its last 184 tiles stream-K
         choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
     """
     sms = sm_count()
     if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
-        if k:
-            return min(TILE_RATES, key=lambda tr: sum(schedule_cost(t, k, tr[0], sms) for t in
-                                                      kernel_tiles(rows, n, tr[0], kernels)) / tr[1])[0]
         return max(TILE_RATES, key=lambda tr: tr[1] * useful_share(rows, n, tr[0], kernels, sms))[0]
     if split_k:
         if rows <= NARROW.block_M and 10 * sum(kernel_tiles(rows, n, NARROW, kernels)) >= 9 * sms:
             return NARROW
         return TALL if NARROW.block_M < rows <= TALL.block_M else WIDE
     return DEFAULT
-
-
-def stream_k(tiles: int, k: int, tile: TileConfig, sms: int | None = None) -> StreamK | None:
-    """The stream-K schedule of a kernel of ``tiles`` output tiles over K = ``k``, where the wave
-    arithmetic says it beats whole tiles (:func:`schedule_cost`); else None.
-
-    The schedule is TileLang's "two-tile stream-K + data-parallel": the tiles of the partial
-    last wave and, where there are two whole waves or more, one whole wave more go stream-K,
-    so each stream-K block holds 1-2 tiles' K steps and a tile's finisher reads about one
-    partial; the rest run one tile per block. Without a partial wave, or with fewer tiles
-    than SMs (split K's place, :func:`k_splits`), none.
-
-    Example::
-
-        stream_k(336, 4096, WIDE)    # StreamK(204, 64, 132) on 132 SMs: 1500 x 7168, 2.5 waves
-        stream_k(3584, 8192, WIDE)   # None: 27.2 waves, the last one is 0.6% of the kernel
-    """
-    sms = sms or sm_count()
-    steps = -(-k // tile.block_K)
-    if tiles <= sms or tiles % sms == 0:
-        return None
-    streamed = tiles % sms + (sms if tiles >= 2 * sms else 0)
-    if streamed * steps < sms:
-        return None
-    whole = -(-tiles // sms) * steps
-    overhead = STREAMK_STEPS * -(-sms // streamed)  # partials per finisher
-    return StreamK(streamed, steps, sms) if tiles / sms * steps + overhead < whole else None
-
-
-def schedule_cost(tiles: int, k: int, tile: TileConfig, sms: int) -> float:
-    """A kernel's time in K steps of a 128x256 tile: whole waves of ``tiles`` tiles, or, where
-    :func:`stream_k` takes the last ones, their steps spread over every SM plus the
-    ``STREAMK_STEPS`` per partial each finisher reads (speed per FLOP aside: ``TILE_RATES``).
-
-    Example::
-
-        schedule_cost(264, 4096, WIDE_224, 132)  # 112.0: 2 waves of 64 steps of 7/8 of 128x256
-        schedule_cost(336, 4096, WIDE, 132)      # 166.9: 2.5 waves' steps + 4 (stream-K)
-    """
-    steps = -(-k // tile.block_K)
-    size = tile.block_M * tile.block_N / (WIDE.block_M * WIDE.block_N)
-    sk = stream_k(tiles, k, tile, sms)
-    if sk is None:
-        return -(-tiles // sms) * steps * size
-    return (tiles / sms * steps + STREAMK_STEPS * -(-sms // sk.tiles)) * size
 
 
 def useful_share(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...], sms: int) -> float:
@@ -245,10 +185,9 @@ def k_splits(tiles: int, K: int, block_K: int) -> int:
     return splits
 
 
-def reduce_grid(m: int, k: int, n: int, owners: int, tile: TileConfig, streamed: bool = False) -> GemmGrid:
+def reduce_grid(m: int, k: int, n: int, owners: int, tile: TileConfig) -> GemmGrid:
     """The GEMM grid that ``gemm_reduce_scatter`` (``owners`` = world size) or ``gemm_all_reduce``
-    (1) runs for an (m, k) x (n, k) product with ``tile``; ``streamed``: the kernel can run its
-    last tiles stream-K (whole K per tile only), which :func:`stream_k` decides.
+    (1) runs for an (m, k) x (n, k) product with ``tile``.
 
     Example::
 
@@ -256,6 +195,4 @@ def reduce_grid(m: int, k: int, n: int, owners: int, tile: TileConfig, streamed:
     """
     padded = -(-(m // owners) // tile.block_M) * tile.block_M
     tiles = (padded // tile.block_M) * -(-n // tile.block_N)
-    splits = k_splits(owners * tiles, k, tile.block_K)
-    sk = stream_k(owners * tiles, k, tile) if streamed and splits == 1 else None
-    return GemmGrid(tile, padded, tiles, splits, sk)
+    return GemmGrid(tile, padded, tiles, k_splits(owners * tiles, k, tile.block_K))

@@ -9,8 +9,6 @@ import torch.distributed as dist
 
 from tilescale import runtime
 from tilescale.groups import GroupState
-from tilescale.jit import kernel_lowering
-from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import (
     call_identity,
     check_same_across_ranks,
@@ -41,7 +39,6 @@ from tilescale.ops.tp_gemm.plan import (
     choose_tile,
     reduce_grid,
 )
-from tilescale.ops.tp_gemm.streamk import workspace
 
 Launch = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,10 +103,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
     if m == 0:
         return a.new_empty(0, n)
-    # Its last tiles can run stream-K (a kernel of this GPU's blocks; not with NVSHMEM calls).
-    streamed = kernel_lowering(group) in (None, ADDRESS)
-    tile = tile or choose_tile(m // world, n, split_k=True, kernels=(world,), k=k if streamed else 0)
-    grid = reduce_grid(m, k, n, world, tile, streamed)
+    tile = tile or choose_tile(m // world, n, split_k=True, kernels=(world,))
+    grid = reduce_grid(m, k, n, world, tile)
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
     if _choose(plan, m, wins, group) == "unfused":
@@ -128,15 +123,13 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
-    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, False, grid.streamk, group=group)
-    # The stream-K kernel's partial tiles: two more arguments.
-    extra = workspace(state, ("rs", m, k, n, a.dtype), grid.streamk, tile) if grid.streamk else ()
+    kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
         ex.advance(tile.threads // 32)  # a peer's consumer warps signal its flag of each tile once per call
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, *extra, group=group)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
 
     return op_plans.put(key, launch)(a, weight)
