@@ -347,6 +347,11 @@ def run_floor(args: argparse.Namespace) -> None:
     if ts.world_size() != 1:
         raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/tp_gemm.py --floor")
     shapes = FLOOR_SHAPES
+    if args.shapes:  # e.g. ag:1500x4096x7168,rs:3000x4608x7168
+        wanted = args.shapes.split(",")
+        shapes = [(op, s) for op, s in shapes if f"{op}:{'x'.join(map(str, s))}" in wanted]
+        if len(shapes) != len(wanted):
+            raise SystemExit(f"--shapes: not all of {wanted} are floor shapes (op:MxKxN, FLOOR_SHAPES)")
     if args.part:  # i/n: every n-th shape from the i-th, e.g. to build kernels in parallel processes
         i, n = map(int, args.part.split("/"))
         shapes = shapes[i::n]
@@ -379,6 +384,7 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="time every plan as a CUDA-graph replay (GPUs)")
     parser.add_argument("--floor", action="store_true", help="one-rank job: every fused plan vs cuBLAS (see floor)")
     parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
+    parser.add_argument("--shapes", default="", help="--floor: only these shapes (op:MxKxN,...)")
     parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
     args = parser.parse_args()
     ts.init()
