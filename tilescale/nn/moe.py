@@ -33,6 +33,16 @@ def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tu
     Example::
 
         router, w1, w2 = moe_weights(1024, 2048, num_experts=16, seed=0)
+
+    Args:
+        hidden: The model dimension.
+        ffn_hidden: Each expert's hidden dimension.
+        num_experts: Experts in total (over all ranks).
+        seed: Seed of the CPU generator the weights are drawn from.
+
+    Returns:
+        tuple[torch.Tensor, ...]: On the CPU, fp32: router (num_experts, hidden), w1 (num_experts,
+        ffn_hidden, hidden), w2 (num_experts, hidden, ffn_hidden); the same on every rank for one seed.
     """
     # On the host whatever torch's default device: the draw must not depend on it.
     g = torch.Generator().manual_seed(seed)
@@ -69,6 +79,21 @@ class ExpertParallelMoE(nn.Module):
     every rank). The forward has no host synchronisation, so a decode step can
     be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
     experts are split over (None: the job).
+
+    Args:
+        hidden: The model dimension.
+        ffn_hidden: Each expert's hidden dimension.
+        num_experts: Experts in total, divisible by the group size.
+        topk: Experts per token.
+        seed: Seed of the drawn weights (default 0).
+        dtype: The experts' dtype (default bfloat16).
+        device: Where the layer lives; None: this rank's device.
+        low_latency: Dispatch in low-latency mode (default False).
+        group: The ranks the experts are split over; None: the whole job.
+        max_tokens: The most tokens any rank passes, or None (every rank passes the same count).
+
+    Raises:
+        ValueError: ``num_experts`` is not divisible by the group size.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,

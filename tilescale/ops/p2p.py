@@ -89,6 +89,20 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
         ts.ops.put(x, z, peer=0, group=tp)            # z symmetric over tp; peer 0 of tp
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``dst`` was allocated over.
+
+    Args:
+        src: The local tensor to send: contiguous, on this rank's device.
+        dst: A symmetric tensor over ``group`` with ``src``'s shape and dtype; rank ``peer``'s copy is written.
+        peer: The destination's rank within ``group``.
+        plan: How the kernel moves data (:class:`CopyPlan`; the default was fastest on 2x H200).
+        group: The group ``dst`` was allocated over; None: the whole job.
+
+    Returns:
+        None. The write is ordered on this rank's stream; peers see it after a barrier or flag.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or ``src`` is not contiguous on this rank's device.
+        IndexError: ``peer`` is not a rank of ``group``.
     """
     _launch(src, dst, peer, plan, False, group)
 
@@ -102,5 +116,19 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
         ts.barrier(); ts.ops.get(y, x, peer=0)        # x now holds rank 0's y
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``src`` was allocated over.
+
+    Args:
+        src: A symmetric tensor over ``group``; rank ``peer``'s copy is read.
+        dst: The local tensor to fill: contiguous, on this rank's device, with ``src``'s shape and dtype.
+        peer: The source's rank within ``group``.
+        plan: How the kernel moves data (:class:`CopyPlan`).
+        group: The group ``src`` was allocated over; None: the whole job.
+
+    Returns:
+        None; ``dst`` holds the peer's data once this rank's stream reaches that point.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or ``dst`` is not contiguous on this rank's device.
+        IndexError: ``peer`` is not a rank of ``group``.
     """
     _launch(src, dst, peer, plan, True, group)
