@@ -394,6 +394,10 @@ class KernelFactory:
     def get_tir(self, *args: Any, group: Any = None, **kwargs: Any) -> tirx.PrimFunc:
         """The ``T.prim_func`` the factory builds for these arguments (not compiled, not cached).
 
+        Args:
+            *args, **kwargs: the factory's arguments.
+            group: the process group whose size the kernel is built for (None: the whole job).
+
         Returns:
             The kernel's ``tirx.PrimFunc``, its remote operations as they are before lowering.
         """
@@ -402,6 +406,10 @@ class KernelFactory:
 
     def get_kernel_source(self, *args: Any, group: Any = None, **kwargs: Any) -> str:
         """The generated device source of the kernel of these arguments (compiled if not yet).
+
+        Args:
+            *args, **kwargs: the factory's arguments.
+            group: the process group whose size the kernel is built for (None: the whole job).
 
         Returns:
             CUDA C++ for GPU targets.
