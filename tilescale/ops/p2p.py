@@ -37,6 +37,19 @@ DEFAULT_PLAN = CopyPlan(block=16384, threads=256, blocks_per_sm=2, staged=False)
 
 @jit
 def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
+    """Copy ``src`` to ``dst`` with the peer's side remote: a put into rank ``peer``'s ``dst``, or
+    (``get``) a get from rank ``peer``'s ``src``; no synchronisation.
+
+    Args:
+        dtype: TileLang dtype of the data.
+        vec: Elements per 16-byte vector; the length is a multiple of it (a dynamic size).
+        plan: Tile size, threads, blocks per SM and staging (:class:`CopyPlan`).
+        sms: SMs of the GPU (at most ``sms * plan.blocks_per_sm`` blocks).
+        get: Read from the peer instead of writing to it.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     n = T.dynamic("n_vectors") * vec
     grid = T.min(T.ceildiv(n, plan.block), sms * plan.blocks_per_sm)
 

@@ -71,7 +71,18 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
     ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1; and writes the int32 ids
     the dispatch sends (``ids``: -1 for those). ``topk_idx`` is read as passed (``id_dtype``:
     int32 or int64), so the caller's ids need no conversion kernel. Every element of every
-    output is written (the caller allocates them unfilled)."""
+    output is written (the caller allocates them unfilled).
+
+    Args:
+        world: Ranks of the group.
+        tokens: This rank's tokens (at least 1; the caller routes no tokens without a kernel).
+        topk: Experts per token.
+        num_experts: Experts over the whole group.
+        id_dtype: ``"int32"`` (default) or ``"int64"``, the dtype of ``topk_idx``.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
     chunk = scan_rows * SCAN_COLS
 
