@@ -116,6 +116,7 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
     Raises:
         ValueError: shapes or dtypes differ, or ``src`` is not contiguous on this rank's device.
         IndexError: ``peer`` is not a rank of ``group``.
+        TypeError: the dtype is not one the kernels move.
     """
     _launch(src, dst, peer, plan, False, group)
 
@@ -143,5 +144,6 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
     Raises:
         ValueError: shapes or dtypes differ, or ``dst`` is not contiguous on this rank's device.
         IndexError: ``peer`` is not a rank of ``group``.
+        TypeError: the dtype is not one the kernels move.
     """
     _launch(src, dst, peer, plan, True, group)

@@ -194,9 +194,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         TypeError: ``a_shard`` and ``weight`` differ in dtype, or the dtype is not supported.
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
             unknown ``plan``, ``push_blocks`` < 1, an unknown ``producer``, or ``"copy_engine"`` where the
-            peers' memory is not mapped.
+            peers' memory is not mapped; or the ranks' shapes or dtype differ at a shape's first call
+            (checked on the host).
         RuntimeError: ``producer="copy_engine"`` inside a CUDA graph capture.
-        ts.ShapeMismatchError: the ranks' calls differ.
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # Calls reuse it; a capture may take another producer than eager calls.

@@ -100,8 +100,9 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     Raises:
         TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
-            unknown ``plan``, or M not divisible by the group size.
-        ts.ShapeMismatchError: the ranks' calls differ.
+            unknown ``plan``, or M not divisible by the group size;
+            or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     key, launch = _cached_plan("gemm_reduce_scatter", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
@@ -182,8 +183,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     Raises:
         TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
-            unknown ``plan``.
-        ts.ShapeMismatchError: the ranks' calls differ.
+            unknown ``plan``;
+            or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
