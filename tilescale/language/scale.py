@@ -273,6 +273,17 @@ def Scale(level: str = "device") -> Iterator[tuple[tirx.PrimExpr, int]]:  # noqa
     thread-block cluster; the kernel must be launched with ``cluster_dims``),
     ``"warpgroup"`` and ``"warp"`` (thread groups of the block: per-thread values, so
     GPU-only).
+
+    Args:
+        level: ``"device"`` (default), ``"cta_cluster"``, ``"warpgroup"`` or ``"warp"``.
+
+    Yields:
+        tuple: ``(id, count)`` at that level, e.g. ``(rank, world)``: the id a kernel expression,
+        the count an int.
+
+    Raises:
+        ValueError: an unknown ``level``, or a block's threads not a multiple of the group's width.
+        RuntimeError: ``"cta_cluster"`` in a kernel launched without ``cluster_dims``.
     """
     if level not in SCALES:
         raise ValueError(f"unknown scale {level!r}; supported: {', '.join(SCALES)}")

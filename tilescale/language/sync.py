@@ -292,6 +292,16 @@ def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
     The signature is a scalar argument, so a CUDA graph replays it with the call. Cost:
     ``world`` int32 stores (block 0, before the barrier, which releases them) and ``world``
     local loads per block after it.
+
+    Args:
+        signature: This call's signature (a positive 31-bit number, usually a scalar kernel argument:
+            ``tilescale.errors.call_signature``).
+
+    Returns:
+        tirx.PrimExpr: An int32 expression: 1 when the ranks agree, else 0.
+
+    Raises:
+        RuntimeError: not directly inside ``T.Scale("device")``.
     """
     ctx = current_context()
     if ctx.scales[-1:] != ["device"]:

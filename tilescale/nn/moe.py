@@ -182,7 +182,15 @@ class ExpertParallelMoE(nn.Module):
         self.w2 = nn.Parameter(w2.detach()[mine].to(device=device, copy=True).contiguous())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts of each token (rows of ``x``) and their routing weights."""
+        """Top-k experts of each token (rows of ``x``) and their routing weights.
+
+        Args:
+            x: (tokens, hidden) rows.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: ``(topk_idx, topk_weights)``, each (tokens, topk): the
+            router callable's, or softmax-top-k of the router weight (renormalised when ``normalize_topk``).
+        """
         if self.router_fn is not None:
             return self.router_fn(x)
         probs = torch.softmax(nn.functional.linear(x.to(self.router.dtype), self.router).float(), dim=-1)
@@ -190,6 +198,14 @@ class ExpertParallelMoE(nn.Module):
         return experts, (weights / weights.sum(-1, keepdim=True) if self.normalize_topk else weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route this rank's tokens, run them through their experts' ranks and combine them back.
+
+        Args:
+            x: This rank's tokens, ``(..., hidden)``.
+
+        Returns:
+            torch.Tensor: ``x``'s shape: each token's routing-weighted sum of its experts' outputs.
+        """
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, self.w1, self.w2)):

@@ -447,4 +447,12 @@ class TensorParallelMLP(nn.Module):
         self.down = RowParallelLinear(ffn, hidden, weight=down, seed=seed + 1, dtype=dtype, device=device, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(gelu(up(x)))``.
+
+        Args:
+            x: This rank's rows, ``(rows, ..., hidden)``.
+
+        Returns:
+            torch.Tensor: This rank's rows of the output, ``x``'s shape.
+        """
         return self.down(nn.functional.gelu(self.up(x)))
