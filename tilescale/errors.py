@@ -45,7 +45,18 @@ def call_signature(description: str) -> int:
 
 
 def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeout_s: float | None = None) -> str:
-    """The message of a :class:`WaitTimeoutError` for one status record."""
+    """The message of a :class:`WaitTimeoutError` for one status record.
+
+    Args:
+        record: One wait-status record (``kind``, ``rank``, ``block``, ``address``, ``comparison``,
+            ``expected``, ``observed``), as the device wrote it.
+        flag_name: The flag's name if known (e.g. ``"flags[3]"``); None names it by address.
+        timeout_s: The wait's bound in seconds, mentioned if given.
+
+    Returns:
+        str: One message naming the rank, block, operation (``T.wait`` or ``T.barrier()``), the
+        awaited condition and the value observed.
+    """
     what = "T.barrier()" if record["kind"] == BARRIER else "T.wait"
     flag = flag_name or f"flag at {record['address']:#x}"
     after = f" after {timeout_s:g} s" if timeout_s is not None else ""

@@ -48,6 +48,14 @@ class GroupState:
 
         state = ts.group_state(tp)
         state.rank, state.size, state.ranks      # 1, 2, [2, 3] on global rank 3
+
+    ``tilescale.runtime`` constructs it (users get it from ``ts.group_state``).
+
+    Args:
+        process_group: The torch process group; None for the whole job.
+        comm: The host channel of the group's ranks (exchanges, barriers, tags).
+        backend: The group's communication backend (allocation, lowering).
+        pinned: Put the wait-status words in pinned host memory that the GPU writes (CUDA).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend,

@@ -102,7 +102,20 @@ def _normalize_out_idx(out_idx: list[int] | int | None, n_user: int) -> list[int
 
 
 class DistributedKernel:
-    """A compiled kernel that fills in its hidden distributed arguments on every call."""
+    """A compiled kernel that fills in its hidden distributed arguments on every call.
+
+    :func:`jit` constructs it.
+
+    Args:
+        func: The ``T.prim_func``, with tilescale's hidden parameters (``tilescale.language.prim_func``).
+        out_idx: Parameters the kernel allocates and returns (TileLang's ``out_idx``); None: none.
+        **compile_kwargs: Passed to TileLang's compile (``target``, ...); in a job on the CPU path
+            with no ``target`` given, the kernel runs in tilescale's interpreter.
+
+    Raises:
+        TypeError: ``out_idx`` names a tensor the kernel accesses on other ranks.
+        NotImplementedError: ``out_idx`` on the CPU path.
+    """
 
     def __init__(self, func: tirx.PrimFunc, out_idx: list[int] | int | None = None, **compile_kwargs: Any):
         func = guard_unit_loops(func)
@@ -345,6 +358,16 @@ class KernelFactory:
 
     Every method takes the factory's arguments and tilescale's keyword ``group=`` (the
     process group whose size the kernel is built for; None: the whole job).
+
+    :func:`jit` constructs it.
+
+    Args:
+        factory: The kernel factory (returns a ``T.prim_func``); it must not take ``group``.
+        out_idx: As TileLang's ``out_idx``, for every kernel it makes.
+        compile_kwargs: Passed to TileLang's compile.
+
+    Raises:
+        TypeError: the factory has a parameter named ``group``.
     """
 
     def __init__(self, factory: Callable[..., Any], out_idx: list[int] | int | None, compile_kwargs: dict):
@@ -394,6 +417,10 @@ class KernelFactory:
     def get_tir(self, *args: Any, group: Any = None, **kwargs: Any) -> tirx.PrimFunc:
         """The ``T.prim_func`` the factory builds for these arguments (not compiled, not cached).
 
+        Args:
+            *args, **kwargs: the factory's arguments.
+            group: the process group whose size the kernel is built for (None: the whole job).
+
         Returns:
             The kernel's ``tirx.PrimFunc``, its remote operations as they are before lowering.
         """
@@ -402,6 +429,10 @@ class KernelFactory:
 
     def get_kernel_source(self, *args: Any, group: Any = None, **kwargs: Any) -> str:
         """The generated device source of the kernel of these arguments (compiled if not yet).
+
+        Args:
+            *args, **kwargs: the factory's arguments.
+            group: the process group whose size the kernel is built for (None: the whole job).
 
         Returns:
             CUDA C++ for GPU targets.

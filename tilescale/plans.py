@@ -73,6 +73,10 @@ class PlanCache:
     def put(self, key: Any, plan: Any) -> Any:
         """Keep ``plan`` for ``key``.
 
+        Args:
+            key: A hashable key naming everything the plan depends on.
+            plan: The plan object (any value). The oldest plan is dropped when ``limit`` are kept.
+
         Returns:
             ``plan``.
         """

@@ -174,7 +174,25 @@ def _join(store: dist.Store, env: LaunchEnv, where: str, timeout_s: float,
 
 def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, timeout_given: bool,
                         gpus_shared: bool) -> dist.Store:
-    """Create the default process group; returns the job's store."""
+    """Create the default process group; returns the job's store.
+
+    Args:
+        env: The launch environment (rank, world size, store address, launcher).
+        device: This rank's device: gloo on the CPU or where ranks share GPUs, else gloo for CPU
+            tensors and NCCL (bound to ``device``) for CUDA tensors.
+        timeout_s: Seconds to wait for the other ranks to join, and the process group's timeout.
+        timeout_given: Whether the user set the timeout; if not, a rendezvous on leftover
+            environment variables with no launcher's marks gives up after ``UNMARKED_TIMEOUT_S``.
+        gpus_shared: Whether several ranks share one GPU (NCCL refuses that: gloo is used).
+
+    Returns:
+        dist.Store: The job's store (a ``HashStore`` for one process started without a launcher).
+
+    Raises:
+        TimeoutError: ranks did not join within ``timeout_s``.
+        RuntimeError: the environment is inconsistent (e.g. two processes with one RANK, or RANK
+            without MASTER_ADDR/MASTER_PORT under torchrun).
+    """
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo stages CUDA tensors on the host.
     backend = "gloo" if device.type == "cpu" or gpus_shared else "cpu:gloo,cuda:nccl"
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
@@ -191,6 +209,20 @@ def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float, t
 
 
 def job_id(group_store: dist.Store, rank: int, timeout_s: float) -> str:
+    """The job's identifier, the same on every rank: rank 0 draws it and publishes it in the store.
+
+    Example::
+
+        jid = job_id(store, env.rank, timeout_s)      # e.g. names the job's shared-memory segments
+
+    Args:
+        group_store: The job's store (:func:`init_process_group`).
+        rank: This process's rank; rank 0 writes the identifier.
+        timeout_s: Seconds to wait for rank 0's identifier.
+
+    Returns:
+        str: The launcher's job key (``tilescale run``'s, empty otherwise) followed by 12 random hex digits.
+    """
     # Prefixed by the key of tilescale run's node launcher, which removes the job's /dev/shm names by it.
     if rank == 0:
         group_store.set("tilescale/job_id", os.environ.get(rendezvous.JOB_KEY_VAR, "") + uuid.uuid4().hex[:12])

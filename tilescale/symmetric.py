@@ -115,6 +115,19 @@ def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
         flags = ts.zeros((8,), dtype=torch.int32)    # every rank's copy is 0 when any rank returns
 
     Args and returns: those of :func:`empty`.
+
+    Args:
+        shape: The shape (an int for one dimension), the same on every rank.
+        dtype: The element type, the same on every rank (default float32).
+        device: None, or this rank's device (``ts.device()``).
+        group: The process group whose ranks allocate it together; None: the whole job.
+
+    Returns:
+        This rank's zero-filled copy, on this rank's device.
+
+    Raises:
+        ValueError: ranks ask for different shapes or dtypes, or ``device`` is not this rank's.
+        TypeError: ``dtype`` is not a ``torch.dtype``.
     """
     # Backends hand out zeroed memory and synchronise before returning.
     return empty(shape, dtype, device, group=group)

@@ -62,6 +62,19 @@ def peer_tile(buf: tirx.Buffer, cta: int | tirx.PrimExpr, what: str) -> tirx.Buf
     Example::
 
         left = peer_tile(tile, (cta_rank + cluster_size - 1) % cluster_size, "halo exchange")
+
+    Args:
+        buf: A shared-memory tile (``T.alloc_shared``) of this block.
+        cta: The block's rank in the cluster, in ``[0, cluster_size)`` (constant or runtime expression).
+        what: The operation's name, used in error messages.
+
+    Returns:
+        tirx.Buffer: A buffer with ``buf``'s shape, dtype and strides at block ``cta``'s address of the tile.
+
+    Raises:
+        RuntimeError: not inside ``T.Scale("cta_cluster")`` of a kernel launched with ``cluster_dims``.
+        TypeError: ``buf`` is not a shared-memory tile.
+        IndexError: a constant ``cta`` is outside the cluster.
     """
     size = _cluster_size(what)
     if not buf.scope().startswith("shared") or buf.scope() == "shared.cluster_barrier":

@@ -31,6 +31,17 @@ def Kernel(*blocks: int | tirx.PrimExpr, threads: int | list[int] | tuple[int, .
 
         with T.Kernel(T.ceildiv(M, 64), threads=128) as bx:
             ...
+
+    Args:
+        *blocks: The grid extents (one to three, constants or expressions), as in TileLang.
+        threads: Threads per block (an int or up to three extents); None takes TileLang's default.
+        prelude: Extra CUDA source placed after tilescale's device helpers (and the device
+            lowering's, if one is active); None adds nothing.
+        cluster_dims: Thread-block cluster shape, needed for ``T.Scale("cta_cluster")``,
+            ``dst_cta``/``src_cta`` copies and cluster barriers; None launches no clusters.
+
+    Returns:
+        TileLang's kernel launch frame; ``with ... as bx`` (or ``as (bx, by)``) binds the block indices.
     """
     ctx = open_context()
     lowering = ctx.lowering if ctx is not None else None
@@ -105,6 +116,20 @@ def prim_func(func: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         @T.prim_func
         def main(A: T.Tensor((M, N), "float16"), B: T.Tensor((M, N), "float16")):
             ...
+
+    Args:
+        func: The kernel function; None when used with keywords (``@T.prim_func(...)``).
+        **kwargs: Passed to TileLang's ``T.prim_func``. With ``eager_jit`` set, the function goes
+            to TileLang unchanged (no tilescale build context).
+
+    Returns:
+        The ``PrimFunc``, with the hidden parameters its distributed operations need (peer-address
+        tables, the group's sync and rank tables, scalars such as rank and timeout) appended after the
+        user's; or a decorator when ``func`` is None.
+
+    Raises:
+        TypeError: a remote operation reaches a tensor that is not an argument of the kernel.
+        RuntimeError: another tilescale ``T.prim_func`` is being built in this thread.
     """
 
     def build(f: Callable[..., Any]) -> Any:

@@ -43,6 +43,17 @@ def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
     Example::
 
         check_remote(flags, peer, "T.signal's flag")
+
+    Args:
+        buf: The kernel's tensor argument that a remote operation reaches; it is recorded as a
+            symmetric argument of the kernel being built.
+        pe: The peer rank. A constant (int or IntImm) is checked against the world size; a runtime
+            expression is not.
+        what: The operation's name, used in error messages (e.g. ``"T.copy destination"``).
+
+    Raises:
+        TypeError: ``buf`` is not a global buffer (only tensor arguments live on other ranks).
+        IndexError: a constant ``pe`` is outside ``[0, world)``.
     """
     if buf.scope() != "global":
         raise TypeError(
@@ -58,7 +69,20 @@ def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
 
 
 def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.Buffer:
-    """A view of rank ``pe``'s copy of the symmetric kernel argument ``buf``."""
+    """A view of rank ``pe``'s copy of the symmetric kernel argument ``buf``.
+
+    Args:
+        buf: A global tensor argument of the kernel, passed as a symmetric tensor.
+        pe: The peer rank whose copy to view (constant or runtime expression).
+        what: The operation's name, used in error messages.
+
+    Returns:
+        tirx.Buffer: A buffer with ``buf``'s shape, dtype and strides at rank ``pe``'s address, read
+        from the kernel's hidden peer-address table of ``buf``.
+
+    Raises:
+        TypeError, IndexError: as :func:`check_remote`.
+    """
     check_remote(buf, pe, what)
     table = current_context().peer_table(buf)
     strides = list(buf.strides) if len(buf.strides) else None
@@ -207,6 +231,26 @@ def copy(src: Any, dst: Any, *, dst_pe: int | tirx.PrimExpr | None = None,
         T.copy(tile, inbox, dst_cta=(cta_rank + 1) % cluster_size)
 
     Other keywords (``disable_tma``, ``coalesced_width``, ...) pass through to TileLang.
+
+    Args:
+        src: The source: a buffer, one of its elements or a region (``A[i, j]``, ``A[0:64, :]``).
+        dst: The destination, in the same forms.
+        dst_pe: Rank to write into: ``dst`` is taken as that rank's copy of a symmetric tensor argument.
+        src_pe: Rank to read from: ``src`` is taken as that rank's copy of a symmetric tensor argument.
+        dst_cta: Block (rank in the cluster) whose shared tile ``dst`` is written; TMA is disabled.
+        src_cta: Block (rank in the cluster) whose shared tile ``src`` is read; TMA is disabled.
+        **kwargs: Passed to TileLang's ``T.copy``. At most one of the four remote keywords may be
+            given; none gives TileLang's local copy.
+
+    Returns:
+        The copy statement TileLang's ``T.copy`` returns. Under a device lowering
+        (``build_options(remote=...)``) a remote copy is the lowering's put/get call(s), emitted
+        into the kernel body, and the return is the single call, a final register copy, or None.
+
+    Raises:
+        ValueError: more than one remote side given, or (device lowering) the two sides differ in size.
+        TypeError: the remote side is not a global tensor argument (or a shared tile, for ``*_cta``).
+        IndexError: a constant peer or block index is out of range.
     """
     remote = {k: v for k, v in (("dst_pe", dst_pe), ("src_pe", src_pe), ("dst_cta", dst_cta),
                                 ("src_cta", src_cta)) if v is not None}

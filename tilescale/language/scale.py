@@ -80,7 +80,15 @@ class BuildContext:
         return self._world
 
     def scalar(self, name: str, dtype: str) -> tirx.Var:
-        """The hidden scalar parameter ``name`` (created on first use)."""
+        """The hidden scalar parameter ``name`` (created on first use).
+
+        Args:
+            name: The parameter's name (e.g. the rank or timeout parameter).
+            dtype: Its TVM dtype (``"int32"``, ``"int64"``).
+
+        Returns:
+            tirx.Var: The same variable on every call with this ``name`` in this build; the jit binds it.
+        """
         if name not in self.scalars:
             self.scalars[name] = tirx.Var(name, dtype)
         return self.scalars[name]
@@ -175,6 +183,17 @@ def build_options(world_size: int | None = None, remote: str | None = None) -> I
     ``tilescale.comm.nvshmem.lowering``); None keeps the enclosing setting. Around calls of
     ``tilescale.jit`` kernels (and ``ts.ops``) in a running job, ``remote`` overrides the
     lowering the group's backend picks (``ts.group_state(group).lowering``).
+
+    Args:
+        world_size: Number of ranks to build for (positive); None keeps the enclosing setting,
+            and outside any, the running job's world size.
+        remote: The remote lowering, as described above; None keeps the enclosing setting.
+
+    Yields:
+        None. The settings apply to builds in this thread until the block exits.
+
+    Raises:
+        ValueError: ``world_size`` < 1, or ``remote`` is not a registered lowering.
     """
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -254,6 +273,17 @@ def Scale(level: str = "device") -> Iterator[tuple[tirx.PrimExpr, int]]:  # noqa
     thread-block cluster; the kernel must be launched with ``cluster_dims``),
     ``"warpgroup"`` and ``"warp"`` (thread groups of the block: per-thread values, so
     GPU-only).
+
+    Args:
+        level: ``"device"`` (default), ``"cta_cluster"``, ``"warpgroup"`` or ``"warp"``.
+
+    Yields:
+        tuple: ``(id, count)`` at that level, e.g. ``(rank, world)``: the id a kernel expression,
+        the count an int.
+
+    Raises:
+        ValueError: an unknown ``level``, or a block's threads not a multiple of the group's width.
+        RuntimeError: ``"cta_cluster"`` in a kernel launched without ``cluster_dims``.
     """
     if level not in SCALES:
         raise ValueError(f"unknown scale {level!r}; supported: {', '.join(SCALES)}")

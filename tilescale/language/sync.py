@@ -94,6 +94,22 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     the epilogue of a warp-specialised GEMM (its consumer warps)::
 
         T.signal(flags[rank], 1, pe=owner, op="add", scope="warp")
+
+    Args:
+        flag: One element of an int32 flag tensor (``flags[i]``); with ``pe`` it must be a
+            symmetric tensor argument.
+        value: The value to set or add (default 1).
+        pe: The rank whose copy of ``flag`` to update; None (default) is this rank's own.
+        op: ``"set"`` (default) or ``"add"`` (atomic).
+        scope: ``"block"`` (default: once per block, after its writes) or ``"warp"`` (see above).
+
+    Returns:
+        tirx.PrimExpr: The device call; evaluate it as a statement (``T.signal(...)`` in a kernel).
+
+    Raises:
+        ValueError: unknown ``op`` or ``scope``.
+        TypeError: ``flag`` is not an element of an int32 tensor, or (with ``pe``) not a global argument.
+        IndexError: a constant ``pe`` is out of range.
     """
     if op not in SIGNAL_OPS:
         raise ValueError(f"T.signal op must be one of {sorted(SIGNAL_OPS)}, got {op!r}")
@@ -134,6 +150,23 @@ def wait(flag: tirx.BufferLoad, cmp: str, value: int | tirx.PrimExpr, *, scope: 
     :class:`tilescale.ShapeMismatchError`, instead of a timeout: for kernels whose ranks meet
     in flags rather than in a ``T.agree`` barrier. The board is checked again once the flag
     holds, so every block that signals the flag must announce before it signals.
+
+    Args:
+        flag: One element of this rank's int32 flag tensor (``flags[i]``).
+        cmp: The comparison ``flag <cmp> value``: ``"eq"``, ``"ne"``, ``"ge"``, ``"gt"``, ``"le"``, ``"lt"``.
+        value: The value compared against (constant or runtime expression).
+        scope: ``"block"`` (default) or ``"warp"``.
+        agree: Optional ``(board, ident)``: a 1-D int64 symmetric board of ``2 * world`` slots and this
+            call's identity, as given to :func:`announce`.
+
+    Returns:
+        tirx.PrimExpr: The device call; evaluate it as a statement. A wait that does not complete in
+        the job's timeout records a status the host reports as an error.
+
+    Raises:
+        ValueError: unknown ``cmp`` or ``scope``.
+        TypeError: ``flag`` is not an element of an int32 tensor, or the board is not a 1-D int64 tensor
+            argument.
     """
     if cmp not in COMPARISONS:
         raise ValueError(f"T.wait comparison must be one of {sorted(COMPARISONS)}, got {cmp!r}")
@@ -175,6 +208,16 @@ def announce(board: tirx.Buffer, ident: int | tirx.PrimExpr) -> tirx.PrimExpr:
     peer this call's identity from an earlier one's, and a rank announces call c + 2 only after
     its peers have finished call c. Every block that signals a flag checked with ``agree``
     announces before signalling (the signal releases it); it does not synchronise.
+
+    Args:
+        board: A symmetric 1-D int64 tensor argument of ``2 * world`` slots.
+        ident: This call's identity, ``(call number << 32) | signature`` (usually a kernel argument).
+
+    Returns:
+        tirx.PrimExpr: The device call; evaluate it as a statement.
+
+    Raises:
+        TypeError: ``board`` is not a 1-D int64 global tensor argument.
     """
     _check_board(board, "T.announce")
     ctx = current_context()
@@ -249,6 +292,16 @@ def agree(signature: int | tirx.PrimExpr) -> tirx.PrimExpr:
     The signature is a scalar argument, so a CUDA graph replays it with the call. Cost:
     ``world`` int32 stores (block 0, before the barrier, which releases them) and ``world``
     local loads per block after it.
+
+    Args:
+        signature: This call's signature (a positive 31-bit number, usually a scalar kernel argument:
+            ``tilescale.errors.call_signature``).
+
+    Returns:
+        tirx.PrimExpr: An int32 expression: 1 when the ranks agree, else 0.
+
+    Raises:
+        RuntimeError: not directly inside ``T.Scale("device")``.
     """
     ctx = current_context()
     if ctx.scales[-1:] != ["device"]:

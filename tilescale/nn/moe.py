@@ -33,6 +33,16 @@ def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tu
     Example::
 
         router, w1, w2 = moe_weights(1024, 2048, num_experts=16, seed=0)
+
+    Args:
+        hidden: The model dimension.
+        ffn_hidden: Each expert's hidden dimension.
+        num_experts: Experts in total (over all ranks).
+        seed: Seed of the CPU generator the weights are drawn from.
+
+    Returns:
+        tuple[torch.Tensor, ...]: On the CPU, fp32: router (num_experts, hidden), w1 (num_experts,
+        ffn_hidden, hidden), w2 (num_experts, hidden, ffn_hidden); the same on every rank for one seed.
     """
     # On the host whatever torch's default device: the draw must not depend on it.
     g = torch.Generator().manual_seed(seed)
@@ -69,6 +79,21 @@ class ExpertParallelMoE(nn.Module):
     every rank). The forward has no host synchronisation, so a decode step can
     be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
     experts are split over (None: the job).
+
+    Args:
+        hidden: The model dimension.
+        ffn_hidden: Each expert's hidden dimension.
+        num_experts: Experts in total, divisible by the group size.
+        topk: Experts per token.
+        seed: Seed of the drawn weights (default 0).
+        dtype: The experts' dtype (default bfloat16).
+        device: Where the layer lives; None: this rank's device.
+        low_latency: Dispatch in low-latency mode (default False).
+        group: The ranks the experts are split over; None: the whole job.
+        max_tokens: The most tokens any rank passes, or None (every rank passes the same count).
+
+    Raises:
+        ValueError: ``num_experts`` is not divisible by the group size.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
@@ -157,7 +182,15 @@ class ExpertParallelMoE(nn.Module):
         self.w2 = nn.Parameter(w2.detach()[mine].to(device=device, copy=True).contiguous())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts of each token (rows of ``x``) and their routing weights."""
+        """Top-k experts of each token (rows of ``x``) and their routing weights.
+
+        Args:
+            x: (tokens, hidden) rows.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: ``(topk_idx, topk_weights)``, each (tokens, topk): the
+            router callable's, or softmax-top-k of the router weight (renormalised when ``normalize_topk``).
+        """
         if self.router_fn is not None:
             return self.router_fn(x)
         probs = torch.softmax(nn.functional.linear(x.to(self.router.dtype), self.router).float(), dim=-1)
@@ -165,6 +198,14 @@ class ExpertParallelMoE(nn.Module):
         return experts, (weights / weights.sum(-1, keepdim=True) if self.normalize_topk else weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route this rank's tokens, run them through their experts' ranks and combine them back.
+
+        Args:
+            x: This rank's tokens, ``(..., hidden)``.
+
+        Returns:
+            torch.Tensor: ``x``'s shape: each token's routing-weighted sum of its experts' outputs.
+        """
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, self.w1, self.w2)):

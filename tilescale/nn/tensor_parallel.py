@@ -229,6 +229,21 @@ class ColumnParallelLinear(_ColumnParallelBase):
         y = layer(x_rows)         # (rows, 1024) -> (world * rows, 4096 // world)
         layer = ColumnParallelLinear.from_linear(linear, sequence_parallel=False)
         y = layer(x)              # (batch, seq, in) -> (batch, seq, out // world)
+
+    Args:
+        in_features: Input features of the full layer.
+        out_features: Output features of the full layer.
+        weight: The full weight (out_features, in_features); None draws one from ``seed`` as
+            ``nn.Linear`` initialises (every rank draws the same).
+        bias: The full bias tensor, True to draw one, or False (default) for none.
+        seed: Seed of the drawn parameters (default 0).
+        dtype: The parameters' dtype (default bfloat16).
+        device: Where the parameters live; None: this rank's device.
+        group: The ranks the layer is split over; None: the whole job.
+        sequence_parallel: See above (default True).
+
+    Raises:
+        ValueError: a parameter has the wrong shape, or ``out_features`` is not divisible by the group size.
     """
 
     def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
@@ -246,6 +261,18 @@ class ColumnParallelLinear(_ColumnParallelBase):
         Example::
 
             up = ColumnParallelLinear.from_linear(mlp.up_proj, sequence_parallel=False)
+
+        Args:
+            linear: The full layer (every rank may pass the same one); its weight's dtype is kept.
+            group: The ranks the layer is split over; None: the whole job.
+            sequence_parallel: As the constructor's (default True).
+            device: Where the shard lives; None: this rank's device.
+
+        Returns:
+            ColumnParallelLinear: A new layer holding copies of this rank's shard (``linear`` is not changed).
+
+        Raises:
+            ValueError: ``linear.out_features`` is not divisible by the group size.
         """
         return cls(linear.in_features, linear.out_features, **_params_of([linear]), device=device, group=group,
                    sequence_parallel=sequence_parallel)
@@ -264,6 +291,21 @@ class MergedColumnParallelLinear(_ColumnParallelBase):
 
         gate_up = MergedColumnParallelLinear.from_linears([mlp.gate_proj, mlp.up_proj], sequence_parallel=False)
         gate, up = gate_up(x).chunk(2, -1)       # each (..., ffn // world)
+
+    Args:
+        in_features: Input features of the full layer.
+        output_sizes: Each projection's output features.
+        weight: The full weights concatenated by rows (sum(output_sizes), in_features); None draws one from ``seed`` as
+            ``nn.Linear`` initialises (every rank draws the same).
+        bias: The full bias tensor, True to draw one, or False (default) for none.
+        seed: Seed of the drawn parameters (default 0).
+        dtype: The parameters' dtype (default bfloat16).
+        device: Where the parameters live; None: this rank's device.
+        group: The ranks the layer is split over; None: the whole job.
+        sequence_parallel: See above (default True).
+
+    Raises:
+        ValueError: a parameter has the wrong shape, or a projection's output size is not divisible by the group size.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], *, weight: torch.Tensor | None = None,
@@ -283,6 +325,20 @@ class MergedColumnParallelLinear(_ColumnParallelBase):
         Example::
 
             gate_up = MergedColumnParallelLinear.from_linears([mlp.gate_proj, mlp.up_proj])
+
+        Args:
+            linears: The full projections, one input size, all with a bias or none, one weight dtype.
+            group: The ranks the layer is split over; None: the whole job.
+            sequence_parallel: As the constructor's (default True).
+            device: Where the shards live; None: this rank's device.
+
+        Returns:
+            MergedColumnParallelLinear: A new layer holding copies of this rank's shard of each projection.
+
+        Raises:
+            ValueError: the linears differ in ``in_features`` or in having a bias, or an output size is
+                not divisible by the group size.
+            TypeError: the linears' weights differ in dtype.
         """
         return cls(linears[0].in_features, [lin.out_features for lin in linears], **_params_of(linears),
                    device=device, group=group, sequence_parallel=sequence_parallel)
@@ -303,6 +359,21 @@ class RowParallelLinear(_ParallelLinear):
         y = layer(h)              # h: (M, 4096 // world) -> y: (M // world, 1024)
         layer = RowParallelLinear.from_linear(linear, sequence_parallel=False)
         y = layer(h)              # (batch, seq, in // world) -> (batch, seq, out)
+
+    Args:
+        in_features: Input features of the full layer.
+        out_features: Output features of the full layer.
+        weight: The full weight (out_features, in_features); None draws one from ``seed`` as
+            ``nn.Linear`` initialises (every rank draws the same).
+        bias: The full bias tensor, True to draw one, or False (default) for none.
+        seed: Seed of the drawn parameters (default 0).
+        dtype: The parameters' dtype (default bfloat16).
+        device: Where the parameters live; None: this rank's device.
+        group: The ranks the layer is split over; None: the whole job.
+        sequence_parallel: See above (default True).
+
+    Raises:
+        ValueError: a parameter has the wrong shape, or ``in_features`` is not divisible by the group size.
     """
 
     shard_dim = 1
@@ -324,6 +395,18 @@ class RowParallelLinear(_ParallelLinear):
         Example::
 
             down = RowParallelLinear.from_linear(mlp.down_proj, sequence_parallel=False)
+
+        Args:
+            linear: The full layer (every rank may pass the same one); its weight's dtype is kept.
+            group: The ranks the layer is split over; None: the whole job.
+            sequence_parallel: As the constructor's (default True).
+            device: Where the shard lives; None: this rank's device.
+
+        Returns:
+            RowParallelLinear: A new layer holding copies of this rank's shard (``linear`` is not changed).
+
+        Raises:
+            ValueError: ``linear.in_features`` is not divisible by the group size.
         """
         return cls(linear.in_features, linear.out_features, **_params_of([linear]), device=device, group=group,
                    sequence_parallel=sequence_parallel)
@@ -344,6 +427,16 @@ class TensorParallelMLP(nn.Module):
 
         mlp = TensorParallelMLP(1024, 4096, dtype=torch.bfloat16)
         y = mlp(x_rows)           # x_rows, y: this rank's (rows, 1024)
+
+    Args:
+        hidden: The model dimension (input and output features).
+        ffn: The hidden dimension, divisible by the group size.
+        up: The full up-projection weight (ffn, hidden); None draws one from ``seed``.
+        down: The full down-projection weight (hidden, ffn); None draws one from ``seed + 1``.
+        seed: Seed of the drawn weights (default 0).
+        dtype: The parameters' dtype (default bfloat16).
+        device: Where the parameters live; None: this rank's device.
+        group: The ranks the layer is split over; None: the whole job.
     """
 
     def __init__(self, hidden: int, ffn: int, *, up: torch.Tensor | None = None, down: torch.Tensor | None = None,
@@ -354,4 +447,12 @@ class TensorParallelMLP(nn.Module):
         self.down = RowParallelLinear(ffn, hidden, weight=down, seed=seed + 1, dtype=dtype, device=device, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(gelu(up(x)))``.
+
+        Args:
+            x: This rank's rows, ``(rows, ..., hidden)``.
+
+        Returns:
+            torch.Tensor: This rank's rows of the output, ``x``'s shape.
+        """
         return self.down(nn.functional.gelu(self.up(x)))

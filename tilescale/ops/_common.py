@@ -70,7 +70,16 @@ def tl_dtype(t: torch.Tensor) -> str:
 
 
 def check_input(t: torch.Tensor, name: str) -> None:
-    """Inputs must be contiguous tensors on this rank's device."""
+    """Inputs must be contiguous tensors on this rank's device.
+
+    Args:
+        t: The input.
+        name: Its parameter name, for the messages.
+
+    Raises:
+        TypeError: ``t`` is not a ``torch.Tensor``.
+        ValueError: ``t`` is on another device than this rank's, or not contiguous.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     dev = runtime.device()
@@ -93,7 +102,15 @@ def poison_value(dtype: str) -> tirx.PrimExpr:
 
 def vector_width(numel: int, like: torch.Tensor) -> int:
     """Elements per 16-byte vector that evenly divide ``numel``: the kernels' sizes are
-    ``vectors * width``, so TileLang can prove 16-byte accesses aligned and in bounds."""
+    ``vectors * width``, so TileLang can prove 16-byte accesses aligned and in bounds.
+
+    Args:
+        numel: Elements the kernel moves.
+        like: A tensor of the kernel's dtype (its element size).
+
+    Returns:
+        int: A power of two, at most ``16 // element_size``, dividing ``numel`` (1 at worst).
+    """
     width = max(1, 16 // like.element_size())
     while numel % width:
         width //= 2
@@ -112,7 +129,17 @@ def _sm_count(dev: torch.device) -> int:
 
 
 def workspace(state: GroupState, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A symmetric scratch tensor of the group, reused across calls (allocating it is collective)."""
+    """A symmetric scratch tensor of the group, reused across calls (allocating it is collective).
+
+    Args:
+        state: The group's state.
+        key: What the scratch is for; one tensor per (key, numel, dtype).
+        numel: Elements.
+        dtype: Element type.
+
+    Returns:
+        torch.Tensor: A 1-D symmetric tensor, contents unspecified (the same one at later calls).
+    """
     k = (key, numel, dtype)
     found = state.workspaces.get(k)
     if found is None:
@@ -121,7 +148,19 @@ def workspace(state: GroupState, key: str, numel: int, dtype: torch.dtype) -> to
 
 
 def symmetric_in(t: torch.Tensor, state: GroupState, name: str) -> bool:
-    """Whether ``t`` is symmetric over the group of ``state``; ValueError if it is symmetric over another."""
+    """Whether ``t`` is symmetric over the group of ``state``; ValueError if it is symmetric over another.
+
+    Args:
+        t: The tensor.
+        state: The group's state.
+        name: Its parameter name, for the message.
+
+    Returns:
+        bool: Whether ``t`` is (a view of) a symmetric tensor of this group.
+
+    Raises:
+        ValueError: ``t`` is symmetric over another group.
+    """
     found = lookup(t)
     if found is not None:
         check_group(found[0].group, state, name)
@@ -136,6 +175,15 @@ def staging(state: GroupState, t: torch.Tensor, key: str, name: str = "x") -> to
 
         staged = staging(state, x, "reduce_scatter.in")     # at the first call of a shape
         src = x if staged is None else staged.copy_(x)       # at every call
+
+    Args:
+        state: The group's state.
+        t: The op's input.
+        key: The workspace's key (:func:`workspace`).
+        name: ``t``'s parameter name, for the message.
+
+    Returns:
+        None, or a symmetric tensor of ``t``'s shape and dtype (contents unspecified).
     """
     if symmetric_in(t, state, name):
         return None
@@ -149,6 +197,14 @@ def signature(op: str, t: torch.Tensor, *details: object) -> int:
     Example::
 
         sig = signature("all_reduce", x, "one_shot")    # a kernel's scalar argument
+
+    Args:
+        op: The op's name.
+        t: The tensor whose shape and dtype the signature names.
+        *details: Anything else the ranks must agree on (plan, tile, ...), by ``str``.
+
+    Returns:
+        int: A positive 31-bit number (:func:`tilescale.errors.call_signature`), cached per distinct call.
     """
     key = (op, tuple(t.shape), t.dtype, details)
     sig = _signatures.get(key)
@@ -170,6 +226,13 @@ def call_identity(state: GroupState, sig: int) -> tuple[torch.Tensor, int]:
     The identity is ``(call number << 32) | sig``; the call number counts this process's calls
     on the group through here, so it is the same on every rank of the group for the same call.
     A CUDA graph replays the number it captured, which every rank's graph replays alike.
+
+    Args:
+        state: The group's state.
+        sig: The call's signature (:func:`signature`).
+
+    Returns:
+        tuple[torch.Tensor, int]: The board (symmetric int64, ``2 * size`` slots) and the identity.
     """
     board = state.workspaces.get(("call board",))
     if board is None:
@@ -198,6 +261,15 @@ def check_same_across_ranks(state: GroupState, what: str, value: list, every_cal
 
     Every later call is compared on the device by the op's kernels (``T.agree``, or the call
     board: :func:`call_identity`), which raise ShapeMismatchError on every rank.
+
+    Args:
+        state: The group's state.
+        what: The op's name, for the message and the check's key.
+        value: What every rank must pass alike (JSON-like values).
+        every_call: Exchange at every call, not only at the first of ``value``.
+
+    Raises:
+        ValueError: the ranks' values differ (every rank raises, naming each rank's).
     """
     key = (what, *value)
     if key in state.verified and not every_call:

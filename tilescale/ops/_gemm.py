@@ -97,6 +97,15 @@ def tile_coords(tile, m_tiles: int, n_tiles: int, panel: int = 0):
     ``panel == 0``: row-major order. Otherwise tiles go column by column through panels of
     ``panel`` tile rows (the last panel may be shorter), so the blocks running at once share
     a few A row tiles and W column tiles in L2 instead of sweeping all of W.
+
+    Args:
+        tile: The linear tile index (an int or a kernel expression).
+        m_tiles: Row tiles of the grid.
+        n_tiles: Column tiles of the grid.
+        panel: Tile rows per panel (default 0: row-major).
+
+    Returns:
+        tuple: ``(row tile, column tile)``, expressions inside a kernel.
     """
     if panel <= 0:
         return tile // n_tiles, tile % n_tiles
@@ -119,6 +128,19 @@ def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT
 
     ``cfg`` gives the tile and K step, the warp policy and the epilogue; ``stages`` the
     pipeline depth (the kernels pass ``STAGES``).
+
+    Args:
+        A: The (M, K) operand; rows from ``a_row``.
+        a_row: First row of ``A``.
+        W: The (N, K) weight; rows from ``w_row``.
+        w_row: First row of ``W``.
+        C: The output; the tile is stored at ``(c_row, c_col)``.
+        c_row: First output row.
+        c_col: First output column.
+        K: The reduction length.
+        dtype: TileLang dtype of the operands and output.
+        stages: Pipeline depth of the K loop.
+        cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
     """
     a = T.alloc_shared((cfg.block_M, cfg.block_K), dtype)
     w = T.alloc_shared((cfg.block_N, cfg.block_K), dtype)

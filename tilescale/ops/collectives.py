@@ -71,6 +71,18 @@ def _poison(buf, row, base, extent, cols, value):
 
 @jit
 def all_gather_kernel(world: int, dtype: str, vec: int, sms: int):
+    """Put this rank's ``x`` into row ``rank`` of every rank's ``out`` (this rank's own included),
+    then a barrier; ranks that disagree (``T.agree``) poison every row of ``out`` instead.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the data.
+        vec: Elements per 16-byte vector; the length is a multiple of it (a dynamic size).
+        sms: Most blocks to launch (one per SM, so the barrier holds).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     n = T.dynamic("n_vectors") * vec
     grid = T.min(T.ceildiv(n, BLOCK), sms)
 
@@ -107,6 +119,16 @@ def reduce_kernel(rows: int, dtype: str, vec: int, sms: int, mode: str):
 
     Ranks that disagree (``T.agree``) poison the result (every row of ``src`` when pushing,
     else ``out``, which ``"local"`` then copies into ``src``).
+
+    Args:
+        rows: Rows of ``src``: the world size, or 1 for ``"local"``.
+        dtype: TileLang dtype of the data; sums accumulate in :func:`accumulator`'s type.
+        vec: Elements per 16-byte vector; the column count is a multiple of it (a dynamic size).
+        sms: Most blocks to launch (one per SM, so the device barriers hold).
+        mode: ``"scatter"``, ``"push"`` or ``"local"``, as above.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     cols = T.dynamic("col_vectors") * vec
     grid = T.min(T.ceildiv(cols, REDUCE_BLOCK), sms)

@@ -14,7 +14,18 @@ from tilescale.ops.moe.fp8 import dequantize_fp8
 
 @jit
 def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
-    """Row tile ``by`` belongs to expert ``row_expert[by * BLOCK_M]``; tiles of none are skipped."""
+    """Row tile ``by`` belongs to expert ``row_expert[by * BLOCK_M]``; tiles of none are skipped.
+
+    Args:
+        experts: Experts whose weights ``w`` stacks, (experts * N, K).
+        rows: Rows of ``x`` and ``out``, a multiple of ``BLOCK_M``.
+        K: Input features.
+        N: Output features per expert.
+        dtype: TileLang dtype of ``x``, ``w`` and ``out``.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
 
     @T.prim_func
     def main(x: T.Tensor((rows, K), dtype), w: T.Tensor((experts * N, K), dtype),

@@ -37,6 +37,19 @@ DEFAULT_PLAN = CopyPlan(block=16384, threads=256, blocks_per_sm=2, staged=False)
 
 @jit
 def transfer_kernel(dtype: str, vec: int, plan: CopyPlan, sms: int, get: bool):
+    """Copy ``src`` to ``dst`` with the peer's side remote: a put into rank ``peer``'s ``dst``, or
+    (``get``) a get from rank ``peer``'s ``src``; no synchronisation.
+
+    Args:
+        dtype: TileLang dtype of the data.
+        vec: Elements per 16-byte vector; the length is a multiple of it (a dynamic size).
+        plan: Tile size, threads, blocks per SM and staging (:class:`CopyPlan`).
+        sms: SMs of the GPU (at most ``sms * plan.blocks_per_sm`` blocks).
+        get: Read from the peer instead of writing to it.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     n = T.dynamic("n_vectors") * vec
     grid = T.min(T.ceildiv(n, plan.block), sms * plan.blocks_per_sm)
 
@@ -89,6 +102,21 @@ def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
         ts.ops.put(x, z, peer=0, group=tp)            # z symmetric over tp; peer 0 of tp
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``dst`` was allocated over.
+
+    Args:
+        src: The local tensor to send: contiguous, on this rank's device.
+        dst: A symmetric tensor over ``group`` with ``src``'s shape and dtype; rank ``peer``'s copy is written.
+        peer: The destination's rank within ``group``.
+        plan: How the kernel moves data (:class:`CopyPlan`; the default was fastest on 2x H200).
+        group: The group ``dst`` was allocated over; None: the whole job.
+
+    Returns:
+        None. The write is ordered on this rank's stream; peers see it after a barrier or flag.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or ``src`` is not contiguous on this rank's device.
+        IndexError: ``peer`` is not a rank of ``group``.
+        TypeError: the dtype is not one the kernels move.
     """
     _launch(src, dst, peer, plan, False, group)
 
@@ -102,5 +130,20 @@ def get(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAUL
         ts.barrier(); ts.ops.get(y, x, peer=0)        # x now holds rank 0's y
 
     ``peer`` is a rank within ``group`` (None: the whole job), the group ``src`` was allocated over.
+
+    Args:
+        src: A symmetric tensor over ``group``; rank ``peer``'s copy is read.
+        dst: The local tensor to fill: contiguous, on this rank's device, with ``src``'s shape and dtype.
+        peer: The source's rank within ``group``.
+        plan: How the kernel moves data (:class:`CopyPlan`).
+        group: The group ``src`` was allocated over; None: the whole job.
+
+    Returns:
+        None; ``dst`` holds the peer's data once this rank's stream reaches that point.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or ``dst`` is not contiguous on this rank's device.
+        IndexError: ``peer`` is not a rank of ``group``.
+        TypeError: the dtype is not one the kernels move.
     """
     _launch(src, dst, peer, plan, True, group)

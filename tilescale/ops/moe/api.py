@@ -16,7 +16,19 @@ from tilescale.ops.moe.routing import expert_ids
 def cached_buffer(group: dist.ProcessGroup | None, max_tokens: int, hidden: int, topk: int, num_experts: int,
                   dtype: torch.dtype) -> Buffer:
     """The group's buffer of these sizes, made (collectively) at its first use and kept until the
-    group's release; the functional ops go through it."""
+    group's release; the functional ops go through it.
+
+    Args:
+        group: The expert-parallel process group; None: the whole job.
+        max_tokens: The most tokens any rank passes to one dispatch.
+        hidden: Channels per row.
+        topk: Experts per token.
+        num_experts: Experts over the whole group.
+        dtype: The dispatched rows' dtype (``torch.float8_e4m3fn``: FP8 dispatch).
+
+    Returns:
+        Buffer: The same object at every call with these arguments on this group (collective at the first).
+    """
     state = runtime.group_state(group)
     return state.exchange(("moe", max_tokens, hidden, topk, num_experts, dtype),
                           lambda: Buffer(group, max_tokens, hidden, topk, num_experts, dtype))

@@ -166,7 +166,18 @@ class Buffer:
                 f"{', released' if self.released else ''})")
 
     def fits(self, tokens: int, hidden: int, topk: int, num_experts: int, dtype: torch.dtype) -> bool:
-        """Whether a dispatch of ``tokens`` x ``hidden`` rows, top-``topk`` of ``num_experts``, goes through."""
+        """Whether a dispatch of ``tokens`` x ``hidden`` rows, top-``topk`` of ``num_experts``, goes through.
+
+        Args:
+            tokens: This rank's tokens.
+            hidden: Channels per row.
+            topk: Experts per token.
+            num_experts: Experts over the whole group.
+            dtype: The rows' dtype (``torch.float8_e4m3fn`` for FP8 rows).
+
+        Returns:
+            bool: True when ``tokens <= max_tokens`` and the rest equal the buffer's.
+        """
         return (tokens <= self.max_tokens and (hidden, topk, num_experts, dtype)
                 == (self.hidden, self.topk, self.num_experts, self.dtype))
 
@@ -341,7 +352,20 @@ class Buffer:
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send the rows of ``x`` (tokens, any hidden) along the routes of ``handle``, grouped as
-        it grouped them (see ``ts.ops.moe_redispatch``)."""
+        it grouped them (see ``ts.ops.moe_redispatch``).
+
+        Args:
+            x: (tokens, hidden) rows, ``handle.tokens`` of them, contiguous on this rank's device; any
+                hidden size and supported dtype.
+            handle: The handle of a dispatch through this buffer.
+
+        Returns:
+            torch.Tensor: (rows, hidden) of ``x``'s dtype, grouped by local expert as the dispatch's ``recv_x``.
+
+        Raises:
+            ValueError: ``x`` is not (``handle.tokens``, hidden) or not contiguous on this rank's device.
+            RuntimeError: the buffer is released.
+        """
         self._check_live()
         check_input(x, "x")
         if x.dim() != 2 or x.shape[0] != handle.tokens:
@@ -353,7 +377,21 @@ class Buffer:
 
     def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Weighted sum of each token's expert outputs, back on its source rank in its order
-        (see ``ts.ops.moe_combine``)."""
+        (see ``ts.ops.moe_combine``).
+
+        Args:
+            expert_out: (rows, hidden) expert outputs in the dispatch's grouped order (``rows``: the
+                buffer's grouped rows, as ``recv_x`` has), contiguous on this rank's device.
+            recv_weights: (rows,) routing weights of the grouped rows (the dispatch's ``recv_w``).
+            handle: The handle of a dispatch through this buffer.
+
+        Returns:
+            torch.Tensor: (handle.tokens, hidden) of ``expert_out``'s dtype, in this rank's token order.
+
+        Raises:
+            ValueError: wrong shapes, or an earlier dispatch found expert ids out of range.
+            RuntimeError: the buffer is released.
+        """
         if not _capturing(expert_out):
             raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
         self._check_live()

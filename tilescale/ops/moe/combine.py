@@ -18,7 +18,16 @@ from tilescale.ops._common import poison_value
 
 def exchange_blocks(world: int, tokens: int, sms: int) -> int:
     """Blocks of the combine kernel: one per SM at most (so that device-wide barriers hold),
-    but no fewer than the ranks."""
+    but no fewer than the ranks.
+
+    Args:
+        world: Ranks of the group.
+        tokens: Token slots per source (the buffer's capacity).
+        sms: SMs of the GPU.
+
+    Returns:
+        int: ``max(min(world * tokens, sms), world)``.
+    """
     return max(min(world * tokens, sms), world)
 
 
@@ -29,7 +38,21 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     ``back[set, rank]`` slot, then (once every rank's rows are back) sum each token's rows.
     Set ``combines[0] % 2``, advanced after the barrier, as the dispatch does with its sets.
     ``tokens`` and ``capacity`` as the dispatch kernel's (``out`` holds one unused row for 0
-    tokens); the blocks derive from ``capacity``, the same on every rank."""
+    tokens); the blocks derive from ``capacity``, the same on every rank.
+
+    Args:
+        world: Ranks of the group.
+        tokens: This rank's tokens (0 allowed).
+        hidden: Channels per row.
+        topk: Experts per token.
+        rows: Grouped rows of ``expert_out`` (the buffer's bound).
+        dtype: TileLang dtype of the rows.
+        sms: SMs of the GPU (:func:`exchange_blocks`).
+        capacity: Token slots per source, the same on every rank; None: ``tokens``.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     capacity = tokens if capacity is None else capacity
     held = max(tokens, 1)
     received = world * capacity

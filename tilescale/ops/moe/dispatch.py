@@ -40,7 +40,17 @@ def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple
     chunk .. (b + 1) * chunk - 1``, ``groups`` groups of ``group``, and announces each group to
     each peer (groups of one in low-latency mode: each row as soon as it is out). One block per
     SM at most (the closing barrier needs every block resident), and no fewer blocks than
-    ranks (block d sends rank d the counts)."""
+    ranks (block d sends rank d the counts).
+
+    Args:
+        world: Ranks of the group.
+        tokens: Token slots per source (the capacity), at least 1.
+        sms: SMs of the GPU.
+        low_latency: Announce every row on its own.
+
+    Returns:
+        tuple[int, int, int, int]: ``(blocks, chunk, group, groups)`` as above.
+    """
     chunk = -(-tokens // min(tokens, sms))
     group = 1 if low_latency else min(GROUP_ROWS, chunk)
     return max(-(-tokens // chunk), world), chunk, group, -(-chunk // group)
@@ -83,6 +93,21 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
     ``capacity`` the most any rank sends (default ``tokens``), the same on every rank: the
     receive buffers hold that many slots per source, and the plan (blocks and groups, which
     receivers mirror) derives from it, so ranks may send different counts.
+
+    Args:
+        world: Ranks of the group.
+        tokens: This rank's tokens (0 allowed).
+        hidden: Elements per row (bytes for packed FP8 rows).
+        topk: Experts per token.
+        per_rank: Experts on each rank.
+        rows: Grouped rows of the outputs (the buffer's bound).
+        dtype: TileLang dtype of the rows.
+        sms: SMs of the GPU (:func:`dispatch_plan`).
+        low_latency: Announce every row on its own (:func:`dispatch_plan`).
+        capacity: Token slots per source, the same on every rank; None: ``tokens``.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     capacity = tokens if capacity is None else capacity
     held = max(tokens, 1)

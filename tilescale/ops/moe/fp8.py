@@ -84,5 +84,14 @@ def packed_width(hidden: int) -> int:
 
 
 def unpack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of packed byte rows as ``(values, scales)``: no copy (rows keep the packed stride)."""
+    """Views of packed byte rows as ``(values, scales)``: no copy (rows keep the packed stride).
+
+    Args:
+        rows: (rows, packed_width(hidden)) uint8 rows (:func:`pack`).
+        hidden: Channels per row.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: (rows, hidden) ``float8_e4m3fn`` values and (rows, hidden // 128)
+        float32 scales, views of ``rows``.
+    """
     return rows[:, :hidden].view(torch.float8_e4m3fn), rows[:, hidden:].view(torch.float32)

@@ -72,7 +72,13 @@ def _rank():
 def segments(recv_expert_counts, recv_counts, seg):
     """Every source's counts into ``seg.given`` (entries per expert) and ``seg.got`` (rows);
     ``seg.upto``, the (source, expert) entry counts summed over sources; ``seg.end``, the
-    inclusive prefix of the experts' padded segments."""
+    inclusive prefix of the experts' padded segments.
+
+    Args:
+        recv_expert_counts: (world, per_rank) entries of each local expert from each source (symmetric, received).
+        recv_counts: (world,) rows from each source (symmetric, received).
+        seg: The block's :class:`Segments` tiles, written here.
+    """
     T.copy(recv_expert_counts[0:seg.world, 0:seg.per_rank], seg.given)
     T.copy(recv_counts[0:seg.world], seg.got)
     T.copy(seg.given, seg.upto)
@@ -104,7 +110,14 @@ def place(tile, seg, layout, capacity):
     of source ``src = where // capacity``): entry k of local expert e goes to grouped row
     ``base[src, e] + eslots[i, k]``. Records each entry's grouped row in ``position`` (-1 for
     other ranks' experts), per grouped row its weight, source row and expert, and writes the
-    row to each."""
+    row to each.
+
+    Args:
+        tile: The block's tiles of received rows (rows, ids, weights, expert slots, receive row ``where``).
+        seg: The :class:`Segments` from :func:`segments`.
+        layout: The dispatch's :class:`Layout` outputs, written here.
+        capacity: Receive slots per source.
+    """
     group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     per_rank = seg.per_rank
     lo = _rank() * per_rank
@@ -136,7 +149,17 @@ def finish(b, blocks, seg, layout, capacity, topk, rows):
     """What no row placement writes, shared out over the blocks: the entries of receive slots
     past their source's count (-1), the grouped rows holding no entry (each expert's padding
     and the rows past the last segment: weight 0, source row and expert -1), and (block 0)
-    each expert's count and first row and the rows received from each source."""
+    each expert's count and first row and the rows received from each source.
+
+    Args:
+        b: This block's index.
+        blocks: Blocks of the kernel.
+        seg: The :class:`Segments` from :func:`segments`.
+        layout: The dispatch's :class:`Layout` outputs, written here.
+        capacity: Receive slots per source.
+        topk: Experts per token.
+        rows: Grouped rows of the outputs.
+    """
     world, per_rank = seg.world, seg.per_rank
     for q in T.serial(T.ceildiv(world * capacity, blocks)):
         if b + q * blocks < world * capacity and (b + q * blocks) % capacity >= seg.got[

@@ -71,7 +71,18 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
     ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1; and writes the int32 ids
     the dispatch sends (``ids``: -1 for those). ``topk_idx`` is read as passed (``id_dtype``:
     int32 or int64), so the caller's ids need no conversion kernel. Every element of every
-    output is written (the caller allocates them unfilled)."""
+    output is written (the caller allocates them unfilled).
+
+    Args:
+        world: Ranks of the group.
+        tokens: This rank's tokens (at least 1; the caller routes no tokens without a kernel).
+        topk: Experts per token.
+        num_experts: Experts over the whole group.
+        id_dtype: ``"int32"`` (default) or ``"int64"``, the dtype of ``topk_idx``.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
     chunk = scan_rows * SCAN_COLS
 
@@ -136,7 +147,19 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The expert ids as the routing kernel reads them: int32 and int64 ids as passed (the
     kernel clamps and casts them, the one check of id values), other integer types widened
-    to one of those, keeping every value (TypeError for other dtypes)."""
+    to one of those, keeping every value (TypeError for other dtypes).
+
+    Args:
+        topk_idx: (tokens, topk) expert ids of any integer dtype.
+        num_experts: Experts over the whole group (the routing kernel checks ids against it).
+
+    Returns:
+        torch.Tensor: ``topk_idx`` contiguous if int32 or int64, else converted to int64 (types wider
+        than int32) or int32.
+
+    Raises:
+        TypeError: ``topk_idx`` is not of an integer dtype.
+    """
     wide = _wider_than_int32(topk_idx.dtype)
     if topk_idx.dtype in (torch.int32, torch.int64):
         return topk_idx.contiguous()
@@ -171,7 +194,16 @@ _spare: list[torch.Tensor] = []
 def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
     """Queue the device's id check of this call, without waiting for it: the count is copied
     into pinned host memory holding -1 until the copy lands (a 4-byte store, seen whole), so
-    no event is needed to know when it is there."""
+    no event is needed to know when it is there.
+
+    Args:
+        bad: (1,) int32 count of out-of-range ids the routing kernel writes.
+        idx: The call's expert ids as passed (kept for the error message).
+        num_experts: Experts over the whole group.
+
+    Returns:
+        None; :func:`raise_bad_ids` raises for it once the count has landed.
+    """
     if bad.is_cuda:
         host = _spare.pop() if _spare else torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)
         word = host.numpy()

@@ -175,6 +175,29 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
 
     Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
+
+    Args:
+        a_shard: This rank's rows, (M_local, K), the same shape on every rank.
+        weight: This rank's weight columns, (N_local, K), ``a_shard``'s dtype.
+        plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
+            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
+            rows on on the CPU path.
+        tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
+        push_blocks: Pushing blocks of the ``"sm"`` producer (default ``PUSH_BLOCKS``, 32).
+        producer: ``"copy_engine"``, ``"sm"`` or None (the default choice above).
+        group: The tensor-parallel process group; None is the whole job.
+
+    Returns:
+        torch.Tensor: (world * M_local, N_local), rank r's rows at ``[r * M_local:(r + 1) * M_local]``.
+
+    Raises:
+        TypeError: ``a_shard`` and ``weight`` differ in dtype, or the dtype is not supported.
+        ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
+            unknown ``plan``, ``push_blocks`` < 1, an unknown ``producer``, or ``"copy_engine"`` where the
+            peers' memory is not mapped; or the ranks' shapes or dtype differ at a shape's first call
+            (checked on the host).
+        RuntimeError: ``producer="copy_engine"`` inside a CUDA graph capture.
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     # Calls reuse it; a capture may take another producer than eager calls.

@@ -33,6 +33,19 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     are in, and announces the call on ``board`` first (the peers' waits check it). The
     pushers count the call (``T.count_call``: each adds ``push_blocks`` arrivals to every
     flag). Nothing here waits, so the peers' second kernels always get their rows.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        rows: This rank's rows (M_local).
+        padded_rows: ``rows`` padded to whole row tiles.
+        K: Input features.
+        N: This rank's output columns.
+        push_blocks: Pushing blocks (0: the copy engines move the rows).
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -118,6 +131,19 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     form for even ranks (the wait then watched another segment's flag). The waits check the
     senders' announcements on ``board`` (``T.wait(..., agree=)``): a sender whose call differs
     ends them with a ShapeMismatchError.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        padded_rows: A segment's rows padded to whole row tiles.
+        K: Input features.
+        N: This rank's output columns.
+        chunk_tiles: Row tiles per arrival flag (:func:`chunk_tiles`).
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+        target: ``"state"`` (SM pushers) or ``"epoch"`` (copy engines), as above.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
@@ -185,6 +211,19 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     consumer warps run it, so each block adds ``tile_cfg.threads // 32`` to the flag. Every
     block counts the call (``T.count_call``) and announces it on ``board`` first
     (:func:`sum_received_kernel`'s waits check it).
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        M: Rows of ``A``.
+        K: This rank's input features.
+        N: Output columns.
+        owners: ``world`` (reduce-scatter) or 1 (all-reduce), as above.
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+        splits: Parts K is split into (:func:`k_splits`).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
@@ -252,6 +291,19 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     ``gather`` (the all-reduce of :func:`gather_segments_kernel`): ``out`` holds all ``M`` rows
     and an own tile, once summed, also goes to every peer's final slot (slots ``world +
     rank``, flags after the partials'), from which the peer's next kernel copies it.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        M: Rows of ``A``, divisible by ``world``.
+        K: This rank's input features.
+        N: Output columns.
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+        panel: Tile rows of the panel order (0: row-major), dividing a segment's row tiles.
+        gather: Also send each summed own tile to every peer (default False), as above.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // world
@@ -321,6 +373,16 @@ def gather_segments_kernel(world: int, dtype: str, M: int, N: int, tile_cfg: Til
     for come from kernels that wait only for partials this rank's GEMM already sent. The
     waits check the senders' announcements on ``board``; the call's number and flag target
     are ``state`` as the GEMM kernel before it (stream order) advanced it.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        M: Rows of ``out``, divisible by ``world``.
+        N: Output columns.
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     seg_rows = M // world
@@ -369,6 +431,18 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     counts ``splits * threads // 32`` signals per call. Every block counts the call
     (``T.count_call``) and announces it on ``board`` before its signals, and the waits check
     the peers' announcements.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        M: Rows of ``A``.
+        K: This rank's input features.
+        N: Output columns.
+        tile_cfg: The GEMM tile (:class:`TileConfig`).
+        splits: Parts K is split into (default 1; :func:`k_splits`).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     padded = -(-M // bm) * bm
@@ -439,7 +513,19 @@ def sum_received_kernel(world: int, slots: int, dtype: str, padded_elems: int, e
     """``out = sum_s recv[s][:elems]`` over the ``slots`` received partials once every rank's
     have arrived (fp32 accumulation); the waits check the senders' announcements on ``board``.
     The call's number and flag target are ``state`` as :func:`gemm_push_kernel` before it
-    (stream order) advanced it."""
+    (stream order) advanced it.
+
+    Args:
+        world: Ranks of the group the kernel is built for.
+        slots: Partials summed per element (``world * splits``).
+        dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
+        padded_elems: Elements of one slot of ``recv``.
+        elems: Elements of ``out`` (the first ``elems`` of each slot).
+        sms: Most blocks to launch.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
     tile = 4096
     grid = min(-(-elems // tile), sms)
 

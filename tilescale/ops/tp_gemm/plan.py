@@ -62,6 +62,15 @@ def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
     Example::
 
         chunk_tiles(64, 8192, 128, 2)     # 4: 512 rows of 8192 bf16 = 8 MB
+
+    Args:
+        m_tiles: Row tiles in a segment (one rank's rows).
+        k: Elements per row.
+        block_M: Rows per tile.
+        elem_bytes: Bytes per element.
+
+    Returns:
+        int: Row tiles per copy, at least 1.
     """
     return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
 
@@ -108,6 +117,15 @@ def kernel_tiles(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...] =
     Example::
 
         kernel_tiles(512, 14336, WIDE, (1, 1))     # [224, 224]: the all-gather GEMM's two kernels
+
+    Args:
+        rows: Rows of one segment.
+        n: Output columns.
+        tile: The GEMM tile.
+        kernels: Segments each kernel computes (default one kernel of one segment); zeros are skipped.
+
+    Returns:
+        list[int]: Output tiles of each kernel with a nonzero segment count.
     """
     per_segment = -(-rows // tile.block_M) * -(-n // tile.block_N)
     return [segments * per_segment for segments in kernels if segments]
@@ -134,6 +152,16 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
         choose_tile(8192, 14336)                 # WIDE
         choose_tile(1024, 14336)                 # WIDE_224 on a 132-SM GPU
         choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
+
+    Args:
+        rows: Rows of one segment.
+        n: Output columns.
+        split_k: Whether the caller may split K (the reduce-scatter and all-reduce GEMMs).
+        kernels: Segments per kernel, as in :func:`kernel_tiles`.
+
+    Returns:
+        TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, ``NARROW``, ``TALL`` or ``DEFAULT``
+        (depends on this device's SM count).
     """
     sms = sm_count()
     if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
@@ -152,6 +180,16 @@ def useful_share(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...], 
     Example::
 
         useful_share(8192, 8192, WIDE_224, (1,), 132)    # 0.985: 37 column tiles, the last 4/7 full
+
+    Args:
+        rows: Rows of one segment.
+        n: Output columns.
+        tile: The GEMM tile.
+        kernels: Segments per kernel, as in :func:`kernel_tiles`.
+        sms: SMs of the GPU.
+
+    Returns:
+        float: In (0, 1].
     """
     tiles = kernel_tiles(rows, n, tile, kernels)
     waves = sum(-(-t // sms) for t in tiles)
@@ -168,6 +206,13 @@ def wave_efficiency(tiles: list[int], sms: int) -> float:
     Example::
 
         wave_efficiency([448], 132)     # 0.848
+
+    Args:
+        tiles: Blocks of each kernel.
+        sms: SMs of the GPU.
+
+    Returns:
+        float: Busy share in (0, 1].
     """
     return sum(tiles) / (sum(-(-t // sms) for t in tiles) * sms)
 
@@ -205,6 +250,14 @@ def k_splits(tiles: int, K: int, block_K: int) -> int:
     Example::
 
         k_splits(32, 14336, 64)    # 4 on a 132-SM H200: 128 blocks
+
+    Args:
+        tiles: Output tiles of the GEMM.
+        K: The reduction length.
+        block_K: The tile's K step; every part is a whole number of steps.
+
+    Returns:
+        int: 1, 2, 4 or 8 (this device's SM count decides).
     """
     splits = 1
     while tiles * splits * 2 <= sm_count() and K % (splits * 2 * block_K) == 0 and splits < 8:
@@ -219,6 +272,16 @@ def reduce_grid(m: int, k: int, n: int, owners: int, tile: TileConfig) -> GemmGr
     Example::
 
         reduce_grid(128, 14336, 8192, 1, WIDE)    # GemmGrid(WIDE, 128, 32, 4) on a 132-SM H200
+
+    Args:
+        m: Rows of ``a`` (all owners' rows).
+        k: The reduction length (this rank's K).
+        n: Output columns.
+        owners: Row segments the output is split into (world size, or 1 for the all-reduce).
+        tile: The GEMM tile.
+
+    Returns:
+        GemmGrid: The tile, each segment's rows padded to whole row tiles, tiles per segment and K splits.
     """
     padded = -(-(m // owners) // tile.block_M) * tile.block_M
     tiles = (padded // tile.block_M) * -(-n // tile.block_N)

@@ -84,6 +84,25 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
 
     Fused calls whose ranks differ (shapes, dtype, tile, K split) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
+
+    Args:
+        a: (M, K_local); M divisible by the group size and the same on every rank.
+        weight: (N, K_local), ``a``'s dtype.
+        plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
+            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
+            rows on on the CPU path.
+        tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
+        group: The tensor-parallel process group; None is the whole job.
+
+    Returns:
+        torch.Tensor: (M // world, N): rank r's rows ``[r * M // world:(r + 1) * M // world]`` of the sum.
+
+    Raises:
+        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
+        ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
+            unknown ``plan``, or M not divisible by the group size;
+            or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     key, launch = _cached_plan("gemm_reduce_scatter", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
@@ -148,6 +167,25 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
 
     Fused calls whose ranks differ (shapes, dtype, tile, plan) raise ``ts.ShapeMismatchError``
     on every rank; zero rows on every rank give an empty result.
+
+    Args:
+        a: (M, K_local), the same shape on every rank.
+        weight: (N, K_local), ``a``'s dtype.
+        plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
+            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
+            rows on on the CPU path.
+        tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
+        group: The tensor-parallel process group; None is the whole job.
+
+    Returns:
+        torch.Tensor: (M, N), the sum over the group's ranks, identical on every rank.
+
+    Raises:
+        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
+        ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
+            unknown ``plan``;
+            or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
+        ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
     key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)  # calls reuse it
     if launch is not None:
