@@ -28,6 +28,10 @@ SHM = Path("/dev/shm")
 
 _LAUNCHER_VARS = {*TORCHRUN_VARS, *MULTICAST_OFF, "MASTER_ADDR", "MASTER_PORT"}
 _LAUNCHER_PREFIXES = ("PMI_", "MPI_LOCAL", "OMPI_", "SLURM_", "TILESCALE_", "TORCHELASTIC_")
+# One intra-op thread per process unless the environment says otherwise, as torchrun sets for several
+# ranks on a node: a job's ranks share CI's two cores, and torch's threads (which spin between
+# parallel regions) would take them from each other (about a third of a MoE job's CPU time).
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def clean_env(**extra: object) -> dict[str, str]:
@@ -37,10 +41,11 @@ def clean_env(**extra: object) -> dict[str, str]:
         **extra: variables to set (values are turned into strings); they may name dropped ones.
 
     Returns:
-        The environment for a child process: a program started with it is a world of one.
+        The environment for a child process: a program started with it is a world of one, with
+        one intra-op thread (OMP_NUM_THREADS=1) unless this environment sets OMP_NUM_THREADS.
     """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
-    return {**env, **{k: str(v) for k, v in extra.items()}}
+    return {**_ONE_THREAD, **env, **{k: str(v) for k, v in extra.items()}}
 
 
 def launcher_cmd(*args: object) -> list[str]:

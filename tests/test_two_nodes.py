@@ -9,14 +9,13 @@ matches gloo, the cross-node ones interpreted through the device-call protocol.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import uuid
 
 import pytest
-from cpu_jobs import ROOT
+from cpu_jobs import ROOT, clean_env
 
 
 def _free_port() -> int:
@@ -33,7 +32,7 @@ def test_groups_inside_a_node_use_addresses_and_groups_across_nodes_use_device_c
             [sys.executable, "-m", "tilescale.launch", "run", "--nnodes", "2", "--node-rank", str(node), "-n", "2",
              "--cpu", "--master-addr", "127.0.0.1", "--master-port", port, "--job-id", job,
              "tests/ranks/two_nodes.py"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
         for node in (0, 1)
     ]
     outputs = [p.communicate(timeout=380) for p in launchers]

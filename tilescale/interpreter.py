@@ -78,6 +78,10 @@ _MATH = {
 }
 # T.wait's comparisons by code.
 _COMPARE = {COMPARISONS[name]: getattr(operator, name) for name in COMPARISONS}
+# A spinning wait sleeps this long between looks, doubling up to the most: the ranks and blocks
+# it waits for share the host's cores with it, and a wait that polls at the first pause for
+# long takes their CPU time (a few waits spinning each use a core's worth on two cores).
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 0.0001, 0.001
 # The roles of a device lowering's helpers (tilescale.comm.base.DeviceLowering).
 _ROLES = ("put", "get", "signal", "warp_signal", "wait", "warp_wait", "fence", "barrier", "agree", "announce")
 
@@ -119,6 +123,59 @@ class _Pointer:
 
     flat: torch.Tensor  # one-element view
     label: str
+
+
+class _Nodes:
+    """What the interpreter reads from a kernel's TIR, read once per node: arrays (statements,
+    indices, operands), call names and source lines. Reading them through TVM's FFI costs
+    microseconds per element, and a kernel runs the same statements for every block and call.
+    An entry is keyed by the node's address and keeps the node alive, so the key stays its own."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, tuple]] = {}
+        self._scopes: dict[int, tuple[tirx.Buffer, str]] = {}
+        self._constants: dict[int, tuple[tirx.IntImm, int | bool]] = {}
+        self._calls: dict[int, tuple[Any, str, tuple]] = {}
+        self._lines: dict[int, tuple[Any, str]] = {}
+
+    def items(self, array: Any) -> tuple:
+        """The elements of a TIR array, as a tuple."""
+        found = self._items.get(array.__chandle__())
+        if found is None:
+            found = self._items[array.__chandle__()] = (array, tuple(array))
+        return found[1]
+
+    def constant(self, imm: tirx.IntImm) -> int | bool:
+        """An integer constant's value (a bool for dtype bool)."""
+        found = self._constants.get(imm.__chandle__())
+        if found is None:
+            value = bool(imm.value) if str(imm.dtype) == "bool" else int(imm.value)
+            found = self._constants[imm.__chandle__()] = (imm, value)
+        return found[1]
+
+    def scope(self, buf: tirx.Buffer) -> str:
+        """A buffer's memory scope ("global", "shared.dyn", "local.fragment", ...)."""
+        found = self._scopes.get(buf.__chandle__())
+        if found is None:
+            found = self._scopes[buf.__chandle__()] = (buf, buf.scope())
+        return found[1]
+
+    def call(self, call: tirx.Call) -> tuple[str, tuple]:
+        """A call's operation name and its arguments."""
+        found = self._calls.get(call.__chandle__())
+        if found is None:
+            op = call.op
+            name = op.name if hasattr(op, "name") else str(op)
+            found = self._calls[call.__chandle__()] = (call, name, tuple(call.args))
+        return found[1], found[2]
+
+    def line(self, stmt: Any) -> str:
+        """``file:line`` of the kernel source a statement comes from ("" if not recorded)."""
+        found = self._lines.get(stmt.__chandle__())
+        if found is None:
+            location = span_to_location(get_stmt_span(stmt))
+            found = self._lines[stmt.__chandle__()] = (stmt, f"{location[0]}:{location[1]}" if location else "")
+        return found[1]
 
 
 class _Abort(Exception):
@@ -184,6 +241,7 @@ class _Block:
         self.cluster = cluster
         self.cta_rank = cta_rank
         self.rank = launch.kernel.rank
+        self.nodes = launch.kernel.nodes
         self.line = ""
 
     # ---- diagnostics -------------------------------------------------------------------
@@ -209,7 +267,7 @@ class _Block:
         base = self.env.get(buf.data)
         if base is None:
             raise self.unsupported(f"buffer '{buf.name}' with no storage")
-        shape = [int(self.eval(s)) for s in buf.shape]
+        shape = [int(self.eval(s)) for s in self.nodes.items(buf.shape)]
         dtype = _torch_dtype(buf.dtype)
         if isinstance(base, int):  # an address, e.g. from a peer table
             nbytes = math.prod(shape) * dtype.itemsize
@@ -224,7 +282,7 @@ class _Block:
         return t
 
     def _check_bounds(self, buf: tirx.Buffer, t: torch.Tensor, idx: list[Any]) -> None:
-        if buf.scope() != "global":
+        if self.nodes.scope(buf) != "global":
             return
         for d, (i, n) in enumerate(zip(idx, t.shape, strict=True)):
             if isinstance(i, torch.Tensor) and i.numel() == 0:  # a masked store that stores nothing
@@ -239,14 +297,14 @@ class _Block:
 
     def load(self, node: tirx.BufferLoad) -> Any:
         t = self.tensor(node.buffer)
-        idx = [self.eval(i) for i in node.indices]
+        idx = [self.eval(i) for i in self.nodes.items(node.indices)]
         self._check_bounds(node.buffer, t, idx)
         value = t[tuple(torch.as_tensor(i) if isinstance(i, torch.Tensor) else int(i) for i in idx)]
         return value
 
     def store(self, node: tirx.BufferStore) -> None:
         t = self.tensor(node.buffer)
-        idx = [self.eval(i) for i in node.indices]
+        idx = [self.eval(i) for i in self.nodes.items(node.indices)]
         self._check_bounds(node.buffer, t, idx)
         value = self.eval(node.value)
         key = tuple(i if isinstance(i, torch.Tensor) else int(i) for i in idx)
@@ -259,9 +317,10 @@ class _Block:
 
     # ---- regions and tile operations -----------------------------------------------------
     def region(self, call: tirx.Call) -> tuple[tirx.Buffer, list[int], list[int]]:
-        load = call.args[0]
-        starts = [int(self.eval(i)) for i in load.indices]
-        extents = [int(self.eval(e)) for e in call.args[2:]]
+        args = self.nodes.call(call)[1]
+        load = args[0]
+        starts = [int(self.eval(i)) for i in self.nodes.items(load.indices)]
+        extents = [int(self.eval(e)) for e in args[2:]]
         if len(extents) < len(starts):  # leading dimensions of extent 1 may be left out
             extents = [1] * (len(starts) - len(extents)) + extents
         return load.buffer, starts, extents
@@ -273,7 +332,7 @@ class _Block:
         for s, e, n in zip(starts, extents, t.shape, strict=True):
             lo, hi = max(s, 0), min(s + e, n)
             if hi <= lo:
-                if buf.scope() == "global":
+                if self.nodes.scope(buf) == "global":
                     raise IndexError(
                         f"rank {self.rank}: tile of {self.label(buf)} at {starts} (extent {extents}) lies "
                         f"entirely outside its shape {tuple(t.shape)}{self._where()}"
@@ -365,7 +424,7 @@ class _Block:
         if isinstance(expr, tirx.Call) and expr.op.name in ("tirx.address_of", "tl.access_ptr"):
             load = expr.args[0]
             t = self.tensor(load.buffer)
-            idx = [int(self.eval(i)) for i in load.indices]
+            idx = [int(self.eval(i)) for i in self.nodes.items(load.indices)]
             self._check_bounds(load.buffer, t, idx)
             flat_index = sum(i * s for i, s in zip(idx, t.stride(), strict=True))
             flat = t.as_strided((1,), (1,), t.storage_offset() + flat_index)
@@ -598,7 +657,7 @@ class _Block:
             raise _Abort()
         self._locate(stmt)
         if isinstance(stmt, tirx.SeqStmt):
-            for s in stmt.seq:
+            for s in self.nodes.items(stmt.seq):
                 self.run(s)
         elif isinstance(stmt, tirx.Bind):
             self.env[stmt.var] = self.eval(stmt.value)
@@ -633,13 +692,13 @@ class _Block:
             raise self.unsupported(f"statement {type(stmt).__name__}")
 
     def _locate(self, stmt: Any) -> None:
-        location = span_to_location(get_stmt_span(stmt)) if not isinstance(stmt, tirx.SeqStmt) else None
-        if location:
-            self.line = f"{location[0]}:{location[1]}"
+        line = self.nodes.line(stmt) if not isinstance(stmt, tirx.SeqStmt) else ""
+        if line:
+            self.line = line
 
     def allocate(self, buf: tirx.Buffer) -> None:
-        shape = [int(self.eval(s)) for s in buf.shape]
-        if self.launch.kernel.clustered and buf.scope().startswith("shared"):
+        shape = [int(self.eval(s)) for s in self.nodes.items(buf.shape)]
+        if self.launch.kernel.clustered and self.nodes.scope(buf).startswith("shared"):
             # Other blocks of the cluster may reach this tile (and may have reached it first).
             self.env[buf] = self.launch.cluster_tile(self.cluster, self.cta_rank, buf, shape)
         else:
@@ -678,7 +737,7 @@ class _Block:
     def parallel_body(self, stmt: Any) -> None:
         self._locate(stmt)
         if isinstance(stmt, tirx.SeqStmt):
-            for s in stmt.seq:
+            for s in self.nodes.items(stmt.seq):
                 self.parallel_body(s)
         elif isinstance(stmt, (tirx.BufferStore, tirx.Bind)):
             self.run(stmt)
@@ -697,7 +756,7 @@ class _Block:
 
     def masked_store(self, node: tirx.BufferStore, mask: torch.Tensor) -> None:
         t = self.tensor(node.buffer)
-        idx = [self.eval(i) for i in node.indices]
+        idx = [self.eval(i) for i in self.nodes.items(node.indices)]
         shape = torch.broadcast_shapes(mask.shape, *[i.shape for i in idx if isinstance(i, torch.Tensor)])
         mask = mask.expand(shape)
         idx = [(i.expand(shape) if isinstance(i, torch.Tensor) else torch.full(shape, int(i)))[mask] for i in idx]
@@ -710,8 +769,7 @@ class _Block:
         if not isinstance(call, tirx.Call):
             self.eval(call)
             return
-        name = call.op.name if hasattr(call.op, "name") else str(call.op)
-        args = list(call.args)
+        name, args = self.nodes.call(call)
         if name == "tl.tileop.copy":
             self.copy(args[0], args[1])
         elif name == "tl.tileop.fill":
@@ -745,7 +803,7 @@ class _Block:
         if isinstance(e, (int, float, bool)):
             return e
         if isinstance(e, tirx.IntImm):
-            return bool(e.value) if str(e.dtype) == "bool" else int(e.value)
+            return self.nodes.constant(e)
         if isinstance(e, tirx.FloatImm):
             return float(e.value)
         if isinstance(e, tirx.StringImm):
@@ -774,27 +832,27 @@ class _Block:
         raise self.unsupported(f"expression {type(e).__name__}")
 
     def call(self, e: tirx.Call) -> Any:
-        name = e.op.name if hasattr(e.op, "name") else str(e.op)
+        name, args = self.nodes.call(e)
         if name in _MATH:
-            x = self.eval(e.args[0])
+            x = self.eval(args[0])
             return _MATH[name](x if isinstance(x, torch.Tensor) else torch.tensor(float(x)))
         if name == "tirx.if_then_else":
-            return _select(self.eval(e.args[0]), self.eval(e.args[1]), self.eval(e.args[2]))
+            return _select(self.eval(args[0]), self.eval(args[1]), self.eval(args[2]))
         if name == "tirx.reinterpret":
-            return int(self.eval(e.args[0]))
+            return int(self.eval(args[0]))
         if name == "tl.launch_thread_idx":
             return 0
         if name == "tl.block_rank_in_cluster":
             return self.cta_rank
-        if name == "tirx.call_extern" and e.args[0].value == MAP_EXTERN:
-            return self.cluster_address(e.args[1], e.args[2])
-        if name == "tirx.call_extern" and self.launch.kernel.device_roles.get(e.args[0].value) == "agree":
-            return self.device_call("agree", list(e.args[1:]))
-        if name == "tirx.call_extern" and e.args[0].value == ADDRESS_HELPERS["agree"]:
-            return self.agree(self.env[e.args[1]], int(self.eval(e.args[2])), int(self.eval(e.args[3])),
-                              int(self.eval(e.args[6])))
+        if name == "tirx.call_extern" and args[0].value == MAP_EXTERN:
+            return self.cluster_address(args[1], args[2])
+        if name == "tirx.call_extern" and self.launch.kernel.device_roles.get(args[0].value) == "agree":
+            return self.device_call("agree", list(args[1:]))
+        if name == "tirx.call_extern" and args[0].value == ADDRESS_HELPERS["agree"]:
+            return self.agree(self.env[args[1]], int(self.eval(args[2])), int(self.eval(args[3])),
+                              int(self.eval(args[6])))
         if name == "tirx.pow":
-            return self.eval(e.args[0]) ** self.eval(e.args[1])
+            return self.eval(args[0]) ** self.eval(args[1])
         raise self.unsupported(f"call to '{name}'")
 
 
@@ -870,6 +928,7 @@ class CpuKernel:
         self.func = func
         self.params = list(func.params)
         self.rank = runtime.rank()
+        self.nodes = _Nodes()
         self.grid, self.body = self._split_grid(func.body)
         self.cluster_dims = _cluster_dims(self.body)
         self.clustered = math.prod(self.cluster_dims) > 1
@@ -975,6 +1034,7 @@ class CpuKernel:
         with launch.lock:
             store.set(key, what)
         start, timeout = time.monotonic(), rt.wait_timeout_ns / 1e9
+        pause = _FIRST_PAUSE_S
         try:
             while not done():
                 if launch.failed.is_set():
@@ -990,7 +1050,8 @@ class CpuKernel:
                         f"rank {rt.group.rank}: {what} timed out after {timeout:g} s (observed {observe()}). "
                         f"Pending waits: {graph}"
                     )
-                time.sleep(0.0002)
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_PAUSE_S)
         finally:
             with launch.lock:
                 store.set(key, "")
