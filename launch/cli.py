@@ -204,8 +204,9 @@ def default_nproc(cpu: bool) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -> dict[str, str]:
-    """The variables every launcher adds for the ranks: multicast off, unbuffered output, device.
+def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False, nproc: int = 1) -> dict[str, str]:
+    """The variables every launcher adds for the ranks: multicast off, unbuffered output, device,
+    and one intra-op thread per rank where several share a node (as torchrun does).
 
     A multicast variable the user exported with another value is overridden, with a warning.
 
@@ -213,6 +214,9 @@ def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -
         environ: the launcher's environment (``os.environ``).
         cpu: whether the ranks run on the CPU path (``TILESCALE_DEVICE=cpu``).
         share_gpus: whether ranks may share GPUs (``TILESCALE_SHARE_GPUS=1``).
+        nproc: ranks on this node; above 1, ``OMP_NUM_THREADS=1`` unless the user set it
+            (each rank's torch would otherwise start a thread per core, and they would
+            oversubscribe the node's cores).
 
     Returns:
         The variables to add.
@@ -225,6 +229,8 @@ def extra_env(environ: Mapping[str, str], cpu: bool, share_gpus: bool = False) -
                 "NVLink multicast must stay off on shared hosts"
             )
     extra["PYTHONUNBUFFERED"] = "1"
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        extra["OMP_NUM_THREADS"] = "1"
     if cpu:
         extra["TILESCALE_DEVICE"] = "cpu"
     if share_gpus:
@@ -547,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = port_for_job(job_id)
     launch_id = job_id or (f"{args.master_addr}:{port}" if args.nnodes > 1 else uuid.uuid4().hex[:12])
     job_key = uuid.uuid4().hex[:12]  # this node's: the prefix of the job's files in /dev/shm
-    extra = extra_env(os.environ, args.cpu, args.share_gpus)
+    extra = extra_env(os.environ, args.cpu, args.share_gpus, nproc)
     extra.update({rendezvous.LAUNCH_ID_VAR: launch_id, rendezvous.JOB_KEY_VAR: job_key})
     stale = host_shm.remove_stale()
     if stale:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cpu_jobs import clean_env, gone, launch, tilescale_run
 
-from tilescale.launch.cli import MULTICAST_OFF, find_mpiexec, free_port, main
+from tilescale.launch.cli import MULTICAST_OFF, extra_env, find_mpiexec, free_port, main
 
 # Ranks print the variables they were given as one JSON object per line. Each line is one
 # write: print() writes the text and the newline separately, and MPICH hydra's -prepend-rank
@@ -47,6 +47,13 @@ def rank_envs(stdout: str, prefix: str = "[rank {}] ") -> dict[int, dict[str, st
             if line.startswith(tag):
                 envs[rank] = json.loads(line[len(tag) :])
     return envs
+
+
+def test_ranks_sharing_a_node_get_one_intra_op_thread_unless_the_user_set_it():
+    # As torchrun: several ranks' torch thread pools would each take every core of the node.
+    assert extra_env({}, cpu=True, nproc=2)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in extra_env({"OMP_NUM_THREADS": "8"}, cpu=False, nproc=4)  # the user's, inherited
+    assert "OMP_NUM_THREADS" not in extra_env({}, cpu=False, nproc=1)
 
 
 # --- the auto launcher -----------------------------------------------------------------
