@@ -15,6 +15,7 @@ the port, before writing anything into it.
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,10 @@ LAUNCH_KEY = "tilescale/launch_id"
 # How often a rank that waits for others says so, and the slice of one connection attempt.
 PROGRESS_S = 5.0
 _CONNECT_SLICE_S = 2.0
+# A store client's connect, once nothing listens, retries inside torch with a jittered
+# backoff (a 2 s attempt took 3-6 s): connect() first checks with a plain socket that
+# something accepts at the address, every _PROBE_PAUSE_S, so its progress is said on time.
+_PROBE_S, _PROBE_PAUSE_S = 1.0, 0.1
 
 
 class PortInUseError(RuntimeError):
@@ -139,19 +144,33 @@ def connect(addr: str, port: int, timeout_s: float, say_it: Callable[[float], No
     """
     progress = Progress(every)
     while True:
-        attempt = max(0.1, min(_CONNECT_SLICE_S, every, timeout_s - progress.elapsed()))
-        try:
-            store = dist.TCPStore(addr, port, None, False, timedelta(seconds=attempt))
-        except dist.DistNetworkError:
-            if progress.elapsed() >= timeout_s:
-                raise TimeoutError(
-                    f"no store answered at {addr}:{port} within {timeout_s:g} s (is rank 0, or the launcher "
-                    "of its node, running, and MASTER_ADDR/MASTER_PORT right?)"
-                ) from None
-            progress.tick(say_it)
-            continue
-        store.set_timeout(timedelta(seconds=timeout_s))
-        return store
+        left = timeout_s - progress.elapsed()
+        if _accepts(addr, port, max(0.1, min(_PROBE_S, left))):
+            try:
+                store = dist.TCPStore(addr, port, None, False,
+                                      timedelta(seconds=max(0.1, min(_CONNECT_SLICE_S, every, left))))
+            except dist.DistNetworkError:
+                pass
+            else:
+                store.set_timeout(timedelta(seconds=timeout_s))
+                return store
+        if progress.elapsed() >= timeout_s:
+            raise TimeoutError(
+                f"no store answered at {addr}:{port} within {timeout_s:g} s (is rank 0, or the launcher "
+                "of its node, running, and MASTER_ADDR/MASTER_PORT right?)"
+            )
+        progress.tick(say_it)
+        time.sleep(_PROBE_PAUSE_S)
+
+
+def _accepts(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts a connection at ``addr:port`` within ``timeout_s`` (the
+    connection is closed at once; a store's server ignores it)."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def verify_launch(store: dist.Store, launch_id: str, where: str, timeout_s: float,
