@@ -20,8 +20,10 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
         ms = do_bench(lambda: ts.ops.all_gather(x, out=out))
 
     All ranks start the timed loop together (a host barrier after the warm-up). Timed with
-    CUDA events on GPUs, with the host clock on the CPU path; the benchmarks in
-    ``benchmarks/`` report medians of single calls.
+    CUDA events on GPUs; on the CPU path, whose interpreter's timings say nothing about a GPU,
+    with the host clock over at most one warm-up and three timed calls (the same code paths:
+    later calls reuse the first's plans and buffers). The benchmarks in ``benchmarks/`` report
+    medians of single calls.
 
     Args:
         fn: the call to time (no arguments).
@@ -31,10 +33,13 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> f
     Returns:
         Milliseconds per call.
     """
+    on_gpu = device().type == "cuda"
+    if not on_gpu:
+        warmup, iters = min(warmup, 1), min(iters, 3)
     for _ in range(warmup):
         fn()
     barrier()
-    if device().type != "cuda":
+    if not on_gpu:
         begin = time.perf_counter()
         for _ in range(iters):
             fn()
