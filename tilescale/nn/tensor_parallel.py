@@ -27,6 +27,7 @@ a Hugging Face Llama MLP (``gate_proj``, ``up_proj``, ``down_proj``) split over 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from torch import nn
 
 from tilescale import ops, runtime
 from tilescale.nn._group import world_and_rank
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -204,6 +208,47 @@ class _ParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}, rank={self.rank} of {self.world_size}")
 
 
+class _OneLinear:
+    """The constructor and ``from_linear`` of the layers that shard one ``nn.Linear`` along
+    their ``shard_dim`` (output features: column parallel; input features: row parallel)."""
+
+    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
+                 bias: bool | torch.Tensor = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = True):
+        sharded = out_features if self.shard_dim == 0 else in_features
+        super().__init__(in_features, out_features, [sharded], weight=weight, bias=bias, seed=seed, dtype=dtype,
+                         device=device, group=group, sequence_parallel=sequence_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None,
+                    sequence_parallel: bool = True, device: torch.device | None = None) -> Self:
+        """This rank's shard of ``linear`` (its weight's dtype) on ``device``: the weight rows
+        and bias of its output features (column parallel), or its weight columns and the whole
+        bias (row parallel).
+
+        Example::
+
+            up = ColumnParallelLinear.from_linear(mlp.up_proj, sequence_parallel=False)
+            down = RowParallelLinear.from_linear(mlp.down_proj, sequence_parallel=False)
+
+        Args:
+            linear: The full layer (every rank may pass the same one); its weight's dtype is kept.
+            group: The ranks the layer is split over; None: the whole job.
+            sequence_parallel: As the constructor's (default True).
+            device: Where the shard lives; None: this rank's device.
+
+        Returns:
+            A new layer of this class holding copies of this rank's shard (``linear`` is not changed).
+
+        Raises:
+            ValueError: the sharded features (``out_features`` column parallel, ``in_features`` row
+                parallel) are not divisible by the group size.
+        """
+        return cls(linear.in_features, linear.out_features, **_params_of([linear]), device=device, group=group,
+                   sequence_parallel=sequence_parallel)
+
+
 class _ColumnParallelBase(_ParallelLinear):
     shard_dim = 0
     function = _ColumnParallel
@@ -214,7 +259,7 @@ class _ColumnParallelBase(_ParallelLinear):
         return (self.world_size * lead[0], *lead[1:]) if self.sequence_parallel else tuple(lead)
 
 
-class ColumnParallelLinear(_ColumnParallelBase):
+class ColumnParallelLinear(_OneLinear, _ColumnParallelBase):
     """``y = x @ W.T + b`` with W and b split by output features: this rank's output columns.
 
     ``sequence_parallel=True``: ``x`` is this rank's rows, ``y`` every rank's rows (gathered
@@ -245,37 +290,6 @@ class ColumnParallelLinear(_ColumnParallelBase):
     Raises:
         ValueError: a parameter has the wrong shape, or ``out_features`` is not divisible by the group size.
     """
-
-    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
-                 bias: bool | torch.Tensor = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                 sequence_parallel: bool = True):
-        super().__init__(in_features, out_features, [out_features], weight=weight, bias=bias, seed=seed, dtype=dtype,
-                         device=device, group=group, sequence_parallel=sequence_parallel)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None,
-                    sequence_parallel: bool = True, device: torch.device | None = None) -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (weight and bias, its dtype) on ``device`` (default: this rank's).
-
-        Example::
-
-            up = ColumnParallelLinear.from_linear(mlp.up_proj, sequence_parallel=False)
-
-        Args:
-            linear: The full layer (every rank may pass the same one); its weight's dtype is kept.
-            group: The ranks the layer is split over; None: the whole job.
-            sequence_parallel: As the constructor's (default True).
-            device: Where the shard lives; None: this rank's device.
-
-        Returns:
-            ColumnParallelLinear: A new layer holding copies of this rank's shard (``linear`` is not changed).
-
-        Raises:
-            ValueError: ``linear.out_features`` is not divisible by the group size.
-        """
-        return cls(linear.in_features, linear.out_features, **_params_of([linear]), device=device, group=group,
-                   sequence_parallel=sequence_parallel)
 
 
 class MergedColumnParallelLinear(_ColumnParallelBase):
@@ -344,7 +358,7 @@ class MergedColumnParallelLinear(_ColumnParallelBase):
                    device=device, group=group, sequence_parallel=sequence_parallel)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(_OneLinear, _ParallelLinear):
     """``y = x @ W.T + b`` with W split by input features: ``x`` holds this rank's input columns.
 
     The partial products are summed over ranks: ``sequence_parallel=True`` reduce-scatters
@@ -379,37 +393,6 @@ class RowParallelLinear(_ParallelLinear):
     shard_dim = 1
     function = _RowParallel
     compute = staticmethod(_row_forward)
-
-    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
-                 bias: bool | torch.Tensor = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                 sequence_parallel: bool = True):
-        super().__init__(in_features, out_features, [in_features], weight=weight, bias=bias, seed=seed, dtype=dtype,
-                         device=device, group=group, sequence_parallel=sequence_parallel)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None,
-                    sequence_parallel: bool = True, device: torch.device | None = None) -> RowParallelLinear:
-        """This rank's shard of ``linear`` (weight columns, the whole bias; its dtype) on ``device``.
-
-        Example::
-
-            down = RowParallelLinear.from_linear(mlp.down_proj, sequence_parallel=False)
-
-        Args:
-            linear: The full layer (every rank may pass the same one); its weight's dtype is kept.
-            group: The ranks the layer is split over; None: the whole job.
-            sequence_parallel: As the constructor's (default True).
-            device: Where the shard lives; None: this rank's device.
-
-        Returns:
-            RowParallelLinear: A new layer holding copies of this rank's shard (``linear`` is not changed).
-
-        Raises:
-            ValueError: ``linear.in_features`` is not divisible by the group size.
-        """
-        return cls(linear.in_features, linear.out_features, **_params_of([linear]), device=device, group=group,
-                   sequence_parallel=sequence_parallel)
 
     def _output_lead(self, lead: torch.Size) -> tuple[int, ...]:
         if not self.sequence_parallel:

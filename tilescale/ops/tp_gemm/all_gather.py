@@ -181,7 +181,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         weight: This rank's weight columns, (N_local, K), ``a_shard``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
             ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on on the CPU path.
+            rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         push_blocks: Pushing blocks of the ``"sm"`` producer (default ``PUSH_BLOCKS``, 32).
         producer: ``"copy_engine"``, ``"sm"`` or None (the default choice above).

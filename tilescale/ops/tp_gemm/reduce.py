@@ -90,7 +90,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         weight: (N, K_local), ``a``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
             ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on on the CPU path.
+            rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         group: The tensor-parallel process group; None is the whole job.
 
@@ -173,7 +173,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         weight: (N, K_local), ``a``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
             ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on on the CPU path.
+            rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         group: The tensor-parallel process group; None is the whole job.
 
