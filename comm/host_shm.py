@@ -47,6 +47,14 @@ def _name(job_id: str, what: str, pid: int) -> str:
 
 
 def _alive(pid: int) -> bool:
+    # A zombie counts as dead: it maps nothing and will never unlink its names, and where the
+    # parent of killed ranks is a container's init that does not reap, it stays one for good.
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

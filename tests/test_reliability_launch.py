@@ -134,22 +134,27 @@ def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_start_removes_thei
 
 @pytest.mark.timeout(120)
 def test_names_whose_creator_is_dead_are_removed_at_the_next_start(tmp_path):
+    # Dead creators: one exited and reaped, one exited and left a zombie nobody reaps (as ranks
+    # orphaned by a SIGKILLed launcher stay where a container's init does not reap them).
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone([zombie.pid], timeout=30) and Path(f"/proc/{zombie.pid}").exists()
     tag = f"{os.getpid():x}{time.monotonic_ns():x}"
-    stale = SHM / f"tilescale-{tag}-alloc-0-0-p{dead.pid}"
-    live = SHM / f"tilescale-{tag}-alloc-0-1-p{os.getpid()}"  # this test's own: alive
+    stale = [SHM / f"tilescale-{tag}-alloc-0-{i}-p{p.pid}" for i, p in enumerate((dead, zombie))]
+    live = SHM / f"tilescale-{tag}-alloc-0-2-p{os.getpid()}"  # this test's own: alive
     script = tmp_path / "rank.py"
     script.write_text("pass\n")
     try:
-        stale.write_bytes(b"x")
-        live.write_bytes(b"x")
+        for path in (*stale, live):
+            path.write_bytes(b"x")
         result = tilescale_run("-n", 1, "--cpu", script, timeout=100)
         assert result.returncode == 0, result.stderr
-        assert not stale.exists() and live.exists()
+        assert not any(path.exists() for path in stale) and live.exists()
         assert "removed" in result.stderr and "dead jobs" in result.stderr
     finally:
-        for path in (stale, live):
+        zombie.wait()
+        for path in (*stale, live):
             path.unlink(missing_ok=True)
 
 
