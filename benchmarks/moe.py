@@ -136,7 +136,7 @@ def graph_timings(dispatch, round_trip, expected: torch.Tensor, iters: int) -> t
 
 
 LAYER = (4096, 4096, 1408, 64, 6)  # tokens per rank, hidden, expert FFN, experts, top-k (DeepSeek-V2-Lite-like)
-SMALL_LAYER = (32, 64, 96, 8, 2)
+SMALL_LAYER = (32, 128, 96, 8, 2)  # hidden: whole FP8 scale blocks
 
 
 def _expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -210,7 +210,8 @@ def gemm_rate(iters: int, small: bool) -> float:
     return 2 * n**3 / (time_fn(lambda: a @ a, iters=iters).median_ms / 1e3)
 
 
-def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth: float, iters: int) -> list[dict]:
+def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth: float, iters: int,
+               in_place: bool = False) -> list[dict]:
     """One dispatch and its combine on one rank, eager and replayed, beside their HBM floors."""
     tokens, hidden, topk, num_experts = shape
     experts, weights = routing(tokens, num_experts, topk)
@@ -218,10 +219,15 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
     rows_in = ts.ops.moe.quantize_fp8(x) if fp8 else x
 
     def dispatch():
-        return ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, low_latency=case == "low-latency")
+        return ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, low_latency=case == "low-latency",
+                                   in_place=in_place)
 
     recv, recv_w, _, handle = dispatch()
     expert_out = ts.ops.moe.dequantize_fp8(*recv) if fp8 else recv
+    if in_place:  # identity experts over the gathered rows: grouped rows, as a grouped GEMM leaves them
+        valid = handle.source_row >= 0
+        expert_out = torch.zeros(handle.source_row.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
+        expert_out[valid] = (ts.ops.moe.dequantize_fp8(*recv) if fp8 else recv)[handle.source_row[valid].long()]
 
     def combine():
         return ts.ops.moe_combine(expert_out, recv_w, handle)
@@ -231,21 +237,55 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
     checks = [check_close(f"{case}{' fp8' if fp8 else ''} combine (identity experts)", combine().float(),
                           sent.float() * weights.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)]
     # Bytes each step must move: the dispatch reads every token row once and writes one
-    # grouped row per entry; the combine reads the entries' rows and writes, reads back and
-    # writes each token's row.
+    # grouped row per entry (in place: one row per token, its receive row); the combine reads
+    # the entries' rows and writes, reads back and writes each token's row.
     width = ts.ops.moe.fp8.packed_width(hidden) if fp8 else 2 * hidden
     entries = tokens * topk
-    moved = {"dispatch": (tokens + entries) * width, "combine": (entries + 3 * tokens) * 2 * hidden}
+    moved = {"dispatch": (tokens + (tokens if in_place else entries)) * width,
+             "combine": (entries + 3 * tokens) * 2 * hidden}
     rows = []
-    for step, fn in (("dispatch", dispatch), ("combine", combine)):
+    steps = (("dispatch", dispatch),) if in_place else (("dispatch", dispatch), ("combine", combine))
+    for step, fn in steps:
         eager = time_fn(fn, iters=iters).median_ms * 1e3
         replay = time_fn(graphed(fn), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
         floor = moved[step] / bandwidth * 1e6
-        rows.append({"step": f"{case} {step}{' fp8' if fp8 else ''}", "tokens": tokens, "hidden": hidden,
+        rows.append({"step": f"{case} {step}{' fp8' if fp8 else ''}{' in place' if in_place else ''}",
+                     "tokens": tokens, "hidden": hidden,
                      "topk": topk, "experts": num_experts, "eager_us": eager, "graph_us": replay, "floor_us": floor,
                      "graph_over_floor": replay / floor, "bytes": moved[step],
-                     **({"checks": checks} if step == "combine" else {})})
+                     **({"checks": checks} if step == steps[-1][0] else {})})
     return rows
+
+
+def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: int) -> list[dict]:
+    """The layer's first expert GEMM over a dispatch's grouped rows, and gathering the rows of an
+    in-place dispatch through its index (bf16 and FP8), checked against each other, timed taking
+    turns, beside the tensor-core floor of the FLOPs of the rows that hold tokens."""
+    tokens, hidden, ffn, num_experts, topk = shape
+    experts, weights = routing(tokens, num_experts, topk)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    w = (torch.randn(num_experts, ffn, hidden, device=ts.device()) / hidden**0.5).to(torch.bfloat16)
+    grouped, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts)
+    fp8 = ts.ops.moe.quantize_fp8(x)
+    plans = {"grouped rows": lambda: ts.ops.grouped_gemm(grouped, w, h.row_expert)}
+    for label, rows_in in (("gathered", x), ("gathered fp8", fp8)):
+        recv, _, _, h_in = ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, in_place=True)
+        values, scales = recv if label.endswith("fp8") else (recv, None)
+        plans[label] = (lambda v=values, s=scales, hh=h_in: ts.ops.grouped_gemm(v, w, hh.row_expert, scales=s,
+                                                                               index=hh.source_row))
+    valid = h.row_expert >= 0
+    # FP8 against the grouped GEMM of the same rows quantised and dequantised (per row, as sent).
+    quantised = ts.ops.moe.dequantize_fp8(*ts.ops.moe.quantize_fp8(grouped))
+    want = {"gathered": plans["grouped rows"]()[valid].float(),
+            "gathered fp8": ts.ops.grouped_gemm(quantised, w, h.row_expert)[valid].float()}
+    checks = [check_close(f"expert GEMM {label}", plans[label]()[valid].float(), ref, rtol=2e-2, atol=2e-2)
+              for label, ref in want.items()]
+    times = {label: time_fn(fn, iters=iters).median_ms * 1e3 for label, fn in plans.items()}
+    floor = 2 * tokens * topk * hidden * ffn / rate * 1e6
+    return [{"step": f"expert GEMM, {label}", "tokens": tokens, "hidden": hidden, "topk": topk,
+             "experts": num_experts, "eager_us": t, "graph_us": float("nan"), "floor_us": floor,
+             "graph_over_floor": float("nan"), "eager_over_grouped": t / times["grouped rows"],
+             **({"checks": checks} if label == "grouped rows" else {})} for label, t in times.items()]
 
 
 def floor_rows(iters: int, small: bool) -> list[dict]:
@@ -257,6 +297,8 @@ def floor_rows(iters: int, small: bool) -> list[dict]:
     rows = []
     for case, fp8 in (("normal", False), ("normal", True), ("low-latency", False), ("low-latency", True)):
         rows += floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters)
+        rows += floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters, in_place=True)
+    rows += expert_gemm_rows(SMALL_LAYER if small else LAYER, rate, iters)
     tokens, hidden, ffn, num_experts, topk = SMALL_LAYER if small else LAYER
     with torch.no_grad():
         layer = measure_layer((tokens, hidden, ffn, num_experts, topk), iters)
@@ -280,7 +322,8 @@ def main() -> None:
     ts.init()
     if args.floor:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
-                                              "floor_us", "graph_over_floor", "torch_layer_us"])
+                                              "floor_us", "graph_over_floor", "eager_over_grouped",
+                                              "torch_layer_us"])
         for row in floor_rows(args.iters, args.small):
             report.add(row)
         report.print_table()

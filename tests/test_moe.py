@@ -22,6 +22,7 @@ def test_dispatch_combine_match_reference(n):
     assert proc.stdout.count("(normal) tokens=11 topk=2 received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0
     assert proc.stdout.count("FP8-OK") == 2 * n  # FP8 dispatch against the bf16 path, both modes
     assert proc.stdout.count("BUFFER-OK") == n  # reused for any count that fits, refused past it, released
+    assert proc.stdout.count("INPLACE-OK") == 2 * n  # in place: gathered GEMMs (bf16, FP8), combine, two sets
     # an out-of-range expert id is a ValueError naming the rank and the ids
     for r in range(n):
         assert f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {4 * n}); got" in proc.stdout
@@ -174,12 +175,14 @@ LL_ROWS = 12288  # grouped_rows(128, 8, 32) with 8 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize(("name", "tokens", "low_latency"), [("dispatch", TOKENS, False), ("dispatch", 128, True),
-                                                             ("combine", TOKENS, False)])
-def test_kernels_lower_and_compile(name, tokens, low_latency, tmp_path):
+@pytest.mark.parametrize(("name", "tokens", "low_latency", "in_place"), [
+    ("dispatch", TOKENS, False, False), ("dispatch", 128, True, False), ("dispatch", TOKENS, False, True),
+    ("combine", TOKENS, False, False)])
+def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, tmp_path):
     rows = ROWS if tokens == TOKENS else LL_ROWS
     with build_options(world_size=W):
-        func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, rows, "bfloat16", 132, low_latency)
+        func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, rows, "bfloat16", 132, low_latency,
+                                                in_place=in_place)
                 if name == "dispatch"
                 else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, rows, "bfloat16", 132))
     with coherent_reads():  # as ts.jit builds it
@@ -197,10 +200,15 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, tmp_path):
         # A group of rows is read once, for the peers and this rank's experts alike.
         assert src.count("*(uint4*)(x + ") == 1
         # What peers write during the launch is read through plain pointers (tir_fixes.coherent_reads).
-        assert "bfloat16_t* recv_x," in src and "int* recv_expert_counts," in src and "__restrict__" not in src
+        # (In place this rank's receive rows are only written, by TMA: a descriptor, not a pointer.)
+        assert ("bfloat16_t* recv_x," in src) != in_place and "int* recv_expert_counts," in src
+        assert "__restrict__" not in src
         # Every source's counts (equal to its dispatch count + 1), then each peer group's progress.
         assert "tilescale::block_wait((&(arrived[" in src and "tilescale::block_wait((&(progress[" in src
         assert "CumSum2D<128, 0, false>" in src and "CumSum1D<128, false>" in src  # the layout, in every block
+        # Rows are stored by TMA: into the grouped rows, or in place (no grouped row written)
+        # only this rank's own rows, into its own receive rows.
+        assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place
     proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -214,6 +222,25 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
     src = lower_cuda(grouped_gemm_kernel.__wrapped__(8, 1024, 7168, 2048, "bfloat16"))
     assert "wgmma" in src and "row_expert[" in src  # tensor cores; each row tile's expert looked up
     proc = nvcc(src, tmp_path / "grouped.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_nvcc
+@pytest.mark.parametrize(("K", "fp8"), [(7168, False), (1000, False), (7168, True)])
+def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8, tmp_path):
+    from tilescale.ops.grouped_gemm import _CP_ASYNC, gathered_gemm_kernel
+
+    src = lower_cuda(gathered_gemm_kernel.__wrapped__(8, 1024, K, 2048, "bfloat16", 4096, fp8), _CP_ASYNC)
+    # Tensor cores, no TMA; each tile's rows looked up once, then the A rows loaded through
+    # them in the pipeline (cp.async, STAGES deep) unless K needs a guarded tail.
+    assert "wgmma" in src and "tma_load" not in src and "= max(index[" in src
+    gathered = "cp_async_gs_conditional<16>((&(((bfloat16_t*)a)" if not fp8 else "__tl_cvt_fp8x2_to_float2"
+    assert (gathered in src) == (K % 64 == 0), K
+    if fp8:  # the e4m3 bytes and each row's scale land by cp.async, then scale into the bf16 tile
+        assert "cp_async_gs_conditional<4>((&(((float*)s)" in src and "fp8_e4_t* __restrict__ x" in src
+    proc = nvcc(src, tmp_path / "gathered.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -68,7 +68,7 @@ from tilescale.symmetric import host_regions
 _TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
-    "bool": torch.bool,
+    "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _MATH = {
     "tirx.exp": torch.exp, "tirx.exp2": torch.exp2, "tirx.log": torch.log, "tirx.log2": torch.log2,

@@ -22,7 +22,11 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     g = torch.Generator(device=ts.device()).manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
     grad_y = torch.randn(tokens, hidden, generator=g).to(dtype)
-    (moe(x) * grad_y).sum().backward()
+    y = moe(x)
+    (y * grad_y).sum().backward()
+    with torch.no_grad():  # inference: an in-place dispatch, the first GEMM gathering the received rows
+        y_inference = moe(x)
+    torch.testing.assert_close(y_inference, y.detach(), rtol=1e-5, atol=1e-5)
 
     # Reference: every rank's tokens through the whole MoE (all experts) in one process.
     everyone = [None] * world
@@ -47,7 +51,8 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     for name, (got, want) in checks.items():
         error = float((got.float().cpu() - want).norm() / want.norm().clamp(min=1e-12)) if want.numel() else 0.0
         assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:g}"
-    print(f"rank {rank}: MoE backward matches autograd (x, router, w1, w2), tokens {counts}: MOE-GRAD-OK", flush=True)
+    print(f"rank {rank}: MoE backward matches autograd (x, router, w1, w2), inference forward the same, "
+          f"tokens {counts}: MOE-GRAD-OK", flush=True)
 
 
 check([24] * world, None)

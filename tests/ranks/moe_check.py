@@ -115,6 +115,49 @@ for low_latency in (False, True):
     mode = "low-latency" if low_latency else "normal"
     print(f"rank {rank}: FP8 ({mode}) tokens={tokens} error {float(error):.4f}: FP8-OK", flush=True)
 
+# In place: the received rows stay where they land. The layout (experts, counts, weights) is
+# the grouped dispatch's, row source_row[i] of recv_x is grouped row i, the grouped GEMM
+# gathering through that index (bf16, and FP8 dequantised as it loads) gives the grouped
+# GEMM's rows, and the combine takes its outputs. Two calls in a row write the two sets.
+for low_latency in (False, True):
+    tokens = uneven(16)
+    x = (torch.randn(tokens, fp8_hidden) * 3).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+    ref_x, ref_w, ref_counts, ref = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                        max_tokens=16)
+    valid = ref.row_expert >= 0
+    w = (torch.randn(per_rank, ffn, fp8_hidden) / 16).to(torch.bfloat16)
+    out_ref = ts.ops.grouped_gemm(ref_x, w, ref.row_expert)
+    y_ref = ts.ops.moe_combine(out_ref, ref_w, ref)
+    out8_ref = ts.ops.grouped_gemm(moe.dequantize_fp8(*moe.quantize_fp8(ref_x)), w, ref.row_expert)
+    bases = []
+    for _ in range(2):
+        recv, recv_w, counts, h = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                      max_tokens=16, in_place=True)
+        assert tuple(recv.shape) == (2 * world * 16, fp8_hidden), tuple(recv.shape)
+        assert torch.equal(h.row_expert, ref.row_expert) and torch.equal(counts, ref_counts), low_latency
+        assert torch.equal(recv_w, ref_w) and torch.equal(h.position, ref.position), low_latency
+        assert torch.equal(h.source_row >= 0, valid) and torch.equal(recv[h.source_row[valid].long()], ref_x[valid])
+        bases.append({int(b) for b in (h.source_row[valid] - ref.source_row[valid]).unique()})
+        out = ts.ops.grouped_gemm(recv, w, h.row_expert, index=h.source_row)
+        torch.testing.assert_close(out[valid].float(), out_ref[valid].float(), rtol=1e-2, atol=1e-2)
+        y = ts.ops.moe_combine(out, recv_w, h)
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=1e-2)
+        (values, scales), _, _, h8 = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
+                                                         low_latency=low_latency, max_tokens=16, in_place=True)
+        out8 = ts.ops.grouped_gemm(values, w, h8.row_expert, scales=scales, index=h8.source_row)
+        torch.testing.assert_close(out8[valid].float(), out8_ref[valid].float(), rtol=1e-2, atol=1e-2)
+    if bool(valid.any()):  # each call's rows in one set, consecutive calls in the two sets
+        assert len(bases[0]) == len(bases[1]) == 1 and bases[0] | bases[1] == {0, world * 16}, bases
+    for bad in (h.source_row.long(), h.source_row[:-128]):  # the index: int32, one per output row
+        try:
+            ts.ops.grouped_gemm(recv, w, h.row_expert, index=bad)
+            raise AssertionError("grouped_gemm took a bad index")
+        except ValueError as e:
+            assert "index must be" in str(e), e
+    mode = "low-latency" if low_latency else "normal"
+    print(f"rank {rank}: in place ({mode}) tokens={tokens}: INPLACE-OK", flush=True)
+
 # An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
 # own; a call that does not fit is refused; after release() it is gone.
 buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)
@@ -142,7 +185,8 @@ for step in range(3):
     want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
     if step == 0:
-        key = (24, hidden, torch.bfloat16, True, torch.int64)  # tokens, hidden, dtype, low_latency, id dtype
+        key = (24, hidden, torch.bfloat16, True, torch.int64, False)  # tokens, hidden, dtype, low_latency, id dtype,
+        # in place
         plans, plan = len(buf._plans), buf._plans[key]
         kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
                 handle.expert_slot, recv_w]

@@ -208,23 +208,27 @@ class ExpertParallelMoE(nn.Module):
         """
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
+        route = (x, weights, experts, self.num_experts, self.low_latency, self.group, self.max_tokens)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, self.w1, self.w2)):
-            dispatch, gemm, combine = _Dispatch.apply, _GroupedGemm.apply, _Combine.apply
-        else:  # nothing to differentiate: no autograd nodes (their host time is most of a decode step's)
-            dispatch, gemm, combine = _dispatch, _grouped_gemm, ops.moe_combine
-        recv_x, recv_w, handle = dispatch(x, weights, experts, self.num_experts, self.low_latency, self.group,
-                                          self.max_tokens)
-        h = _ACTIVATIONS[self.activation](gemm(recv_x, self.w1, handle)).to(x.dtype)
-        out = gemm(h, self.w2, handle)
+            gemm, combine = _GroupedGemm.apply, _Combine.apply
+            recv_x, recv_w, handle = _Dispatch.apply(*route)  # grouped rows: the backward reads them
+            h = gemm(recv_x, self.w1, handle)
+        else:
+            # Nothing to differentiate: no autograd nodes (their host time is most of a decode
+            # step's), and the received rows stay where they land, gathered by the first GEMM.
+            gemm, combine = _grouped_gemm, ops.moe_combine
+            recv_x, recv_w, handle = _dispatch(*route, in_place=True)
+            h = ops.grouped_gemm(recv_x, self.w1, handle.row_expert, index=handle.source_row)
+        out = gemm(_ACTIVATIONS[self.activation](h).to(x.dtype), self.w2, handle)
         return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
 
 
 def _dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, low_latency: bool,
-              group: dist.ProcessGroup | None, max_tokens: int | None,
+              group: dist.ProcessGroup | None, max_tokens: int | None, in_place: bool = False,
               ) -> tuple[torch.Tensor, torch.Tensor, ops.moe.DispatchHandle]:
     """``moe_dispatch`` as the layer uses it: rows, weights and the handle."""
     recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
-                                                 group=group, max_tokens=max_tokens)
+                                                 group=group, max_tokens=max_tokens, in_place=in_place)
     return recv_x, recv_w, handle
 
 

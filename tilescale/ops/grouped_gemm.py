@@ -1,4 +1,11 @@
-"""Grouped GEMM for the experts of an MoE layer, over ``moe_dispatch``'s grouped row layout."""
+"""Grouped GEMM for the experts of an MoE layer, over ``moe_dispatch``'s grouped row layout.
+
+The A rows come either grouped already (row ``i`` of ``x`` is output row ``i``; TMA tile
+loads) or gathered through an index (output row ``i`` reads row ``index[i]`` of ``x``): the
+received rows of an in-place dispatch, which never writes them a second time to group them.
+FP8 rows (e4m3 values with a float32 scale per 128 channels, DeepEP's layout) are
+dequantised as the A tile is loaded, in either case.
+"""
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
@@ -8,8 +15,10 @@ import torch
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, tl_dtype
-from tilescale.ops._gemm import BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
-from tilescale.ops.moe.fp8 import dequantize_fp8
+from tilescale.ops._gemm import BLOCK_K, BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
+from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
+
+_FP8 = "float8_e4m3fn"
 
 
 @jit
@@ -40,46 +49,190 @@ def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
     return main
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor,
-                 scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[i] = x[i] @ w[row_expert[i]].T`` for rows grouped by expert in 128-row tiles.
+# A gathered A tile is no TMA box: both operands' tiles are loaded by every thread with
+# cp.async, STAGES deep (TileLang's sm_80-style pipeline, the wgmma kept), where the TMA +
+# warp-specialised form would load the gathered rows synchronously in the consumer warps.
+_CP_ASYNC = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
+@jit(pass_configs=_CP_ASYNC)
+def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, sources: int, fp8: bool = False):
+    """As :func:`grouped_gemm_kernel`, with output row ``i`` reading row ``index[i]`` of ``x``.
+
+    Args:
+        experts: Experts whose weights ``w`` stacks, (experts * N, K).
+        rows: Rows of ``out`` and ``index``, a multiple of ``BLOCK_M``.
+        K: Input features.
+        N: Output features per expert.
+        dtype: TileLang dtype of ``w`` and ``out`` (and of ``x`` unless FP8).
+        sources: Rows of ``x``.
+        fp8: ``x`` holds packed FP8 rows (``ts.ops.moe.fp8.pack``: K e4m3 values, then K / 128
+            float32 scales), passed twice: as e4m3 values and as float32 words of the same bytes.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
+    if fp8:
+        width = packed_width(K)
+
+        @T.prim_func
+        def gathered_fp8(x: T.Tensor((sources, width), _FP8), scales: T.Tensor((sources, width // 4), "float32"),
+                         index: T.Tensor((rows,), "int32"), w: T.Tensor((experts * N, K), dtype),
+                         row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, N), dtype)):
+            with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, threads=THREADS) as (bx, by):
+                if row_expert[by * BLOCK_M] >= 0:
+                    _gathered_tile(x, scales, index, w, row_expert[by * BLOCK_M] * N + bx * BLOCK_N, out,
+                                   by * BLOCK_M, bx * BLOCK_N, K, dtype)
+
+        return gathered_fp8
+
+    @T.prim_func
+    def gathered(x: T.Tensor((sources, K), dtype), index: T.Tensor((rows,), "int32"),
+                 w: T.Tensor((experts * N, K), dtype), row_expert: T.Tensor((rows,), "int32"),
+                 out: T.Tensor((rows, N), dtype)):
+        with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, threads=THREADS) as (bx, by):
+            if row_expert[by * BLOCK_M] >= 0:
+                _gathered_tile(x, None, index, w, row_expert[by * BLOCK_M] * N + bx * BLOCK_N, out, by * BLOCK_M,
+                               bx * BLOCK_N, K, dtype)
+
+    return gathered
+
+
+@T.macro
+def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype):
+    """``C[c_row:+BM, c_col:+BN] = A @ W[w_row:+BN, :].T`` with A's row i read from row
+    ``index[c_row + i]`` of ``x`` (row 0 where it is -1: a row of no token, whose output is
+    undefined). FP8 rows (``scales`` given: the packed rows as float32 words, the scale of
+    channel c at word ``K / 4 + c / 128``) land in shared memory as bytes, then are scaled
+    into the bf16 tile the tensor cores read.
+
+    Args:
+        x: The rows gathered from (bf16/fp16, or the FP8 values of packed rows).
+        scales: None, or the packed rows as float32 words (FP8).
+        index: (rows,) row of ``x`` of each output row, -1 for none.
+        W: The (N, K) weight; rows from ``w_row``.
+        w_row: First row of ``W``.
+        C: The output; the tile is stored at ``(c_row, c_col)``.
+        c_row: First output row.
+        c_col: First output column.
+        K: The reduction length.
+        dtype: TileLang dtype of the weight and output (and of the A tile).
+    """
+    a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
+    w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
+    src = T.alloc_shared((BLOCK_M,), "int32")
+    acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
+    for i in T.Parallel(BLOCK_M):
+        src[i] = T.max(index[c_row + i], 0)
+    T.clear(acc)
+    if scales is None:
+        for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
+            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
+                if K % BLOCK_K:  # zeros past K (a guarded load: no cp.async, for odd K only)
+                    a[i, c] = T.if_then_else(k * BLOCK_K + c < K, x[src[i], T.min(k * BLOCK_K + c, K - 1)],
+                                             T.cast(0, dtype))
+                else:  # a plain copy: cp.async
+                    a[i, c] = x[src[i], k * BLOCK_K + c]
+            T.copy(W[w_row, k * BLOCK_K], w)
+            T.gemm(a, w, acc, transpose_B=True)
+    else:
+        q = T.alloc_shared((BLOCK_M, BLOCK_K), _FP8)
+        s = T.alloc_shared((BLOCK_M,), "float32")  # each row's scale of this K step (BLOCK_K divides 128)
+        for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
+            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
+                q[i, c] = x[src[i], k * BLOCK_K + c]
+            for i in T.Parallel(BLOCK_M):
+                s[i] = scales[src[i], K // 4 + k * BLOCK_K // BLOCK]
+            T.copy(W[w_row, k * BLOCK_K], w)
+            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
+                a[i, c] = T.cast(T.cast(q[i, c], "float32") * s[i], dtype)
+            T.gemm(a, w, acc, transpose_B=True)
+    T.copy(acc, C[c_row, c_col])
+
+
+_identity: dict[tuple[int, torch.device], torch.Tensor] = {}  # (rows, device) -> arange(rows), int32
+
+
+def _identity_index(rows: int, device: torch.device) -> torch.Tensor:
+    """The index of grouped FP8 rows (output row i reads row i), made once per size and device."""
+    key = (rows, device)
+    if key not in _identity:
+        _identity[key] = torch.arange(rows, dtype=torch.int32, device=device)
+    return _identity[key]
+
+
+def _packed(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP8 ``(values, scales)`` as packed byte rows: the dispatch's own bytes where they are
+    views of them (no copy), else packed anew."""
+    n, k = values.shape
+    width = packed_width(k)
+    if (values.stride() == (width, 1) and scales.stride() == (width // 4, 1) and values.storage_offset() + k
+            == scales.storage_offset() * 4 and values.untyped_storage().data_ptr()
+            == scales.untyped_storage().data_ptr()):
+        return values.view(torch.uint8).as_strided((n, width), (width, 1))
+    return pack((values, scales))
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = x[i] @ w[row_expert[i]].T`` (or ``x[index[i]]``) for rows grouped by expert in 128-row tiles.
 
     Example::
 
         recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts)
         h = ts.ops.grouped_gemm(recv_x, w1, handle.row_expert)   # (rows, K) x (experts, N, K)
+        # an in-place dispatch: the received rows, gathered through the handle's index
+        recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, in_place=True)
+        h = ts.ops.grouped_gemm(recv_x, w1, handle.row_expert, index=handle.source_row)
 
-    Every 128-row tile of ``x`` belongs to one expert (the expert of its first row; -1:
+    Every 128-row tile of the output belongs to one expert (the expert of its first row; -1:
     no expert, the tile's output rows are left undefined), as ``moe_dispatch`` lays rows out.
 
     Args:
-        x: (rows, K) rows in ``w``'s dtype, or FP8 rows (``torch.float8_e4m3fn``, e.g. an FP8
-            dispatch's grouped values) with their ``scales``.
+        x: (rows, K) rows in ``w``'s dtype, or FP8 values (``torch.float8_e4m3fn``, e.g. an
+            FP8 dispatch's) with their ``scales``: dequantised as the GEMM loads them.
         w: (experts, N, K) expert weights.
-        row_expert: (rows,) expert of each row.
-        scales: (rows, K // 128) float32 scales of FP8 ``x`` (``ts.ops.moe.quantize_fp8``):
-            the rows are dequantised to ``w``'s dtype first (one pass over them, not yet inside
-            the GEMM's loads).
+        row_expert: (rows,) expert of each output row.
+        scales: (rows of x, K // 128) float32 scales of FP8 ``x`` (``ts.ops.moe.quantize_fp8``).
+        index: (rows,) int32 row of ``x`` each output row reads (-1: none, the row reads
+            zeros), e.g. an in-place dispatch's ``handle.source_row``; ``x`` may then have
+            any number of rows. None: row i reads row i.
 
     Returns:
         (rows, N) in ``w``'s dtype.
     """
-    if x.dtype == torch.float8_e4m3fn:
-        if scales is None:
-            raise ValueError("grouped_gemm: FP8 rows need their scales")
-        x = dequantize_fp8(x, scales, w.dtype)
-    check_input(x, "x")
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if fp8 and scales is None:
+        raise ValueError("grouped_gemm: FP8 rows need their scales")
     check_input(w, "w")
     check_input(row_expert, "row_expert")
-    rows, k = x.shape
+    row_expert = row_expert.to(torch.int32)
+    rows = row_expert.shape[0]
+    held, k = x.shape
     experts = w.shape[0]
-    if w.dim() != 3 or w.shape[2] != k or w.dtype != x.dtype:
+    if w.dim() != 3 or w.shape[2] != k or (not fp8 and w.dtype != x.dtype):
         raise ValueError(f"w must be (experts, N, {k}) {x.dtype}, got {tuple(w.shape)} {w.dtype}")
-    if rows % BLOCK_M or row_expert.shape != (rows,):
-        raise ValueError(f"x needs a multiple of {BLOCK_M} rows ({rows}) and row_expert one entry per row "
-                         f"({tuple(row_expert.shape)})")
+    if rows % BLOCK_M or row_expert.dim() != 1 or (index is None and held != rows):
+        raise ValueError(f"grouped_gemm: row_expert needs a multiple of {BLOCK_M} rows ({tuple(row_expert.shape)}), "
+                         f"one per row of x ({held}) unless an index is given")
+    if index is not None and (index.shape != (rows,) or index.dtype != torch.int32):
+        raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
     n = w.shape[1]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    kernel = grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x))
-    kernel(x, w.view(experts * n, k), row_expert.to(torch.int32), out)
+    out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
+    weights = w.view(experts * n, k)
+    if fp8:
+        if tuple(scales.shape) != (held, k // BLOCK) or k % BLOCK:
+            raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
+        packed = _packed(x, scales)
+        index = _identity_index(rows, w.device) if index is None else index
+        check_input(index, "index")
+        kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True)
+        kernel(packed.view(torch.float8_e4m3fn), packed.view(torch.float32), index, weights, row_expert, out)
+        return out
+    check_input(x, "x")
+    if index is None:
+        grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x))(x, weights, row_expert, out)
+    else:
+        check_input(index, "index")
+        gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held)(x, index, weights, row_expert, out)
     return out

@@ -36,7 +36,7 @@ def cached_buffer(group: dist.ProcessGroup | None, max_tokens: int, hidden: int,
 
 def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, num_experts: int, low_latency: bool = False, *,
-                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None,
+                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None, in_place: bool = False,
                  ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
@@ -64,6 +64,8 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
         max_tokens: the most tokens any rank passes, the same on every rank; then each rank
             passes its own count up to it, 0 included. None: every rank passes the same
             count (a difference raises ``ts.ShapeMismatchError`` on every rank).
+        in_place: leave the received rows where they land instead of writing each once per
+            local expert into grouped rows (see "In place" below); each rank chooses for itself.
 
     Returns:
         ``(recv_x, recv_w, counts, handle)``: ``recv_x`` (rows, hidden), ``recv_w`` (rows,),
@@ -77,6 +79,14 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     weight 0). Within a segment, rows come in (source rank, token, k) order; a token naming an
     expert twice has two rows. ``handle.source_row`` names each row's received row
     (``source * max_tokens + slot``). ``moe_combine`` takes expert outputs in this layout.
+
+    In place: ``recv_x`` is the buffer's receive rows as the rows landed, (2 * world *
+    max_tokens, hidden) (two sets, alternate calls writing alternate ones), and grouped row i
+    holds row ``handle.source_row[i]`` of it (-1: no token); the rest of the layout is as
+    above. A grouped GEMM reads it through that index (``ts.ops.grouped_gemm(recv_x, w,
+    handle.row_expert, index=handle.source_row)``), and its outputs are grouped rows, which
+    ``moe_combine`` takes. ``recv_x`` is valid until this rank's next dispatch through the
+    same buffer (after it, peers may write the set again): use it, or copy it, before then.
 
     Buffers: the call goes through the group's ``ts.ops.moe.Buffer`` of these sizes, made at
     its first call; ``ts.ops.moe.Buffer`` sizes one up front and releases it.
@@ -104,14 +114,15 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
     buf = cached_buffer(group, capacity, values.shape[1], topk_idx.shape[1], num_experts, dtype)
     buf._check_live()
-    return buf._dispatch(x, values, tokens, topk_idx, topk_weights, low_latency)
+    return buf._dispatch(x, values, tokens, topk_idx, topk_weights, low_latency, in_place)
 
 
 def _empty_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                     low_latency: bool, group: dist.ProcessGroup | None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
     """``moe_dispatch``'s result for zero tokens on every rank of the group (checked, as no
-    kernel runs): the documented layout with every row holding no token."""
+    kernel runs): the documented layout with every row holding no token (in place too:
+    ``recv_x`` then holds as many rows, none of which any index names)."""
     state = runtime.group_state(group)
     world, topk = state.size, topk_idx.shape[1]
     expert_ids(topk_idx, num_experts)  # the dtype check

@@ -54,6 +54,7 @@ class _SendPlan:
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
+    in_place: bool  # the received rows are the result (no grouped rows written)
 
 
 @dataclass
@@ -209,11 +210,12 @@ class Buffer:
             raise RuntimeError(f"{self!r} is released: construct a new one")
 
     def _received(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """Receive rows of a dispatch of ``hidden`` x ``dtype``: slot j of source src at ``[src, j]``."""
+        """Receive rows of a dispatch of ``hidden`` x ``dtype``, two sets used by alternate calls:
+        slot j of source src at ``[set, src, j]`` (``dispatch.py`` says why two)."""
         key = (hidden, dtype)
         if key not in self._rows_in:
             runtime.check_not_capturing(f"the MoE buffer's receive rows of {hidden} ({dtype})")
-            self._rows_in[key] = allocate(self.state, (self.world, self.max_tokens, hidden), dtype)
+            self._rows_in[key] = allocate(self.state, (2, self.world, self.max_tokens, hidden), dtype)
         return self._rows_in[key]
 
     def _returned(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -225,7 +227,7 @@ class Buffer:
         return self._rows_back[key]
 
     def dispatch(self, x: Rows, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, low_latency: bool = False,
+                 topk_weights: torch.Tensor, low_latency: bool = False, in_place: bool = False,
                  ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token to the ranks of its experts; return the tokens grouped by local expert.
 
@@ -235,20 +237,22 @@ class Buffer:
             topk_idx: (tokens, topk) integer expert ids.
             topk_weights: (tokens, topk) routing weights.
             low_latency: announce every row on its own (decode batches); the same on every rank.
+            in_place: return the receive rows as they landed, with the grouped layout as an
+                index (``ts.ops.moe_dispatch`` documents it); each rank chooses for itself.
 
         Returns:
             ``(recv_x, recv_w, counts, handle)`` as ``ts.ops.moe_dispatch`` documents; for FP8
-            ``recv_x`` is a ``(values, scales)`` pair of views of the grouped bytes.
+            ``recv_x`` is a ``(values, scales)`` pair of views of the grouped (or received) bytes.
         """
         self._check_live()
         if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
             x = quantize_fp8(x)
         values = x[0] if is_fp8(x) else x
         return self._dispatch(x, values, _check_routing(values, topk_idx, topk_weights), topk_idx, topk_weights,
-                              low_latency)
+                              low_latency, in_place)
 
     def _dispatch(self, x: Rows, values: torch.Tensor, tokens: int, topk_idx: torch.Tensor,
-                  topk_weights: torch.Tensor, low_latency: bool,
+                  topk_weights: torch.Tensor, low_latency: bool, in_place: bool = False,
                   ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """:meth:`dispatch` of rows whose shapes ``_check_routing`` has checked (``values``: ``x``'s
         values, ``tokens``: their rows), for ``ts.ops.moe_dispatch``, which checks them first."""
@@ -263,7 +267,7 @@ class Buffer:
             self._modes.add(low_latency)
         sent = pack(x) if self.fp8 else x
         ids = expert_ids(topk_idx, self.num_experts)
-        plan = self._plan(tokens, sent, low_latency, ids.dtype)
+        plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
         routes = self._route(ids, tokens, plan)
         capturing = _capturing(values)
         if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
@@ -280,13 +284,15 @@ class Buffer:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
 
-    def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool, id_dtype: torch.dtype | None) -> _SendPlan:
+    def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool, id_dtype: torch.dtype | None,
+              in_place: bool = False) -> _SendPlan:
         """What every call sending ``tokens`` rows like ``x`` (expert ids of ``id_dtype`` to route;
-        None: along known routes) resolves alike (kernels, receive rows, flags, the call's
-        signature, output sizes), made at the first such call: later ones skip that host work.
-        Every call's agreement is the dispatch kernel's, on the device."""
+        None: along known routes; ``in_place``: received rows left where they land) resolves
+        alike (kernels, receive rows, flags, the call's signature, output sizes), made at the
+        first such call: later ones skip that host work. Every call's agreement is the dispatch
+        kernel's, on the device (``in_place`` is each rank's own: it changes no exchange)."""
         hidden, dtype = x.shape[1], x.dtype
-        key = (tokens, hidden, dtype, low_latency, id_dtype)
+        key = (tokens, hidden, dtype, low_latency, id_dtype, in_place)
         plan = self._plans.get(key)
         if plan is None:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
@@ -297,13 +303,13 @@ class Buffer:
                 route_words=_Words((world * held, world * held, world, held * topk, self.num_experts, 1,
                                     held * topk)),
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                     low_latency, capacity=self.max_tokens, group=self.group),
+                                     low_latency, capacity=self.max_tokens, in_place=in_place, group=self.group),
                 output_words=_Words((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
                                      rows)),
                 # The call's identity names what every rank must agree on (not this rank's token count).
                 signature=signature("moe_dispatch", received, f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, flags=self._flags[low_latency])
+                received=received, flags=self._flags[low_latency], in_place=in_place)
         return plan
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan) -> dict[str, torch.Tensor]:
@@ -331,9 +337,10 @@ class Buffer:
         """Every token to its destinations, and what this rank receives grouped by local expert,
         from the routing kernel's outputs; no host round trip.
 
-        Returns ``recv_x`` (rows, hidden), per grouped row its routing weight, ``row_expert`` and
-        ``source_row``; per local expert ``counts`` and ``offsets``; per received row its
-        ``position`` (received rows, topk); and the rows received from each source.
+        Returns ``recv_x`` (rows, hidden; in place the receive rows, (2 * world * max_tokens,
+        hidden)), per grouped row its routing weight, ``row_expert`` and ``source_row``; per local
+        expert ``counts`` and ``offsets``; per received row its ``position`` (received rows,
+        topk); and the rows received from each source.
         """
         world, rows, hidden = self.world, self.rows, x.shape[1]
         # The outputs are the caller's (a handle outlives the next call): new on every call,
@@ -341,13 +348,16 @@ class Buffer:
         counts, offsets, received_counts, position, source_row, row_expert = plan.output_words.views(x.device)
         position = position.view(world * self.max_tokens, self.topk)
         weight = torch.empty(rows, dtype=torch.float32, device=x.device)
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+        # In place the kernel's grouped-rows parameter is one row it never writes.
+        recv_x = torch.empty(1 if plan.in_place else rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
         ranges, progress = plan.flags
         plan.send(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
                   routes["expert_counts"], plan.received, self._idx, self._w, self._slot, self._counts,
                   self._expert_counts, ranges, progress, self._arrived, self._sends, counts, offsets,
                   received_counts, position, weight, source_row, row_expert, recv_x, board, ident, group=self.group)
+        if plan.in_place:
+            recv_x = plan.received.view(-1, hidden)
         return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

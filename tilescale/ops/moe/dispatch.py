@@ -16,6 +16,14 @@ d first sends rank d this rank's row count and per-expert entry counts, and rais
   receive buffer once its ``progress`` flag says it is in: a group's time after it was sent,
   so the wait is usually over, and the copy from the peers overlaps the block's own sends.
 
+In place (``in_place=True``) no row is written a second time: the layout (each grouped row's
+received row, weight and expert) is built as above, the peers' rows stay where they landed,
+and this rank's own rows are written once into its own receive rows, where a grouped GEMM
+gathers them (``ts.ops.grouped_gemm(..., index=)``). The receive rows are read after the
+call then, so they come in two sets, alternate calls writing alternate sets (by the device's
+call count): a peer's next call, which may start as soon as this one's closing barrier is
+passed, writes the other set, and the one after it waits for this rank's next call.
+
 Low-latency mode (decode batches) announces every row on its own (groups of one), so a
 receiver never waits for a row behind others. A closing barrier ends the call.
 """
@@ -61,7 +69,8 @@ class Received:
     """The symmetric receive buffers of a dispatch (prim_func parameters), bundled for its macros:
     slot j of source src at ``[src, j]``."""
 
-    x: object  # (world, capacity, hidden) rows
+    x: object  # (2, world, capacity, hidden) rows, two sets (alternate calls)
+    set: object  # the set this call writes: its call count % 2
     idx: object  # (world, capacity, topk) their entries' expert ids
     w: object  # (world, capacity, topk) their routing weights
     slot: object  # (world, capacity, topk) their expert slots
@@ -83,7 +92,7 @@ class _Group:
 
 @jit
 def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
-                    low_latency: bool, capacity: int | None = None):
+                    low_latency: bool, capacity: int | None = None, in_place: bool = False):
     """Send every token to the ranks of its experts and group what this rank receives by
     local expert, in one launch (see the module notes for the protocol).
 
@@ -105,6 +114,9 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
         sms: SMs of the GPU (:func:`dispatch_plan`).
         low_latency: Announce every row on its own (:func:`dispatch_plan`).
         capacity: Token slots per source, the same on every rank; None: ``tokens``.
+        in_place: Leave the received rows where they land (``out`` is then one unused row);
+            ``source_row`` names each grouped row's row of ``recv_x`` viewed as
+            ``(2 * world * capacity, hidden)``.
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -119,7 +131,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
              slot: T.Tensor((world * held,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
-             recv_x: T.Tensor((world, capacity, hidden), dtype), recv_idx: T.Tensor((world, capacity, topk), "int32"),
+             recv_x: T.Tensor((2, world, capacity, hidden), dtype),
+             recv_idx: T.Tensor((world, capacity, topk), "int32"),
              recv_w: T.Tensor((world, capacity, topk), "float32"),
              recv_slot: T.Tensor((world, capacity, topk), "int32"),
              recv_counts: T.Tensor((world,), "int32"), recv_expert_counts: T.Tensor((world, per_rank), "int32"),
@@ -128,12 +141,15 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
              received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
              weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
-             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, hidden), dtype),
+             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((1 if in_place else rows, hidden), dtype),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
-                recv = Received(recv_x, recv_idx, recv_w, recv_slot, ranges, progress)
-                layout = Layout(position, weight, source_row, row_expert, out, counts, offsets, received_counts)
+                call = T.alloc_local((1,), "int32")
+                call[0] = sends[0]
+                recv = Received(recv_x, call[0] % 2, recv_idx, recv_w, recv_slot, ranges, progress)
+                layout = Layout(position, weight, source_row, row_expert, None if in_place else out, counts,
+                                offsets, received_counts, recv.set * received if in_place else 0)
                 # A group of rows with their entries' expert ids, weights and expert slots: read
                 # once from x (or a receive buffer), used for every destination.
                 tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
@@ -145,8 +161,6 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 upto = T.alloc_shared((world, per_rank), "int32")
                 end = T.alloc_shared((per_rank,), "int32")
                 seg = Segments(given, got, upto, end, world, per_rank)
-                call = T.alloc_local((1,), "int32")
-                call[0] = sends[0]
                 if b < world:  # the counts first: a receiver needs every source's to place any row
                     T.announce(board, ident)  # released by the signal below: the receiver checks it
                     T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
@@ -174,6 +188,11 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                                 rank * capacity + slot[rank * held + T.min(b * chunk + g * group + i, held - 1)],
                                 -1)
                         place(tile, seg, layout, capacity)
+                        if in_place:  # this rank's own rows join the peers' in its receive rows
+                            for i in T.serial(group):
+                                if tile.where[i] >= 0:
+                                    T.copy(tile.rows[i, 0:hidden],
+                                           recv.x[recv.set, rank, tile.where[i] - rank * capacity, 0:hidden])
                     if world > 1 and g > 0:
                         for j in T.serial(world - 1):
                             _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
@@ -219,7 +238,7 @@ def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
     sent[0] = 0
     for i in T.serial(n):
         if slot[d * tokens + t0 + i] >= 0:
-            T.copy(tile.rows[i, 0:hidden], recv.x[_rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
+            T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
             T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
             T.copy(tile.ws[i:i + 1, 0:topk], recv.w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
             T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
@@ -235,8 +254,9 @@ def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
 @T.macro
 def _take_group(src, b, g, groups, tile, span, seg, recv, layout, capacity):
     """Once it has arrived, group g of source src's block b: its rows placed at their experts'
-    grouped rows (received row ``src * capacity + slot``). After the last group, the flag goes
-    back to 0 for the next call, whose sender starts after this call's closing barrier."""
+    grouped rows (received row ``src * capacity + slot``; in place only their layout, the rows
+    stay). After the last group, the flag goes back to 0 for the next call, whose sender
+    starts after this call's closing barrier."""
     group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     T.wait(recv.progress[src, b], "ge", g + 1)
     T.copy(recv.ranges[src, b, g, 0:2], span)
@@ -244,7 +264,8 @@ def _take_group(src, b, g, groups, tile, span, seg, recv, layout, capacity):
     first[0] = span[0]
     n[0] = span[1]
     if n[0] > 0:
-        T.copy(recv.x[src, first[0]:first[0] + group, 0:hidden], tile.rows)
+        if layout.out is not None:
+            T.copy(recv.x[recv.set, src, first[0]:first[0] + group, 0:hidden], tile.rows)
         T.copy(recv.idx[src, first[0]:first[0] + group, 0:topk], tile.ids)
         T.copy(recv.w[src, first[0]:first[0] + group, 0:topk], tile.ws)
         T.copy(recv.slot[src, first[0]:first[0] + group, 0:topk], tile.eslots)

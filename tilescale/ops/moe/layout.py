@@ -42,12 +42,13 @@ class Layout:
 
     position: object  # (world * capacity, topk) grouped row of each received row's entries, -1 for none
     weight: object  # (rows,) routing weight of each grouped row
-    source_row: object  # (rows,) received row of each grouped row, -1 for none
+    source_row: object  # (rows,) received row (plus row_base) of each grouped row, -1 for none
     row_expert: object  # (rows,) local expert of each grouped row, -1 for none
-    out: object  # (rows, hidden) the grouped rows
+    out: object  # (rows, hidden) the grouped rows; None in place (no row is written)
     counts: object  # (per_rank,) entries of each local expert
     offsets: object  # (per_rank,) first grouped row of each local expert
     received_counts: object  # (world,) rows received from each source
+    row_base: object = 0  # added to the received rows in source_row: in place, the first row of the call's set
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def place(tile, seg, layout, capacity):
     of source ``src = where // capacity``): entry k of local expert e goes to grouped row
     ``base[src, e] + eslots[i, k]``. Records each entry's grouped row in ``position`` (-1 for
     other ranks' experts), per grouped row its weight, source row and expert, and writes the
-    row to each.
+    row to each (not in place: ``layout.out`` None).
 
     Args:
         tile: The block's tiles of received rows (rows, ids, weights, expert slots, receive row ``where``).
@@ -134,14 +135,15 @@ def place(tile, seg, layout, capacity):
             layout.weight[tile.pos[i, k]] = tile.ws[i, k]
     for i, k in T.Parallel(group, topk):
         if tile.pos[i, k] >= 0:
-            layout.source_row[tile.pos[i, k]] = tile.where[i]
+            layout.source_row[tile.pos[i, k]] = tile.where[i] + layout.row_base
     for i, k in T.Parallel(group, topk):
         if tile.pos[i, k] >= 0:
             layout.row_expert[tile.pos[i, k]] = tile.ids[i, k] - lo
-    for i in T.serial(group):
-        for k in T.serial(topk):
-            if tile.pos[i, k] >= 0:
-                T.copy(tile.rows[i, 0:hidden], layout.out[tile.pos[i, k], 0:hidden])
+    if layout.out is not None:
+        for i in T.serial(group):
+            for k in T.serial(topk):
+                if tile.pos[i, k] >= 0:
+                    T.copy(tile.rows[i, 0:hidden], layout.out[tile.pos[i, k], 0:hidden])
 
 
 @T.macro
