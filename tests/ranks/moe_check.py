@@ -89,12 +89,19 @@ if ts.device().type == "cuda":  # a dispatch + combine step captured once, repla
 # e4m3's precision of the bf16 row; the bf16 combine and the grouped GEMM consume them.
 moe = ts.ops.moe
 fp8_hidden, ffn = 256, 64
-for low_latency in (False, True):
+
+
+def routed(low_latency: bool) -> tuple:
+    """Uneven counts of random bf16 rows, their top-2 routes and their (grouped) bf16 dispatch."""
     tokens = uneven(16)
     x = (torch.randn(tokens, fp8_hidden) * 3).to(torch.bfloat16)
     topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
-    ref_x, ref_w, ref_counts, ref = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
-                                                        max_tokens=16)
+    return tokens, x, topk_w, topk_idx, ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                            max_tokens=16)
+
+
+for low_latency in (False, True):
+    tokens, x, topk_w, topk_idx, (ref_x, ref_w, ref_counts, ref) = routed(low_latency)
     (values, scales), recv_w, counts, h = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
                                                               low_latency=low_latency, max_tokens=16)
     assert values.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (values.shape[0], fp8_hidden // 128)
@@ -120,11 +127,7 @@ for low_latency in (False, True):
 # gathering through that index (bf16, and FP8 dequantised as it loads) gives the grouped
 # GEMM's rows, and the combine takes its outputs. Two calls in a row write the two sets.
 for low_latency in (False, True):
-    tokens = uneven(16)
-    x = (torch.randn(tokens, fp8_hidden) * 3).to(torch.bfloat16)
-    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
-    ref_x, ref_w, ref_counts, ref = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
-                                                        max_tokens=16)
+    tokens, x, topk_w, topk_idx, (ref_x, ref_w, ref_counts, ref) = routed(low_latency)
     valid = ref.row_expert >= 0
     w = (torch.randn(per_rank, ffn, fp8_hidden) / 16).to(torch.bfloat16)
     out_ref = ts.ops.grouped_gemm(ref_x, w, ref.row_expert)

@@ -110,13 +110,8 @@ def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype):
         x: The rows gathered from (bf16/fp16, or the FP8 values of packed rows).
         scales: None, or the packed rows as float32 words (FP8).
         index: (rows,) row of ``x`` of each output row, -1 for none.
-        W: The (N, K) weight; rows from ``w_row``.
-        w_row: First row of ``W``.
-        C: The output; the tile is stored at ``(c_row, c_col)``.
-        c_row: First output row.
-        c_col: First output column.
-        K: The reduction length.
-        dtype: TileLang dtype of the weight and output (and of the A tile).
+        W, w_row, C, c_row, c_col, K, dtype: as :func:`tilescale.ops._gemm.gemm_tile`'s (``dtype``
+            also the A tile's).
     """
     a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
     w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
