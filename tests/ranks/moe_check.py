@@ -65,23 +65,26 @@ for case, (tokens, topk, low_latency, max_tokens) in enumerate(cases):
           flush=True)
 
 if ts.device().type == "cuda":  # a dispatch + combine step captured once, replayed on new tokens
-    for low_latency in (False, True):
+    def step(x, topk_idx, topk_w, low_latency, in_place):  # noqa: ANN001, ANN202 - identity experts
+        recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                        max_tokens=21, in_place=in_place)
+        if in_place:  # the rows gathered into grouped rows, as a grouped GEMM reads them
+            recv_x = recv_x[handle.source_row.clamp(min=0).long()]
+        return ts.ops.moe_combine(recv_x, recv_w, handle)
+
+    for low_latency, in_place in ((False, False), (True, False), (False, True), (True, True)):
         tokens, topk = 21 if rank == 0 else 5, 2  # different counts per rank, up to 21
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         topk_w, topk_idx = torch.rand(tokens, num_experts).topk(topk, dim=1)
-        recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
-                                                        max_tokens=21)
-        ts.ops.moe_combine(recv_x, recv_w, handle)  # builds the kernels outside the capture
+        step(x, topk_idx, topk_w, low_latency, in_place)  # builds the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            recv_x, recv_w, _, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
-                                                            max_tokens=21)
-            y = ts.ops.moe_combine(recv_x, recv_w, handle)  # identity experts
+            y = step(x, topk_idx, topk_w, low_latency, in_place)
         for _ in range(3):  # each replay alternates the buffer sets on the device
             x.copy_(torch.randn(tokens, hidden))
             graph.replay()
             torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
-        mode = "low-latency" if low_latency else "normal"
+        mode = ("low-latency" if low_latency else "normal") + (", in place" if in_place else "")
         print(f"rank {rank}: CUDA graph ({mode}), 3 replays: MOE-OK", flush=True)
 
 # FP8 dispatch (DeepEP's layout) against the bf16 path, counts differing per rank: the same
