@@ -136,10 +136,11 @@ for low_latency in (False, True):
     out_ref = ts.ops.grouped_gemm(ref_x, w, ref.row_expert)
     y_ref = ts.ops.moe_combine(out_ref, ref_w, ref)
     out8_ref = ts.ops.grouped_gemm(moe.dequantize_fp8(*moe.quantize_fp8(ref_x)), w, ref.row_expert)
-    bases = []
+    bases, handles = [], []
     for _ in range(2):
         recv, recv_w, counts, h = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
                                                       max_tokens=16, in_place=True)
+        handles.append(h)
         assert tuple(recv.shape) == (2 * world * 16, fp8_hidden), tuple(recv.shape)
         assert torch.equal(h.row_expert, ref.row_expert) and torch.equal(counts, ref_counts), low_latency
         assert torch.equal(recv_w, ref_w) and torch.equal(h.position, ref.position), low_latency
@@ -155,6 +156,11 @@ for low_latency in (False, True):
         torch.testing.assert_close(out8[valid].float(), out8_ref[valid].float(), rtol=1e-2, atol=1e-2)
     if bool(valid.any()):  # each call's rows in one set, consecutive calls in the two sets
         assert len(bases[0]) == len(bases[1]) == 1 and bases[0] | bases[1] == {0, world * 16}, bases
+    try:  # the first call's rows after the second dispatch through the same buffer: refused
+        ts.ops.grouped_gemm(recv, w, handles[0].row_expert, index=handles[0].source_row)
+        raise AssertionError("grouped_gemm took the rows of an earlier in-place dispatch")
+    except RuntimeError as e:
+        assert "no longer valid: 1 later dispatch(es)" in str(e), e
     for bad in (h.source_row.long(), h.source_row[:-128]):  # the index: int32, one per output row
         try:
             ts.ops.grouped_gemm(recv, w, h.row_expert, index=bad)

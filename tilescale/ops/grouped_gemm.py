@@ -16,6 +16,7 @@ import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, tl_dtype
 from tilescale.ops._gemm import BLOCK_K, BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
+from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
 
 _FP8 = "float8_e4m3fn"
@@ -189,12 +190,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         w: (experts, N, K) expert weights.
         row_expert: (rows,) expert of each output row.
         scales: (rows of x, K // 128) float32 scales of FP8 ``x`` (``ts.ops.moe.quantize_fp8``).
-        index: (rows,) int32 row of ``x`` each output row reads (-1: none, the row reads
-            zeros), e.g. an in-place dispatch's ``handle.source_row``; ``x`` may then have
-            any number of rows. None: row i reads row i.
+        index: (rows,) int32 row of ``x`` each output row reads (-1: none, the row is
+            undefined), e.g. an in-place dispatch's ``handle.source_row``; ``x`` may then
+            have any number of rows. None: row i reads row i.
 
     Returns:
         (rows, N) in ``w``'s dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit.
+        RuntimeError: ``index`` is an in-place dispatch's whose rows a later dispatch through
+            the same buffer may have overwritten.
     """
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8 and scales is None:
@@ -210,8 +216,10 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     if rows % BLOCK_M or row_expert.dim() != 1 or (index is None and held != rows):
         raise ValueError(f"grouped_gemm: row_expert needs a multiple of {BLOCK_M} rows ({tuple(row_expert.shape)}), "
                          f"one per row of x ({held}) unless an index is given")
-    if index is not None and (index.shape != (rows,) or index.dtype != torch.int32):
-        raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
+    if index is not None:
+        if index.shape != (rows,) or index.dtype != torch.int32:
+            raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
+        check_in_place_rows(index)
     n = w.shape[1]
     out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
     weights = w.view(experts * n, k)

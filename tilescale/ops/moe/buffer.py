@@ -54,7 +54,7 @@ class _SendPlan:
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
-    in_place: bool  # the received rows are the result (no grouped rows written)
+    unused_rows: torch.Tensor | None  # in place (else None): the kernel's grouped-rows argument, one row never written
 
 
 @dataclass
@@ -156,6 +156,7 @@ class Buffer:
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
         device = runtime.device()
         self._sends = torch.zeros(1, dtype=torch.int32, device=device)
+        self._calls = 0  # dispatch kernels issued (the host's count; in-place rows are valid until the next)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
         self._key = ("moe buffer", next(_serial))
         state.exchange(self._key, lambda: self)  # the group's release (ts.finalize) releases it
@@ -309,7 +310,8 @@ class Buffer:
                 # The call's identity names what every rank must agree on (not this rank's token count).
                 signature=signature("moe_dispatch", received, f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, flags=self._flags[low_latency], in_place=in_place)
+                received=received, flags=self._flags[low_latency],
+                unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
         return plan
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan) -> dict[str, torch.Tensor]:
@@ -348,16 +350,18 @@ class Buffer:
         counts, offsets, received_counts, position, source_row, row_expert = plan.output_words.views(x.device)
         position = position.view(world * self.max_tokens, self.topk)
         weight = torch.empty(rows, dtype=torch.float32, device=x.device)
-        # In place the kernel's grouped-rows parameter is one row it never writes.
-        recv_x = torch.empty(1 if plan.in_place else rows, hidden, dtype=x.dtype, device=x.device)
+        in_place = plan.unused_rows is not None
+        recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
         ranges, progress = plan.flags
         plan.send(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
                   routes["expert_counts"], plan.received, self._idx, self._w, self._slot, self._counts,
                   self._expert_counts, ranges, progress, self._arrived, self._sends, counts, offsets,
                   received_counts, position, weight, source_row, row_expert, recv_x, board, ident, group=self.group)
-        if plan.in_place:
+        self._calls += 1
+        if in_place:
             recv_x = plan.received.view(-1, hidden)
+            source_row._ts_in_place = (self, self._calls)  # for check_in_place_rows
         return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -425,6 +429,25 @@ class Buffer:
         kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
                handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
         return out if tokens else out[:0]
+
+
+def check_in_place_rows(index: torch.Tensor) -> None:
+    """Raise RuntimeError if ``index`` is the ``source_row`` of an in-place dispatch whose
+    receive rows a later dispatch through the same buffer may have overwritten (peers write
+    that set again once this rank's next dispatch is under way), or whose buffer is released.
+
+    Args:
+        index: a grouped GEMM's row index (any other tensor passes).
+    """
+    owner = getattr(index, "_ts_in_place", None)
+    if owner is None:
+        return
+    buf, call = owner
+    if buf.released or buf._calls != call:
+        later = "it is released" if buf.released else f"{buf._calls - call} later dispatch(es) went through it"
+        raise RuntimeError(f"these rows of an in-place dispatch are no longer valid: {later} ({buf!r}), so peers "
+                           "may have written its receive rows again. Use in-place rows before the next dispatch "
+                           "through the same buffer, or copy them (recv_x[handle.source_row]) first.")
 
 
 class _Words:
