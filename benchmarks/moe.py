@@ -26,6 +26,7 @@ import torch.distributed as dist
 from harness import Report, check_close, graphed, time_fn
 
 import tilescale as ts
+from tilescale.ops._gemm import DEFAULT
 
 CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
 SMALL = {"normal": (64, 128, 4, 16), "low-latency": (8, 128, 4, 16)}  # hidden: whole FP8 scale blocks
@@ -258,16 +259,19 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
 
 
 def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: int) -> list[dict]:
-    """The layer's first expert GEMM over a dispatch's grouped rows, and gathering the rows of an
-    in-place dispatch through its index (bf16 and FP8), checked against each other, timed taking
-    turns, beside the tensor-core floor of the FLOPs of the rows that hold tokens."""
+    """The layer's first expert GEMM over a dispatch's grouped rows (the chosen tile, and the
+    128x128 one), and gathering the rows of an in-place dispatch through its index (bf16 and
+    FP8), checked against each other, timed one after another, beside the tensor-core floor of
+    the FLOPs of the rows that hold tokens."""
     tokens, hidden, ffn, num_experts, topk = shape
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
     w = (torch.randn(num_experts, ffn, hidden, device=ts.device()) / hidden**0.5).to(torch.bfloat16)
     grouped, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts)
     fp8 = ts.ops.moe.quantize_fp8(x)
-    plans = {"grouped rows": lambda: ts.ops.grouped_gemm(grouped, w, h.row_expert)}
+    plans = {"grouped rows": lambda: ts.ops.grouped_gemm(grouped, w, h.row_expert),
+             # the 128x128 tile the grouped GEMM had before it took the TP GEMMs' tile choice
+             "grouped rows, 128x128": lambda: ts.ops.grouped_gemm(grouped, w, h.row_expert, tile=DEFAULT)}
     for label, rows_in in (("gathered", x), ("gathered fp8", fp8)):
         recv, _, _, h_in = ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, in_place=True)
         values, scales = recv if label.endswith("fp8") else (recv, None)
@@ -277,6 +281,7 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
     # FP8 against the grouped GEMM of the same rows quantised and dequantised (per row, as sent).
     quantised = ts.ops.moe.dequantize_fp8(*ts.ops.moe.quantize_fp8(grouped))
     want = {"gathered": plans["grouped rows"]()[valid].float(),
+            "grouped rows, 128x128": plans["grouped rows"]()[valid].float(),
             "gathered fp8": ts.ops.grouped_gemm(quantised, w, h.row_expert)[valid].float()}
     checks = [check_close(f"expert GEMM {label}", plans[label]()[valid].float(), ref, rtol=2e-2, atol=2e-2)
               for label, ref in want.items()]

@@ -228,11 +228,24 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize(("K", "fp8"), [(7168, False), (1000, False), (7168, True)])
-def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8, tmp_path):
+@pytest.mark.parametrize(("K", "fp8", "wide"), [(7168, False, False), (1000, False, False), (7168, True, False),
+                                               (4096, False, True), (4096, True, True)])
+def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8, wide, tmp_path):
+    import tilelang
+    from cuda_build import TARGET
+
+    from tilescale.ops._gemm import DEFAULT, WIDE
     from tilescale.ops.grouped_gemm import _CP_ASYNC, gathered_gemm_kernel
 
-    src = lower_cuda(gathered_gemm_kernel.__wrapped__(8, 1024, K, 2048, "bfloat16", 4096, fp8), _CP_ASYNC)
+    func = gathered_gemm_kernel.__wrapped__(8, 1024, K, 2048, "bfloat16", 4096, fp8, WIDE if wide else DEFAULT)
+    with tilelang.tvm.target.Target(TARGET), tilelang.tvm.transform.PassContext(opt_level=3, config=_CP_ASYNC):
+        lowered = tilelang.lower(func, target=TARGET)
+    src = lowered.kernel_source
+    # What the block asks for fits an sm_90 SM (227 KiB): the pipeline's stages and the
+    # shared epilogue of a 128x256 tile included.
+    (kernel,) = lowered.device_mod.functions.values()
+    assert int(kernel.attrs["dyn_shared_memory_buf"]) <= 227 * 1024
+    assert ("64, 256, 16" in src) == wide  # one m64n256 wgmma per warpgroup in the wide tile
     # Tensor cores, no TMA; each tile's rows looked up once, then the A rows loaded through
     # them in the pipeline (cp.async, STAGES deep) unless K needs a guarded tail.
     assert "wgmma" in src and "tma_load" not in src and "= max(index[" in src

@@ -10,28 +10,33 @@ dequantised as the A tile is loaded, in either case.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
+import functools
+
 import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, tl_dtype
-from tilescale.ops._gemm import BLOCK_K, BLOCK_M, BLOCK_N, STAGES, THREADS, gemm_tile
+from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile
 from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
+from tilescale.ops.moe.layout import ROW_TILE
+from tilescale.ops.tp_gemm.plan import choose_tile
 
 _FP8 = "float8_e4m3fn"
 
 
 @jit
-def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
-    """Row tile ``by`` belongs to expert ``row_expert[by * BLOCK_M]``; tiles of none are skipped.
+def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, cfg: TileConfig = DEFAULT):
+    """Row tile ``by`` belongs to expert ``row_expert[by * block_M]``; tiles of none are skipped.
 
     Args:
         experts: Experts whose weights ``w`` stacks, (experts * N, K).
-        rows: Rows of ``x`` and ``out``, a multiple of ``BLOCK_M``.
+        rows: Rows of ``x`` and ``out``, a multiple of the tile's ``block_M``.
         K: Input features.
         N: Output features per expert.
         dtype: TileLang dtype of ``x``, ``w`` and ``out``.
+        cfg: The GEMM tile (``block_M`` the layout's 128-row tiles).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -40,35 +45,37 @@ def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str):
     @T.prim_func
     def main(x: T.Tensor((rows, K), dtype), w: T.Tensor((experts * N, K), dtype),
              row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, N), dtype)):
-        with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, threads=THREADS) as (bx, by):
-            if row_expert[by * BLOCK_M] >= 0:
+        with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
+            if row_expert[by * cfg.block_M] >= 0:
                 # A last, partial column tile reads the next expert's rows of w: the columns
                 # they give fall past N and are cut off when stored.
-                gemm_tile(x, by * BLOCK_M, w, row_expert[by * BLOCK_M] * N + bx * BLOCK_N, out, by * BLOCK_M,
-                          bx * BLOCK_N, K, dtype, STAGES)
+                gemm_tile(x, by * cfg.block_M, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
+                          by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg.stages, cfg)
 
     return main
 
 
 # A gathered A tile is no TMA box: both operands' tiles are loaded by every thread with
-# cp.async, STAGES deep (TileLang's sm_80-style pipeline, the wgmma kept), where the TMA +
-# warp-specialised form would load the gathered rows synchronously in the consumer warps.
+# cp.async, the tile's stages deep (TileLang's sm_80-style pipeline, the wgmma kept), where the
+# TMA + warp-specialised form would load the gathered rows synchronously in the consumer warps.
 _CP_ASYNC = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
 
 
 @jit(pass_configs=_CP_ASYNC)
-def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, sources: int, fp8: bool = False):
+def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, sources: int, fp8: bool = False,
+                         cfg: TileConfig = DEFAULT):
     """As :func:`grouped_gemm_kernel`, with output row ``i`` reading row ``index[i]`` of ``x``.
 
     Args:
         experts: Experts whose weights ``w`` stacks, (experts * N, K).
-        rows: Rows of ``out`` and ``index``, a multiple of ``BLOCK_M``.
+        rows: Rows of ``out`` and ``index``, a multiple of the tile's ``block_M``.
         K: Input features.
         N: Output features per expert.
         dtype: TileLang dtype of ``w`` and ``out`` (and of ``x`` unless FP8).
         sources: Rows of ``x``.
         fp8: ``x`` holds packed FP8 rows (``ts.ops.moe.fp8.pack``: K e4m3 values, then K / 128
             float32 scales), passed twice: as e4m3 values and as float32 words of the same bytes.
+        cfg: The GEMM tile (``block_M`` the layout's 128-row tiles).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -80,10 +87,10 @@ def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, so
         def gathered_fp8(x: T.Tensor((sources, width), _FP8), scales: T.Tensor((sources, width // 4), "float32"),
                          index: T.Tensor((rows,), "int32"), w: T.Tensor((experts * N, K), dtype),
                          row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, N), dtype)):
-            with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, threads=THREADS) as (bx, by):
-                if row_expert[by * BLOCK_M] >= 0:
-                    _gathered_tile(x, scales, index, w, row_expert[by * BLOCK_M] * N + bx * BLOCK_N, out,
-                                   by * BLOCK_M, bx * BLOCK_N, K, dtype)
+            with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
+                if row_expert[by * cfg.block_M] >= 0:
+                    _gathered_tile(x, scales, index, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
+                                   by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg)
 
         return gathered_fp8
 
@@ -91,16 +98,16 @@ def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, so
     def gathered(x: T.Tensor((sources, K), dtype), index: T.Tensor((rows,), "int32"),
                  w: T.Tensor((experts * N, K), dtype), row_expert: T.Tensor((rows,), "int32"),
                  out: T.Tensor((rows, N), dtype)):
-        with T.Kernel(T.ceildiv(N, BLOCK_N), rows // BLOCK_M, threads=THREADS) as (bx, by):
-            if row_expert[by * BLOCK_M] >= 0:
-                _gathered_tile(x, None, index, w, row_expert[by * BLOCK_M] * N + bx * BLOCK_N, out, by * BLOCK_M,
-                               bx * BLOCK_N, K, dtype)
+        with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
+            if row_expert[by * cfg.block_M] >= 0:
+                _gathered_tile(x, None, index, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
+                               by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg)
 
     return gathered
 
 
 @T.macro
-def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype):
+def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype, cfg):
     """``C[c_row:+BM, c_col:+BN] = A @ W[w_row:+BN, :].T`` with A's row i read from row
     ``index[c_row + i]`` of ``x`` (row 0 where it is -1: a row of no token, whose output is
     undefined). FP8 rows (``scales`` given: the packed rows as float32 words, the scale of
@@ -111,39 +118,50 @@ def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype):
         x: The rows gathered from (bf16/fp16, or the FP8 values of packed rows).
         scales: None, or the packed rows as float32 words (FP8).
         index: (rows,) row of ``x`` of each output row, -1 for none.
-        W, w_row, C, c_row, c_col, K, dtype: as :func:`tilescale.ops._gemm.gemm_tile`'s (``dtype``
-            also the A tile's).
+        W, w_row, C, c_row, c_col, K, dtype, cfg: as :func:`tilescale.ops._gemm.gemm_tile`'s
+            (``dtype`` also the A tile's).
     """
-    a = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-    w = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
-    src = T.alloc_shared((BLOCK_M,), "int32")
-    acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
-    for i in T.Parallel(BLOCK_M):
+    bm, bk = cfg.block_M, cfg.block_K
+    a = T.alloc_shared((bm, bk), dtype)
+    w = T.alloc_shared((cfg.block_N, bk), dtype)
+    src = T.alloc_shared((bm,), "int32")
+    acc = T.alloc_fragment((bm, cfg.block_N), "float32")
+    for i in T.Parallel(bm):
         src[i] = T.max(index[c_row + i], 0)
     T.clear(acc)
     if scales is None:
-        for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
-            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
-                if K % BLOCK_K:  # zeros past K (a guarded load: no cp.async, for odd K only)
-                    a[i, c] = T.if_then_else(k * BLOCK_K + c < K, x[src[i], T.min(k * BLOCK_K + c, K - 1)],
-                                             T.cast(0, dtype))
+        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+            for i, c in T.Parallel(bm, bk):
+                if K % bk:  # zeros past K (a guarded load: no cp.async, for odd K only)
+                    a[i, c] = T.if_then_else(k * bk + c < K, x[src[i], T.min(k * bk + c, K - 1)], T.cast(0, dtype))
                 else:  # a plain copy: cp.async
-                    a[i, c] = x[src[i], k * BLOCK_K + c]
-            T.copy(W[w_row, k * BLOCK_K], w)
-            T.gemm(a, w, acc, transpose_B=True)
+                    a[i, c] = x[src[i], k * bk + c]
+            T.copy(W[w_row, k * bk], w)
+            T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
     else:
-        q = T.alloc_shared((BLOCK_M, BLOCK_K), _FP8)
-        s = T.alloc_shared((BLOCK_M,), "float32")  # each row's scale of this K step (BLOCK_K divides 128)
-        for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
-            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
-                q[i, c] = x[src[i], k * BLOCK_K + c]
-            for i in T.Parallel(BLOCK_M):
-                s[i] = scales[src[i], K // 4 + k * BLOCK_K // BLOCK]
-            T.copy(W[w_row, k * BLOCK_K], w)
-            for i, c in T.Parallel(BLOCK_M, BLOCK_K):
+        q = T.alloc_shared((bm, bk), _FP8)
+        s = T.alloc_shared((bm,), "float32")  # each row's scale of this K step (bk divides 128)
+        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+            for i, c in T.Parallel(bm, bk):
+                q[i, c] = x[src[i], k * bk + c]
+            for i in T.Parallel(bm):
+                s[i] = scales[src[i], K // 4 + k * bk // BLOCK]
+            T.copy(W[w_row, k * bk], w)
+            for i, c in T.Parallel(bm, bk):
                 a[i, c] = T.cast(T.cast(q[i, c], "float32") * s[i], dtype)
-            T.gemm(a, w, acc, transpose_B=True)
-    T.copy(acc, C[c_row, c_col])
+            T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
+    if cfg.epilogue == "shared":
+        out = T.alloc_shared((bm, cfg.block_N), dtype)
+        T.copy(acc, out)
+        T.copy(out, C[c_row, c_col])
+    else:
+        T.copy(acc, C[c_row, c_col])
+
+
+@functools.lru_cache(maxsize=256)
+def _tile(rows: int, n: int) -> TileConfig:
+    """The tile of a grouped GEMM of ``rows x n`` outputs (a bound: tiles of no expert are skipped)."""
+    return choose_tile(rows, n)
 
 
 _identity: dict[tuple[int, torch.device], torch.Tensor] = {}  # (rows, device) -> arange(rows), int32
@@ -170,7 +188,7 @@ def _packed(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None = None,
-                 index: torch.Tensor | None = None) -> torch.Tensor:
+                 index: torch.Tensor | None = None, tile: TileConfig | None = None) -> torch.Tensor:
     """``out[i] = x[i] @ w[row_expert[i]].T`` (or ``x[index[i]]``) for rows grouped by expert in 128-row tiles.
 
     Example::
@@ -193,6 +211,9 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         index: (rows,) int32 row of ``x`` each output row reads (-1: none, the row is
             undefined), e.g. an in-place dispatch's ``handle.source_row``; ``x`` may then
             have any number of rows. None: row i reads row i.
+        tile: the GEMM tile (``ts.ops._gemm.TileConfig`` with 128-row tiles); None: the TP
+            GEMMs' choice for ``rows x N`` outputs (``tp_gemm.plan.choose_tile``: 128x256-wide
+            tiles where they fill the SMs, else 128x128).
 
     Returns:
         (rows, N) in ``w``'s dtype.
@@ -213,14 +234,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     experts = w.shape[0]
     if w.dim() != 3 or w.shape[2] != k or (not fp8 and w.dtype != x.dtype):
         raise ValueError(f"w must be (experts, N, {k}) {x.dtype}, got {tuple(w.shape)} {w.dtype}")
-    if rows % BLOCK_M or row_expert.dim() != 1 or (index is None and held != rows):
-        raise ValueError(f"grouped_gemm: row_expert needs a multiple of {BLOCK_M} rows ({tuple(row_expert.shape)}), "
+    if rows % ROW_TILE or row_expert.dim() != 1 or (index is None and held != rows):
+        raise ValueError(f"grouped_gemm: row_expert needs a multiple of {ROW_TILE} rows ({tuple(row_expert.shape)}), "
                          f"one per row of x ({held}) unless an index is given")
     if index is not None:
         if index.shape != (rows,) or index.dtype != torch.int32:
             raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
         check_in_place_rows(index)
     n = w.shape[1]
+    cfg = _tile(rows, n) if tile is None else tile
+    if cfg.block_M != ROW_TILE:
+        raise ValueError(f"grouped_gemm: tiles of {ROW_TILE} rows (an expert's segment), got {cfg.name()}")
     out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
     weights = w.view(experts * n, k)
     if fp8:
@@ -229,13 +253,13 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         packed = _packed(x, scales)
         index = _identity_index(rows, w.device) if index is None else index
         check_input(index, "index")
-        kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True)
+        kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
         kernel(packed.view(torch.float8_e4m3fn), packed.view(torch.float32), index, weights, row_expert, out)
         return out
     check_input(x, "x")
     if index is None:
-        grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x))(x, weights, row_expert, out)
+        grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)(x, weights, row_expert, out)
     else:
         check_input(index, "index")
-        gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held)(x, index, weights, row_expert, out)
+        gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held, cfg=cfg)(x, index, weights, row_expert, out)
     return out
