@@ -402,6 +402,8 @@ def _op_kernels():
         "get": (p2p.transfer_kernel, ("bfloat16", 8, p2p.DEFAULT_PLAN, 132, True), None),
         "moe_dispatch": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False), None),
         "moe_dispatch_low_latency": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
+        "moe_dispatch_in_place": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False, None, True),
+                                  None),
         "moe_combine": (moe.combine_kernel, (2, 64, 256, 4, 1024, "bfloat16", 132), None),
         "ag_gemm": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
         "ag_gemm_wide": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
