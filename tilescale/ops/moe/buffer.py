@@ -104,6 +104,10 @@ class Buffer:
             per-128-channel float32 scales, passed as a ``(values, scales)`` pair or as bf16
             rows quantised on the way in), bf16 combine.
 
+    Memory: two sets of receive rows, (2, group size, max_tokens, hidden) of ``dtype`` (the
+    second lets an in-place dispatch's rows outlive its call; see ``dispatch.py``), two sets
+    of return rows in the combine's dtype, and per-token metadata.
+
     Collective: every rank of the group constructs it with the same arguments (checked), and
     calls its methods in the same order. Calls that do not fit (more tokens, another top-k,
     hidden size or dtype) raise ValueError. Combines and re-dispatches of another hidden size
