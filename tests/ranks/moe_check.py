@@ -125,6 +125,19 @@ for low_latency in (False, True):
     mode = "low-latency" if low_latency else "normal"
     print(f"rank {rank}: FP8 ({mode}) tokens={tokens} error {float(error):.4f}: FP8-OK", flush=True)
 
+# The gathered GEMM alone, against torch: any index into any rows (-1: a row of no token, left
+# out), K = 40 (a partial K step: the guarded loads), two experts' 128-row tiles and a tile of none.
+g = torch.Generator(device=ts.device()).manual_seed(900 + rank)
+rows_x = torch.randn(50, 40, generator=g).to(torch.bfloat16)
+index = torch.randint(-1, 50, (384,), generator=g, dtype=torch.int32)
+tile_expert = torch.tensor([1, -1, 0], dtype=torch.int32).repeat_interleave(128)
+w_small = (torch.randn(2, 24, 40, generator=g) / 8).to(torch.bfloat16)
+got = ts.ops.grouped_gemm(rows_x, w_small, tile_expert, index=index)
+kept = (index >= 0) & (tile_expert >= 0)
+want = torch.einsum("rk,rnk->rn", rows_x[index.clamp(min=0).long()].float(),
+                    w_small[tile_expert.clamp(min=0).long()].float())
+torch.testing.assert_close(got[kept].float(), want[kept], rtol=2e-2, atol=2e-2)
+
 # In place: the received rows stay where they land. The layout (experts, counts, weights) is
 # the grouped dispatch's, row source_row[i] of recv_x is grouped row i, the grouped GEMM
 # gathering through that index (bf16, and FP8 dequantised as it loads) gives the grouped

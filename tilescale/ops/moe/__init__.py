@@ -16,7 +16,9 @@ The modules, by role:
   once ready).
 * ``dispatch``: the dispatch kernel, sending and receiving at once; ``layout``: the grouped
   layout it leaves (one flat ``(rows, hidden)`` tensor in which local expert ``l`` owns rows
-  ``offsets[l]:offsets[l] + counts[l]``, segments padded to 128-row tiles).
+  ``offsets[l]:offsets[l] + counts[l]``, segments padded to 128-row tiles), or in place
+  (``in_place=True``) the same layout as an index into the receive rows, which
+  ``ts.ops.grouped_gemm(..., index=)`` gathers through (no grouping copy).
 * ``fp8``: FP8 rows in DeepEP's layout (e4m3 values, a float32 scale per 128 channels),
   moved as bytes by the same dispatch kernel.
 * ``combine``: the combine kernel, each token's weighted expert outputs back on its rank.
