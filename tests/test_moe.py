@@ -23,6 +23,7 @@ def test_dispatch_combine_match_reference(n):
     assert proc.stdout.count("FP8-OK") == 2 * n  # FP8 dispatch against the bf16 path, both modes
     assert proc.stdout.count("BUFFER-OK") == n  # reused for any count that fits, refused past it, released
     assert proc.stdout.count("INPLACE-OK") == 2 * n  # in place: gathered GEMMs (bf16, FP8), combine, two sets
+    assert proc.stdout.count("FP8-LAYER-OK") == n  # ExpertParallelMoE(fp8_dispatch=True) against bf16
     # an out-of-range expert id is a ValueError naming the rank and the ids
     for r in range(n):
         assert f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {4 * n}); got" in proc.stdout

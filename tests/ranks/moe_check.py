@@ -183,6 +183,22 @@ for low_latency in (False, True):
     mode = "low-latency" if low_latency else "normal"
     print(f"rank {rank}: in place ({mode}) tokens={tokens}: INPLACE-OK", flush=True)
 
+# The layer with FP8 dispatch (inference): within e4m3's precision of the same layer's bf16
+# forward; with a gradient to record it refuses rather than train on another path.
+layers = {fp8: ts.nn.ExpertParallelMoE(fp8_hidden, ffn, num_experts, 2, seed=21, max_tokens=16, fp8_dispatch=fp8)
+          for fp8 in (False, True)}
+x = torch.randn(uneven(16), fp8_hidden).to(torch.bfloat16)
+with torch.no_grad():
+    y, y8 = layers[False](x).float(), layers[True](x).float()
+error = float((y8 - y).norm() / y.norm().clamp(min=1e-6)) if y.numel() else 0.0
+assert error < 0.05, error
+try:
+    layers[True](x.requires_grad_())
+    raise AssertionError("an FP8-dispatch layer recorded a gradient")
+except RuntimeError as e:
+    assert "is for inference" in str(e), e
+print(f"rank {rank}: layer with FP8 dispatch, error {error:.4f} against bf16: FP8-LAYER-OK", flush=True)
+
 # An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
 # own; a call that does not fit is refused; after release() it is gone.
 buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)

@@ -78,7 +78,11 @@ class ExpertParallelMoE(nn.Module):
     every rank; each rank then passes its own count, 0 included (None: the same count on
     every rank). The forward has no host synchronisation, so a decode step can
     be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
-    experts are split over (None: the job).
+    experts are split over (None: the job). ``fp8_dispatch=True`` (inference): tokens travel
+    as FP8 (DeepEP's layout: e4m3 values, a float32 scale per 128 channels; half the bytes of
+    bf16), the first expert GEMM dequantises them as it loads them; the combine stays in the
+    layer's dtype. Without a gradient recorded the dispatch is in place (``moe_dispatch``'s
+    ``in_place``: no grouping copy, the first GEMM gathers the received rows).
 
     Args:
         hidden: The model dimension.
@@ -91,26 +95,29 @@ class ExpertParallelMoE(nn.Module):
         low_latency: Dispatch in low-latency mode (default False).
         group: The ranks the experts are split over; None: the whole job.
         max_tokens: The most tokens any rank passes, or None (every rank passes the same count).
+        fp8_dispatch: Dispatch FP8 rows (inference only; hidden a multiple of 128).
 
     Raises:
-        ValueError: ``num_experts`` is not divisible by the group size.
+        ValueError: ``num_experts`` is not divisible by the group size, or FP8 rows of a hidden
+            size that is not a multiple of 128.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int, *, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None, low_latency: bool = False,
-                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None):
+                 group: dist.ProcessGroup | None = None, max_tokens: int | None = None, fp8_dispatch: bool = False):
         super().__init__()
         # Every rank draws the same full weights and keeps its experts: no broadcast needed.
         router, w1, w2 = moe_weights(hidden, ffn_hidden, num_experts, seed)
         self._setup(router, w1.to(dtype), w2.to(dtype), topk, activation="gelu", normalize_topk=True,
-                    device=device, low_latency=low_latency, group=group, max_tokens=max_tokens)
+                    device=device, low_latency=low_latency, group=group, max_tokens=max_tokens,
+                    fp8_dispatch=fp8_dispatch)
 
     @classmethod
     def from_weights(cls, router: torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      gate_up: torch.Tensor, down: torch.Tensor, topk: int, *, activation: str = "silu_and_mul",
                      normalize_topk: bool = True, group: dist.ProcessGroup | None = None,
                      low_latency: bool = False, device: torch.device | None = None,
-                     max_tokens: int | None = None) -> ExpertParallelMoE:
+                     max_tokens: int | None = None, fp8_dispatch: bool = False) -> ExpertParallelMoE:
         """The layer of a model's router and experts, in Hugging Face Mixtral's / Qwen-MoE's layout.
 
         Example::
@@ -133,7 +140,7 @@ class ExpertParallelMoE(nn.Module):
             topk: experts per token.
             activation: ``"silu_and_mul"`` (SwiGLU) or ``"gelu"``.
             normalize_topk: renormalise the top-k routing weights to sum to 1.
-            group, low_latency, max_tokens: as the constructor's.
+            group, low_latency, max_tokens, fp8_dispatch: as the constructor's.
             device: where the layer lives (default: this rank's device).
 
         Every rank may pass the full weights: each keeps (copies) its experts' slices. The
@@ -145,14 +152,16 @@ class ExpertParallelMoE(nn.Module):
         moe = cls.__new__(cls)
         nn.Module.__init__(moe)
         moe._setup(router, gate_up, down, topk, activation=activation, normalize_topk=normalize_topk, device=device,
-                   low_latency=low_latency, group=group, max_tokens=max_tokens)
+                   low_latency=low_latency, group=group, max_tokens=max_tokens, fp8_dispatch=fp8_dispatch)
         return moe
 
     def _setup(self, router: torch.Tensor | Callable, w1: torch.Tensor, w2: torch.Tensor, topk: int, *,
                activation: str, normalize_topk: bool, device: torch.device | None, low_latency: bool,
-               group: dist.ProcessGroup | None, max_tokens: int | None = None) -> None:
+               group: dist.ProcessGroup | None, max_tokens: int | None = None, fp8_dispatch: bool = False) -> None:
         world, rank = world_and_rank(group)
         num_experts, hidden = w2.shape[0], w2.shape[1]
+        if fp8_dispatch and hidden % ops.moe.fp8.BLOCK:
+            raise ValueError(f"fp8_dispatch needs hidden divisible by {ops.moe.fp8.BLOCK}, got {hidden}")
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         gated = 2 if activation.endswith("_and_mul") else 1
@@ -166,7 +175,7 @@ class ExpertParallelMoE(nn.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.num_experts, self.topk, self.low_latency, self.group = num_experts, topk, low_latency, group
-        self.max_tokens = max_tokens
+        self.max_tokens, self.fp8_dispatch = max_tokens, fp8_dispatch
         self.activation, self.normalize_topk = activation, normalize_topk
         device = device or runtime.device()
         if isinstance(router, torch.Tensor):
@@ -208,24 +217,29 @@ class ExpertParallelMoE(nn.Module):
         """
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         experts, weights = self.route(x)
-        route = (x, weights, experts, self.num_experts, self.low_latency, self.group, self.max_tokens)
+        route = (weights, experts, self.num_experts, self.low_latency, self.group, self.max_tokens)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, self.w1, self.w2)):
+            if self.fp8_dispatch:
+                raise RuntimeError("ExpertParallelMoE(fp8_dispatch=True) is for inference: run it under "
+                                   "torch.no_grad() (or without parameters that require gradients)")
             gemm, combine = _GroupedGemm.apply, _Combine.apply
-            recv_x, recv_w, handle = _Dispatch.apply(*route)  # grouped rows: the backward reads them
+            recv_x, recv_w, handle = _Dispatch.apply(x, *route)  # grouped rows: the backward reads them
             h = gemm(recv_x, self.w1, handle)
         else:
             # Nothing to differentiate: no autograd nodes (their host time is most of a decode
             # step's), and the received rows stay where they land, gathered by the first GEMM.
             gemm, combine = _grouped_gemm, ops.moe_combine
-            recv_x, recv_w, handle = _dispatch(*route, in_place=True)
-            h = ops.grouped_gemm(recv_x, self.w1, handle.row_expert, index=handle.source_row)
+            rows = ops.moe.quantize_fp8(x) if self.fp8_dispatch else x
+            recv_x, recv_w, handle = _dispatch(rows, *route, in_place=True)
+            values, scales = recv_x if self.fp8_dispatch else (recv_x, None)
+            h = ops.grouped_gemm(values, self.w1, handle.row_expert, scales=scales, index=handle.source_row)
         out = gemm(_ACTIVATIONS[self.activation](h).to(x.dtype), self.w2, handle)
         return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
 
 
-def _dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, low_latency: bool,
-              group: dist.ProcessGroup | None, max_tokens: int | None, in_place: bool = False,
-              ) -> tuple[torch.Tensor, torch.Tensor, ops.moe.DispatchHandle]:
+def _dispatch(x: ops.moe.fp8.Rows, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+              low_latency: bool, group: dist.ProcessGroup | None, max_tokens: int | None, in_place: bool = False,
+              ) -> tuple[ops.moe.fp8.Rows, torch.Tensor, ops.moe.DispatchHandle]:
     """``moe_dispatch`` as the layer uses it: rows, weights and the handle."""
     recv_x, recv_w, _, handle = ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency,
                                                  group=group, max_tokens=max_tokens, in_place=in_place)
