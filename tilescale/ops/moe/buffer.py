@@ -311,8 +311,9 @@ class Buffer:
                                      low_latency, capacity=self.max_tokens, in_place=in_place, group=self.group),
                 output_words=_Words((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
                                      rows)),
-                # The call's identity names what every rank must agree on (not this rank's token count).
-                signature=signature("moe_dispatch", received, f"topk={topk}", f"experts={self.num_experts}",
+                # The call's identity names what every rank must agree on (not this rank's token
+                # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
+                signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
                 received=received, flags=self._flags[low_latency],
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
