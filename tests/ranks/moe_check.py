@@ -251,6 +251,22 @@ try:
     raise AssertionError(f"rank {rank}: a released buffer dispatched")
 except RuntimeError as err:
     assert "is released" in str(err), err
+# in_place=False: one set of receive rows (half the memory); dispatches that group work, an
+# in-place one is refused.
+one_set = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts, in_place=False)
+assert one_set._rows_in[(hidden, torch.bfloat16)].shape[0] == 1
+for _ in range(3):  # consecutive calls reuse the one set
+    x = torch.randn(11 + rank, hidden).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(11 + rank, num_experts).topk(2, dim=1)
+    recv_x, recv_w, counts, handle = one_set.dispatch(x, topk_idx, topk_w)
+    y = one_set.combine(recv_x, recv_w, handle)  # identity experts
+    torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+try:
+    one_set.dispatch(x, topk_idx, topk_w, in_place=True)
+    raise AssertionError(f"rank {rank}: an in-place dispatch through one set of receive rows")
+except ValueError as err:
+    assert "in place needs a buffer with two sets" in str(err), err
+one_set.release()
 print(f"rank {rank}: BUFFER-OK", flush=True)
 
 try:

@@ -103,9 +103,12 @@ class Buffer:
             ``torch.float8_e4m3fn``: FP8 dispatch (``tilescale.ops.moe.fp8``: e4m3 rows and
             per-128-channel float32 scales, passed as a ``(values, scales)`` pair or as bf16
             rows quantised on the way in), bf16 combine.
+        in_place: keep two sets of receive rows, so that a dispatch can leave its rows where
+            they land (``dispatch(..., in_place=True)``); False: one set, half the receive
+            memory, and in-place dispatches raise ValueError. The same on every rank.
 
-    Memory: two sets of receive rows, (2, group size, max_tokens, hidden) of ``dtype`` (the
-    second lets an in-place dispatch's rows outlive its call; see ``dispatch.py``), two sets
+    Memory: receive rows, (sets, group size, max_tokens, hidden) of ``dtype`` (two sets with
+    ``in_place``: an in-place dispatch's rows outlive its call; see ``dispatch.py``), two sets
     of return rows in the combine's dtype, and per-token metadata.
 
     Collective: every rank of the group constructs it with the same arguments (checked), and
@@ -117,7 +120,7 @@ class Buffer:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, max_tokens: int, hidden: int, topk: int, num_experts: int,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, in_place: bool = True):
         self.state = state = runtime.group_state(group)
         self.group, self.world = group, state.size
         if max_tokens < 1 or hidden < 1 or not 1 <= topk <= num_experts or num_experts % state.size:
@@ -131,13 +134,14 @@ class Buffer:
             tl_dtype(torch.empty(0, dtype=dtype))  # TypeError for dtypes the kernels do not move
         self.max_tokens, self.hidden, self.topk, self.num_experts, self.dtype = (max_tokens, hidden, topk,
                                                                                   num_experts, dtype)
+        self.sets = 2 if in_place else 1  # of receive rows: peers write a call's set at its call count % sets
         self.per_rank = num_experts // state.size
         hits = state.size * max_tokens * min(topk, self.per_rank)
         self.rows = -(-(hits + self.per_rank * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE  # grouped rows, worst case
         self.sms = sm_count()
         runtime.check_not_capturing(f"the MoE buffer of {max_tokens} tokens x {hidden} ({dtype})")
         check_same_across_ranks(state, "moe Buffer", [max_tokens, hidden, topk, num_experts, str(dtype),
-                                                      f"SMs={self.sms}"])
+                                                      f"SMs={self.sms}", f"in_place={in_place}"])
         world, meta = state.size, (state.size, max_tokens, topk)
         self._idx, self._w = allocate(state, meta, torch.int32), allocate(state, meta, torch.float32)
         self._slot = allocate(state, meta, torch.int32)
@@ -168,7 +172,8 @@ class Buffer:
 
     def __repr__(self) -> str:
         return (f"Buffer(max_tokens={self.max_tokens}, hidden={self.hidden}, topk={self.topk}, "
-                f"num_experts={self.num_experts}, dtype={self.dtype}, {self.state.describe()}"
+                f"num_experts={self.num_experts}, dtype={self.dtype}, in_place={self.sets == 2}, "
+                f"{self.state.describe()}"
                 f"{', released' if self.released else ''})")
 
     def fits(self, tokens: int, hidden: int, topk: int, num_experts: int, dtype: torch.dtype) -> bool:
@@ -215,12 +220,12 @@ class Buffer:
             raise RuntimeError(f"{self!r} is released: construct a new one")
 
     def _received(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """Receive rows of a dispatch of ``hidden`` x ``dtype``, two sets used by alternate calls:
-        slot j of source src at ``[set, src, j]`` (``dispatch.py`` says why two)."""
+        """Receive rows of a dispatch of ``hidden`` x ``dtype``, in the buffer's sets (alternate
+        calls use alternate sets): slot j of source src at ``[set, src, j]``."""
         key = (hidden, dtype)
         if key not in self._rows_in:
             runtime.check_not_capturing(f"the MoE buffer's receive rows of {hidden} ({dtype})")
-            self._rows_in[key] = allocate(self.state, (2, self.world, self.max_tokens, hidden), dtype)
+            self._rows_in[key] = allocate(self.state, (self.sets, self.world, self.max_tokens, hidden), dtype)
         return self._rows_in[key]
 
     def _returned(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -262,6 +267,8 @@ class Buffer:
         """:meth:`dispatch` of rows whose shapes ``_check_routing`` has checked (``values``: ``x``'s
         values, ``tokens``: their rows), for ``ts.ops.moe_dispatch``, which checks them first."""
         dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+        if in_place and self.sets == 1:
+            raise ValueError(f"moe dispatch: in place needs a buffer with two sets of receive rows, not {self!r}")
         if not self.fits(tokens, values.shape[1], topk_idx.shape[1], self.num_experts, dtype):
             raise ValueError(f"moe dispatch: {tokens} tokens x {values.shape[1]} ({dtype}), "
                              f"top-{topk_idx.shape[1]}, do not fit {self!r}")
@@ -308,7 +315,8 @@ class Buffer:
                 route_words=_Words((world * held, world * held, world, held * topk, self.num_experts, 1,
                                     held * topk)),
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                     low_latency, capacity=self.max_tokens, in_place=in_place, group=self.group),
+                                     low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
+                                     group=self.group),
                 output_words=_Words((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
                                      rows)),
                 # The call's identity names what every rank must agree on (not this rank's token

@@ -69,8 +69,8 @@ class Received:
     """The symmetric receive buffers of a dispatch (prim_func parameters), bundled for its macros:
     slot j of source src at ``[src, j]``."""
 
-    x: object  # (2, world, capacity, hidden) rows, two sets (alternate calls)
-    set: object  # the set this call writes: its call count % 2
+    x: object  # (sets, world, capacity, hidden) rows: two sets for alternate calls, or one
+    set: object  # the set this call writes: its call count % sets
     idx: object  # (world, capacity, topk) their entries' expert ids
     w: object  # (world, capacity, topk) their routing weights
     slot: object  # (world, capacity, topk) their expert slots
@@ -92,7 +92,7 @@ class _Group:
 
 @jit
 def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
-                    low_latency: bool, capacity: int | None = None, in_place: bool = False):
+                    low_latency: bool, capacity: int | None = None, in_place: bool = False, sets: int = 2):
     """Send every token to the ranks of its experts and group what this rank receives by
     local expert, in one launch (see the module notes for the protocol).
 
@@ -116,12 +116,15 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
         capacity: Token slots per source, the same on every rank; None: ``tokens``.
         in_place: Leave the received rows where they land (``out`` is then one unused row);
             ``source_row`` names each grouped row's row of ``recv_x`` viewed as
-            ``(2 * world * capacity, hidden)``.
+            ``(2 * world * capacity, hidden)``. Needs two ``sets``.
+        sets: Sets of receive rows (1 or 2), the same on every rank; call c writes set ``c % sets``.
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     capacity = tokens if capacity is None else capacity
+    if sets not in (1, 2) or (in_place and sets != 2):
+        raise ValueError(f"dispatch_kernel: 1 or 2 sets of receive rows, 2 in place; got {sets}")
     held = max(tokens, 1)
     blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency)
     received = world * capacity
@@ -131,7 +134,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
              slot: T.Tensor((world * held,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
-             recv_x: T.Tensor((2, world, capacity, hidden), dtype),
+             recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
              recv_idx: T.Tensor((world, capacity, topk), "int32"),
              recv_w: T.Tensor((world, capacity, topk), "float32"),
              recv_slot: T.Tensor((world, capacity, topk), "int32"),
@@ -147,7 +150,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 call = T.alloc_local((1,), "int32")
                 call[0] = sends[0]
-                recv = Received(recv_x, call[0] % 2, recv_idx, recv_w, recv_slot, ranges, progress)
+                recv = Received(recv_x, call[0] % sets if sets > 1 else 0, recv_idx, recv_w, recv_slot, ranges,
+                                progress)
                 layout = Layout(position, weight, source_row, row_expert, None if in_place else out, counts,
                                 offsets, received_counts, recv.set * received if in_place else 0)
                 # A group of rows with their entries' expert ids, weights and expert slots: read
