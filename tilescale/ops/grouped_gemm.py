@@ -87,10 +87,7 @@ def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, so
         def gathered_fp8(x: T.Tensor((sources, width), _FP8), scales: T.Tensor((sources, width // 4), "float32"),
                          index: T.Tensor((rows,), "int32"), w: T.Tensor((experts * N, K), dtype),
                          row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((rows, N), dtype)):
-            with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
-                if row_expert[by * cfg.block_M] >= 0:
-                    _gathered_tile(x, scales, index, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
-                                   by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg)
+            _gathered_grid(x, scales, index, w, row_expert, out, K, dtype, cfg)
 
         return gathered_fp8
 
@@ -98,12 +95,20 @@ def gathered_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, so
     def gathered(x: T.Tensor((sources, K), dtype), index: T.Tensor((rows,), "int32"),
                  w: T.Tensor((experts * N, K), dtype), row_expert: T.Tensor((rows,), "int32"),
                  out: T.Tensor((rows, N), dtype)):
-        with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
-            if row_expert[by * cfg.block_M] >= 0:
-                _gathered_tile(x, None, index, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
-                               by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg)
+        _gathered_grid(x, None, index, w, row_expert, out, K, dtype, cfg)
 
     return gathered
+
+
+@T.macro
+def _gathered_grid(x, scales, index, w, row_expert, out, K, dtype, cfg):
+    """The gathered kernel's blocks: one per output tile, each of an expert's (``row_expert`` of
+    its first row) or skipped (-1); :func:`_gathered_tile` computes it."""
+    rows, N = out.shape
+    with T.Kernel(T.ceildiv(N, cfg.block_N), rows // cfg.block_M, threads=cfg.threads) as (bx, by):
+        if row_expert[by * cfg.block_M] >= 0:
+            _gathered_tile(x, scales, index, w, row_expert[by * cfg.block_M] * N + bx * cfg.block_N, out,
+                           by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg)
 
 
 @T.macro
@@ -175,18 +180,6 @@ def _identity_index(rows: int, device: torch.device) -> torch.Tensor:
     return _identity[key]
 
 
-def _packed(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """FP8 ``(values, scales)`` as packed byte rows: the dispatch's own bytes where they are
-    views of them (no copy), else packed anew."""
-    n, k = values.shape
-    width = packed_width(k)
-    if (values.stride() == (width, 1) and scales.stride() == (width // 4, 1) and values.storage_offset() + k
-            == scales.storage_offset() * 4 and values.untyped_storage().data_ptr()
-            == scales.untyped_storage().data_ptr()):
-        return values.view(torch.uint8).as_strided((n, width), (width, 1))
-    return pack((values, scales))
-
-
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None = None,
                  index: torch.Tensor | None = None, tile: TileConfig | None = None) -> torch.Tensor:
     """``out[i] = x[i] @ w[row_expert[i]].T`` (or ``x[index[i]]``) for rows grouped by expert in 128-row tiles.
@@ -250,7 +243,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     if fp8:
         if tuple(scales.shape) != (held, k // BLOCK) or k % BLOCK:
             raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
-        packed = _packed(x, scales)
+        packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
         index = _identity_index(rows, w.device) if index is None else index
         check_input(index, "index")
         kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)

@@ -67,7 +67,9 @@ def is_fp8(x: object) -> bool:
 
 
 def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """FP8 rows as one byte row per token (values, then scales): what the dispatch kernel moves."""
+    """FP8 rows as one byte row per token (values, then scales): what the dispatch kernel moves.
+    A pair that already is views of such rows (:func:`unpack`'s, e.g. a dispatch's output)
+    gives those bytes back without a copy."""
     values, scales = x
     if values.dim() != 2 or values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
         raise TypeError(f"FP8 rows are (values: float8_e4m3fn (tokens, hidden), scales: float32 (tokens, hidden // "
@@ -75,6 +77,12 @@ def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     if values.shape[1] % BLOCK or tuple(scales.shape) != (values.shape[0], values.shape[1] // BLOCK):
         raise ValueError(f"FP8 scales must be (tokens, hidden // {BLOCK}) for values {tuple(values.shape)}, "
                          f"got {tuple(scales.shape)}")
+    n, hidden = values.shape
+    width = packed_width(hidden)
+    if (values.stride() == (width, 1) and scales.stride() == (width // 4, 1)
+            and values.storage_offset() + hidden == scales.storage_offset() * 4
+            and values.untyped_storage().data_ptr() == scales.untyped_storage().data_ptr()):
+        return values.view(torch.uint8).as_strided((n, width), (width, 1))
     return torch.cat([values.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
 
 
