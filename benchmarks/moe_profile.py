@@ -44,7 +44,8 @@ def main() -> None:
     routes = {"dest": h.dest, "slot": h.slot, "send_counts": h.send_counts, "expert_slot": h.expert_slot,
               "expert_counts": h.expert_send_counts}
     steps = {
-        "route": lambda: route(experts, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad, ids),
+        "route": lambda: route(experts, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad, ids,
+                               0),
         "send + group": lambda: h.buffer._send(x, h.topk_idx, h.topk_w, routes, send),
     }
     steps["moe_dispatch"] = lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)

@@ -77,7 +77,7 @@ LAYOUT_CHECK = textwrap.dedent("""
     send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
     expert_counts, bad, ids = torch.empty(num_experts, **i32), torch.empty(1, **i32), torch.empty(tokens, topk, **i32)
     moe.route_kernel(world, tokens, topk, num_experts, "int64")(idx, dest, slot, send_counts, expert_slot,
-                                                                expert_counts, bad, ids)
+                                                                expert_counts, bad, ids, 0)
     flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < num_experts)
     assert torch.equal(ids.flatten().long(), torch.where(valid, flat, -1))  # what the dispatch sends
     order = torch.full_like(flat, -1)

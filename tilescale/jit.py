@@ -41,6 +41,7 @@ from typing import Any
 
 import tilelang
 import torch
+import tvm_ffi
 from tvm import tirx
 from tvm.runtime import Executable
 
@@ -234,6 +235,10 @@ class DistributedKernel:
         hidden = found[1].copy()
         for slot, table in zip(self._slots, tables, strict=True):
             hidden[slot] = table
+        if self._launch == self._first_launch:
+            self._launch = _fastest_launch(self.kernel)
+        if self._launch is not self.kernel:  # TVM-FFI's entry function: the tables converted once, not per call
+            hidden = [tvm_ffi.from_dlpack(h) if isinstance(h, torch.Tensor) else h for h in hidden]
         return hidden
 
     def _first_launch(self, *args: Any) -> Any:

@@ -36,6 +36,7 @@ from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, w
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
+_ROUTE_WORDS = 7  # the routing kernel's outputs, first in a dispatch's words (_SendPlan.words)
 # int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
 # vector accesses may assume their tensors start aligned, as torch's allocations do.
 _ALIGN = 64
@@ -45,12 +46,13 @@ _ALIGN = 64
 class _SendPlan:
     """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call."""
 
-    route: DistributedKernel | None  # the routing kernel (None for no tokens)
-    route_words: _Words  # its outputs in one int32 allocation: dest, slot, send_counts, expert_slot, expert_counts,
-    # bad, ids
+    route: DistributedKernel | None  # the routing kernel (None for no tokens, or along known routes)
     send: DistributedKernel  # the dispatch kernel
-    output_words: _Words  # its int32 outputs in one allocation: counts, offsets, received_counts, position,
-    # source_row, row_expert
+    # Every small output of a call in one int32 allocation: the routing kernel's (dest, slot,
+    # send_counts, expert_slot, expert_counts, bad, ids; where it runs), then the dispatch
+    # kernel's (counts, offsets, received_counts, position, source_row, row_expert, and the
+    # grouped rows' float32 weights as int32 words).
+    words: _Words
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
@@ -280,13 +282,12 @@ class Buffer:
         sent = pack(x) if self.fp8 else x
         ids = expert_ids(topk_idx, self.num_experts)
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
-        routes = self._route(ids, tokens, plan)
+        words = plan.words.views(values.device)
         capturing = _capturing(values)
-        if not capturing and tokens:  # queued behind the exchange: read at the end of this call or a later one
-            watch_ids(routes["bad"], topk_idx, self.num_experts)  # the ids as passed, for the message
+        routes = self._route(ids, tokens, plan, words[:_ROUTE_WORDS], topk_idx if not capturing else None)
         idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(sent, 0), idx, weights, routes, plan)
+            _padded(sent, 0), idx, weights, routes, plan, words[_ROUTE_WORDS:])
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
@@ -309,16 +310,16 @@ class Buffer:
         if plan is None:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
+            routed = tokens and id_dtype
             plan = self._plans[key] = _SendPlan(
                 route=route_kernel(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
-                                   group=self.group) if tokens and id_dtype else None,
-                route_words=_Words((world * held, world * held, world, held * topk, self.num_experts, 1,
-                                    held * topk)),
+                                   group=self.group) if routed else None,
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
-                output_words=_Words((self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows,
-                                     rows)),
+                words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk)
+                              if routed else (0,) * _ROUTE_WORDS)
+                             + (self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows, rows, rows)),
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
@@ -327,9 +328,11 @@ class Buffer:
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
         return plan
 
-    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan) -> dict[str, torch.Tensor]:
-        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends); for no
-        tokens, those of one token routed nowhere."""
+    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan, words: list[torch.Tensor],
+               watched: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends) in ``words``;
+        for no tokens, those of one token routed nowhere. ``watched``: the ids as the caller
+        passed them, whose check :func:`raise_bad_ids` reports (None: not checked, in a graph)."""
         i32 = dict(dtype=torch.int32, device=idx.device)
         world, topk = self.world, self.topk
         if not tokens:
@@ -341,16 +344,19 @@ class Buffer:
         # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
         # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
-        dest, slot, send_counts, expert_slot, expert_counts, bad, ids = plan.route_words.views(idx.device)
+        dest, slot, send_counts, expert_slot, expert_counts, bad, ids = words
         expert_slot, ids = expert_slot.view(tokens, topk), ids.view(tokens, topk)
-        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids)
+        # The check is read at the end of this call or a later one: it is queued behind the exchange.
+        watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
+        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, watch)
         return {"dest": dest, "slot": slot, "send_counts": send_counts, "expert_slot": expert_slot,
                 "expert_counts": expert_counts, "bad": bad, "ids": ids}
 
     def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
-              plan: _SendPlan) -> tuple[torch.Tensor, ...]:
+              plan: _SendPlan, words: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """Every token to its destinations, and what this rank receives grouped by local expert,
-        from the routing kernel's outputs; no host round trip.
+        from the routing kernel's outputs, into ``words`` (the dispatch kernel's part of the
+        plan's; None: new ones); no host round trip.
 
         Returns ``recv_x`` (rows, hidden; in place the receive rows, (2 * world * max_tokens,
         hidden)), per grouped row its routing weight, ``row_expert`` and ``source_row``; per local
@@ -359,10 +365,11 @@ class Buffer:
         """
         world, rows, hidden = self.world, self.rows, x.shape[1]
         # The outputs are the caller's (a handle outlives the next call): new on every call,
-        # the int32 ones as views of one allocation.
-        counts, offsets, received_counts, position, source_row, row_expert = plan.output_words.views(x.device)
-        position = position.view(world * self.max_tokens, self.topk)
-        weight = torch.empty(rows, dtype=torch.float32, device=x.device)
+        # the small ones as views of one allocation.
+        if words is None:
+            words = plan.words.views(x.device)[_ROUTE_WORDS:]
+        counts, offsets, received_counts, position, source_row, row_expert, weight = words
+        position, weight = position.view(world * self.max_tokens, self.topk), weight.view(torch.float32)
         in_place = plan.unused_rows is not None
         recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
@@ -465,18 +472,14 @@ def check_in_place_rows(index: torch.Tensor) -> None:
 
 class _Words:
     """Int32 tensors of the given sizes as views of one new allocation per call, each starting
-    ``_ALIGN`` words into it (as aligned as an allocation of its own)."""
+    a multiple of ``_ALIGN`` words into it (as aligned as an allocation of its own)."""
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
-        self.spans, start = [], 0
-        for n in sizes:
-            self.spans.append((start, n))
-            start += n + -n % _ALIGN
-        self.total = start
+        self.chunks = [c for n in sizes for c in (n, -n % _ALIGN)]  # each tensor, then its padding
 
     def views(self, device: torch.device) -> list[torch.Tensor]:
-        words = torch.empty(self.total, dtype=torch.int32, device=device)
-        return [words.narrow(0, start, n) for start, n in self.spans]
+        """The tensors, one ``split`` of one allocation (a view per tensor made in one call)."""
+        return torch.empty(sum(self.chunks), dtype=torch.int32, device=device).split(self.chunks)[::2]
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:

@@ -69,7 +69,9 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
     entries naming it, in (token, k) order (``expert_slot``), and how many
     (``expert_counts[e]``). The last block counts the ids outside [0, num_experts) into
     ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1; and writes the int32 ids
-    the dispatch sends (``ids``: -1 for those). ``topk_idx`` is read as passed (``id_dtype``:
+    the dispatch sends (``ids``: -1 for those). Where ``bad_host`` is not 0 it also stores
+    that count at host address ``bad_host`` (a pinned, device-mapped word the host watches:
+    no copy to bring the check back). ``topk_idx`` is read as passed (``id_dtype``:
     int32 or int64), so the caller's ids need no conversion kernel. Every element of every
     output is written (the caller allocates them unfilled).
 
@@ -90,8 +92,13 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
     def main(topk_idx: T.Tensor((tokens, topk), id_dtype), dest: T.Tensor((world * tokens,), "int32"),
              slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
-             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32")):
+             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"), bad_host: T.int64):
         with T.Kernel(world + num_experts + 1, threads=SCAN_THREADS) as b:
+            # Two blocks per SM (at most 64 registers a thread): the blocks, one per rank and
+            # expert, then fit in one wave on an H100 up to 264 of them, and each SM has twice
+            # the warps to hide its loads behind (one block per SM: 57 us at 4096 tokens, top-8
+            # of 256 experts, one H100).
+            T.annotate_min_blocks_per_sm(2)
             hits = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # per token: 0/1 (rank), entries (expert)
             prefix = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # inclusive, along each row
             row_end = T.alloc_shared((scan_rows,), "int32")  # inclusive prefix of the row totals
@@ -140,6 +147,8 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
                 expert_counts[b - world] = done[0]
             else:
                 bad[0] = done[0]
+                if bad_host != 0:
+                    T.make_tensor_from_addr(bad_host, [1], "int32")[0] = done[0]
 
     return main
 
@@ -179,22 +188,24 @@ def _wider_than_int32(dtype: torch.dtype) -> bool:
 class _IdCheck:
     """The routing kernel's count of out-of-range expert ids for one call, read when ready."""
 
-    bad: np.ndarray  # (1,) int32: on GPUs pinned host memory that an asynchronous copy fills, -1 until it lands
-    host: torch.Tensor | None  # that pinned memory (None on the CPU path), reused once the check is read
+    bad: np.ndarray  # (1,) int32: on GPUs a pinned host word the routing kernel stores into, -1 until it does
+    host: torch.Tensor | None  # that pinned word (None on the CPU path), reused once the check is read
     idx: torch.Tensor  # the call's expert ids, for the message
     num_experts: int
 
 
 _id_checks: list[_IdCheck] = []
-# Pinned words of finished checks, for the next calls: allocating them anew cost a
-# low-latency dispatch + combine 4% of its host time (252 -> 242 us, one H200).
-_spare: list[torch.Tensor] = []
+# Pinned words of finished checks and their numpy views, for the next calls (a new pinned
+# allocation per call cost a low-latency dispatch + combine 4% of its host time, one H200).
+_spare: list[tuple[torch.Tensor, np.ndarray]] = []
 
 
-def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
-    """Queue the device's id check of this call, without waiting for it: the count is copied
-    into pinned host memory holding -1 until the copy lands (a 4-byte store, seen whole), so
-    no event is needed to know when it is there.
+def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> int:
+    """Queue the device's id check of this call, without waiting for it.
+
+    On GPUs the routing kernel stores its count straight into a pinned host word that holds
+    -1 until then (a 4-byte store, seen whole): no copy, no event. On the CPU path the kernel
+    has run by the time the call returns, and ``bad`` is read as it is.
 
     Args:
         bad: (1,) int32 count of out-of-range ids the routing kernel writes.
@@ -202,16 +213,20 @@ def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> None:
         num_experts: Experts over the whole group.
 
     Returns:
-        None; :func:`raise_bad_ids` raises for it once the count has landed.
+        int: The host word's address for the routing kernel's ``bad_host`` (0 on the CPU
+        path); :func:`raise_bad_ids` raises for the check once the count has landed.
     """
-    if bad.is_cuda:
-        host = _spare.pop() if _spare else torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)
-        word = host.numpy()
-        word[0] = -1
-        host.copy_(bad, non_blocking=True)
-        _id_checks.append(_IdCheck(word, host, idx, num_experts))
-    else:
+    if not bad.is_cuda:
         _id_checks.append(_IdCheck(bad.numpy(), None, idx, num_experts))
+        return 0
+    if _spare:
+        host, word = _spare.pop()
+    else:
+        host = torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)
+        word = host.numpy()
+    word[0] = -1
+    _id_checks.append(_IdCheck(word, host, idx, num_experts))
+    return host.data_ptr()
 
 
 def raise_bad_ids() -> None:
@@ -220,7 +235,7 @@ def raise_bad_ids() -> None:
         check = _id_checks.pop(0)
         found = int(check.bad[0])
         if check.host is not None:
-            _spare.append(check.host)
+            _spare.append((check.host, check.bad))
         if found:
             low, high = int(check.idx.min()), int(check.idx.max())
             raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {check.num_experts}); "
