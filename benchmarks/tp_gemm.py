@@ -302,8 +302,9 @@ def floor_summary(rows: list[dict]) -> dict:
                              "over_goal": [s for x, s in ratios if x > FLOOR_GOAL]}
     # The default plan of each op (the copy-engine producer for the all-gather).
     default = [r.get("fused_copy_engine_vs_cublas", r.get("fused_vs_cublas")) for r in rows if r["M"] >= 1024]
-    summary["default_plans"] = {"worst": max(default), "geomean": math.exp(sum(map(math.log, default)) / len(default)),
-                                "goal_worst": FLOOR_GOAL, "goal_geomean": FLOOR_GEOMEAN_GOAL}
+    if default:  # none where --shapes picks decode shapes only
+        summary["default_plans"] = {"worst": max(default), "goal_worst": FLOOR_GOAL, "goal_geomean": FLOOR_GEOMEAN_GOAL,
+                                    "geomean": math.exp(sum(map(math.log, default)) / len(default))}
     summary["decode"] = [{"shape": f"{r['M']}x{r['K']}x{r['N']}", "eager": r["fused_vs_cublas"],
                           "graph": r["graph_fused_vs_cublas"], "goal_eager": DECODE_EAGER_GOAL,
                           "goal_graph": DECODE_GRAPH_GOAL} for r in rows if "graph_fused_vs_cublas" in r]

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+import tilescale.nn.moe as nn_moe
 from tilescale.nn.moe import moe_weights
 from tilescale.testing import reference_moe
 
@@ -14,6 +15,7 @@ rank, world = ts.rank(), ts.world_size()
 hidden, ffn, num_experts, topk = 64, 96, 4 * world, 2
 # fp32 on the CPU path (exact comparison); the GPUs' tensor-core kernels take bf16.
 dtype = torch.bfloat16 if ts.device().type == "cuda" else torch.float32
+default_rows = nn_moe.IN_PLACE_ROWS
 
 
 def check(counts: list[int], max_tokens: int | None) -> None:
@@ -24,9 +26,13 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     grad_y = torch.randn(tokens, hidden, generator=g).to(dtype)
     y = moe(x)
     (y * grad_y).sum().backward()
-    with torch.no_grad():  # inference: an in-place dispatch, the first GEMM gathering the received rows
-        y_inference = moe(x)
-    torch.testing.assert_close(y_inference, y.detach(), rtol=1e-5, atol=1e-5)
+    # Inference: no autograd nodes; the dispatch in place (the first GEMM gathering the received
+    # rows) where experts get few rows, else grouped: both paths, forced, against autograd's.
+    for rows in (10**9, 0):
+        nn_moe.IN_PLACE_ROWS = rows
+        with torch.no_grad():
+            torch.testing.assert_close(moe(x), y.detach(), rtol=1e-5, atol=1e-5)
+    nn_moe.IN_PLACE_ROWS = default_rows
 
     # Reference: every rank's tokens through the whole MoE (all experts) in one process.
     everyone = [None] * world
@@ -51,7 +57,8 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     for name, (got, want) in checks.items():
         error = float((got.float().cpu() - want).norm() / want.norm().clamp(min=1e-12)) if want.numel() else 0.0
         assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:g}"
-    print(f"rank {rank}: MoE backward matches autograd (x, router, w1, w2), inference forward the same, "
+    print(f"rank {rank}: MoE backward matches autograd (x, router, w1, w2), inference forward the same (in place "
+          f"and grouped), "
           f"tokens {counts}: MOE-GRAD-OK", flush=True)
 
 

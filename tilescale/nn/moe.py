@@ -25,6 +25,12 @@ from torch import nn
 from tilescale import ops, runtime
 from tilescale.nn._group import world_and_rank
 
+# Inference dispatches in place (no grouping copy) while an expert receives at most this many
+# rows on average: the first GEMM then gathers them at about the grouped GEMM's speed (1.04x
+# at 96 rows an expert), while at 384-1024 rows the gathered GEMM (cp.async, no TMA) costs
+# 1.3-1.6x the grouped one, more than the grouping copy saves (one H100, 2026-11-26).
+IN_PLACE_ROWS = 128
+
 
 def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, ...]:
     """The full fp32 (router, w1, w2) of every expert that ``ExpertParallelMoE(..., seed=seed)``
@@ -81,8 +87,9 @@ class ExpertParallelMoE(nn.Module):
     experts are split over (None: the job). ``fp8_dispatch=True`` (inference): tokens travel
     as FP8 (DeepEP's layout: e4m3 values, a float32 scale per 128 channels; half the bytes of
     bf16), the first expert GEMM dequantises them as it loads them; the combine stays in the
-    layer's dtype. Without a gradient recorded the dispatch is in place (``moe_dispatch``'s
-    ``in_place``: no grouping copy, the first GEMM gathers the received rows).
+    layer's dtype. Without a gradient recorded and with few rows per expert (``IN_PLACE_ROWS``)
+    the dispatch is in place (``moe_dispatch``'s ``in_place``: no grouping copy, the first GEMM
+    gathers the received rows).
 
     Args:
         hidden: The model dimension.
@@ -175,6 +182,7 @@ class ExpertParallelMoE(nn.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.num_experts, self.topk, self.low_latency, self.group = num_experts, topk, low_latency, group
+        self.world_size = world
         self.max_tokens, self.fp8_dispatch = max_tokens, fp8_dispatch
         self.activation, self.normalize_topk = activation, normalize_topk
         device = device or runtime.device()
@@ -227,12 +235,15 @@ class ExpertParallelMoE(nn.Module):
             h = gemm(recv_x, self.w1, handle)
         else:
             # Nothing to differentiate: no autograd nodes (their host time is most of a decode
-            # step's), and the received rows stay where they land, gathered by the first GEMM.
+            # step's). Few rows per expert: the received rows stay where they land, gathered by
+            # the first GEMM; many: grouped once by the dispatch, for the TMA GEMM (see IN_PLACE_ROWS).
             gemm, combine = _grouped_gemm, ops.moe_combine
             rows = ops.moe.quantize_fp8(x) if self.fp8_dispatch else x
-            recv_x, recv_w, handle = _dispatch(rows, *route, in_place=True)
+            in_place = x.shape[0] * self.topk * self.world_size <= IN_PLACE_ROWS * self.num_experts
+            recv_x, recv_w, handle = _dispatch(rows, *route, in_place=in_place)
             values, scales = recv_x if self.fp8_dispatch else (recv_x, None)
-            h = ops.grouped_gemm(values, self.w1, handle.row_expert, scales=scales, index=handle.source_row)
+            h = ops.grouped_gemm(values, self.w1, handle.row_expert, scales=scales,
+                                 index=handle.source_row if in_place else None)
         out = gemm(_ACTIVATIONS[self.activation](h).to(x.dtype), self.w2, handle)
         return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
 

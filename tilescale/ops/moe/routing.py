@@ -26,6 +26,11 @@ from tilescale.jit import jit
 SCAN_ROWS = 32
 SCAN_COLS = 128
 SCAN_THREADS = 512
+# Routing blocks resident per SM (at most 64 registers a thread for 2): the blocks, one per
+# rank and expert, then fit in one wave on an H100 up to 264 of them, and each SM has twice
+# the warps to hide its loads behind (one block per SM: 57 us at 4096 tokens, top-8 of 256
+# experts, one H100; two: 45-47 us).
+ROUTE_BLOCKS_PER_SM = 2
 
 
 def _id(idx, t, k, num_experts):
@@ -94,11 +99,7 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
              bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"), bad_host: T.int64):
         with T.Kernel(world + num_experts + 1, threads=SCAN_THREADS) as b:
-            # Two blocks per SM (at most 64 registers a thread): the blocks, one per rank and
-            # expert, then fit in one wave on an H100 up to 264 of them, and each SM has twice
-            # the warps to hide its loads behind (one block per SM: 57 us at 4096 tokens, top-8
-            # of 256 experts, one H100).
-            T.annotate_min_blocks_per_sm(2)
+            T.annotate_min_blocks_per_sm(ROUTE_BLOCKS_PER_SM)
             hits = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # per token: 0/1 (rank), entries (expert)
             prefix = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # inclusive, along each row
             row_end = T.alloc_shared((scan_rows,), "int32")  # inclusive prefix of the row totals
