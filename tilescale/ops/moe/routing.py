@@ -127,7 +127,9 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
                     for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
                         u = c * chunk + i * SCAN_COLS + j
                         t = T.min(u, tokens - 1)
-                        if u < tokens and _id(topk_idx, t, k, num_experts) == b - world:
+                        # The token's ids are read again only where it names this expert (hits,
+                        # in shared memory): 1 token in num_experts / topk, not every one.
+                        if u < tokens and hits[i, j] > 0 and _id(topk_idx, t, k, num_experts) == b - world:
                             expert_slot[t, k] = (done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j]
                                                  - hits[i, j] + T.if_then_else(
                                                      hits[i, j] > 1,
