@@ -36,7 +36,7 @@ from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, w
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
-_ROUTE_WORDS = 7  # the routing kernel's outputs, first in a dispatch's words (_SendPlan.words)
+_SEND_WORDS = 7  # the dispatch kernel's outputs, last in a plan's words (_SendPlan.words)
 # int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
 # vector accesses may assume their tensors start aligned, as torch's allocations do.
 _ALIGN = 64
@@ -49,7 +49,7 @@ class _SendPlan:
     route: DistributedKernel | None  # the routing kernel (None for no tokens, or along known routes)
     send: DistributedKernel  # the dispatch kernel
     # Every small output of a call in one int32 allocation: the routing kernel's (dest, slot,
-    # send_counts, expert_slot, expert_counts, bad, ids; where it runs), then the dispatch
+    # send_counts, expert_slot, expert_counts, bad, ids; only where it runs), then the dispatch
     # kernel's (counts, offsets, received_counts, position, source_row, row_expert, and the
     # grouped rows' float32 weights as int32 words).
     words: _Words
@@ -284,10 +284,10 @@ class Buffer:
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
         words = plan.words.views(values.device)
         capturing = _capturing(values)
-        routes = self._route(ids, tokens, plan, words[:_ROUTE_WORDS], topk_idx if not capturing else None)
+        routes = self._route(ids, tokens, plan, words[:-_SEND_WORDS], topk_idx if not capturing else None)
         idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(sent, 0), idx, weights, routes, plan, words[_ROUTE_WORDS:])
+            _padded(sent, 0), idx, weights, routes, plan, words[-_SEND_WORDS:])
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
@@ -318,7 +318,7 @@ class Buffer:
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
                 words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk)
-                              if routed else (0,) * _ROUTE_WORDS)
+                              if routed else ())
                              + (self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows, rows, rows)),
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
@@ -367,7 +367,7 @@ class Buffer:
         # The outputs are the caller's (a handle outlives the next call): new on every call,
         # the small ones as views of one allocation.
         if words is None:
-            words = plan.words.views(x.device)[_ROUTE_WORDS:]
+            words = plan.words.views(x.device)[-_SEND_WORDS:]
         counts, offsets, received_counts, position, source_row, row_expert, weight = words
         position, weight = position.view(world * self.max_tokens, self.topk), weight.view(torch.float32)
         in_place = plan.unused_rows is not None
