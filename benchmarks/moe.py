@@ -20,12 +20,14 @@ layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^
 """
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
 from harness import Report, check_close, graphed, time_fn
 
 import tilescale as ts
+import tilescale.nn.moe as nn_moe
 from tilescale.ops._gemm import DEFAULT
 
 CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
@@ -314,8 +316,38 @@ def floor_rows(iters: int, small: bool) -> list[dict]:
                  "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
                  "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"]})
     rows.append(fp8_layer_row((tokens, hidden, ffn, num_experts, topk), floor, iters))
+    rows += layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), floor, iters)
     for row in rows:
         row["copy_GBps"], row["gemm_TFLOPs"] = bandwidth / 1e9, rate / 1e12
+    return rows
+
+
+def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, iters: int) -> list[dict]:
+    """The layer's inference forward with its dispatch forced in place (the first expert GEMM
+    gathering the received rows) and grouped (the TMA GEMM over grouped rows), one after the
+    other, eager and replayed, at the layer's tokens and an eighth of them: what
+    ``ts.nn.moe.IN_PLACE_ROWS`` (in place only for few rows per expert) is chosen from."""
+    tokens, hidden, ffn, num_experts, topk = shape
+    layer = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
+    rows, default = [], nn_moe.IN_PLACE_ROWS
+    try:
+        for n in (tokens, max(tokens // 8, 1)):
+            x = torch.randn(n, hidden, device=ts.device(), dtype=torch.bfloat16)
+            outputs = {}
+            for mode, limit in (("in place", 2**62), ("grouped", 0)):
+                nn_moe.IN_PLACE_ROWS = limit
+                forward = functools.partial(layer, x)
+                with torch.no_grad():
+                    outputs[mode] = forward()
+                    eager = time_fn(forward, iters=iters).median_ms * 1e3
+                    replay = time_fn(graphed(forward), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
+                rows.append({"step": f"layer forward, dispatch {mode}", "tokens": n, "hidden": hidden, "topk": topk,
+                             "experts": num_experts, "eager_us": eager, "graph_us": replay,
+                             "floor_us": floor * n / tokens, "graph_over_floor": replay / (floor * n / tokens)})
+            rows[-1]["checks"] = [check_close(f"layer {n} tokens, in place vs grouped", outputs["in place"],
+                                              outputs["grouped"])]
+    finally:
+        nn_moe.IN_PLACE_ROWS = default
     return rows
 
 
