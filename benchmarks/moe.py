@@ -27,8 +27,8 @@ import torch.distributed as dist
 from harness import Report, check_close, graphed, time_fn
 
 import tilescale as ts
-import tilescale.nn.moe as nn_moe
 from tilescale.ops._gemm import DEFAULT
+from tilescale.testing import moe_dispatch_in_place
 
 CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
 SMALL = {"normal": (64, 128, 4, 16), "low-latency": (8, 128, 4, 16)}  # hidden: whole FP8 scale blocks
@@ -329,25 +329,20 @@ def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, ite
     ``ts.nn.moe.IN_PLACE_ROWS`` (in place only for few rows per expert) is chosen from."""
     tokens, hidden, ffn, num_experts, topk = shape
     layer = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
-    rows, default = [], nn_moe.IN_PLACE_ROWS
-    try:
-        for n in (tokens, max(tokens // 8, 1)):
-            x = torch.randn(n, hidden, device=ts.device(), dtype=torch.bfloat16)
-            outputs = {}
-            for mode, limit in (("in place", 2**62), ("grouped", 0)):
-                nn_moe.IN_PLACE_ROWS = limit
-                forward = functools.partial(layer, x)
-                with torch.no_grad():
-                    outputs[mode] = forward()
-                    eager = time_fn(forward, iters=iters).median_ms * 1e3
-                    replay = time_fn(graphed(forward), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
-                rows.append({"step": f"layer forward, dispatch {mode}", "tokens": n, "hidden": hidden, "topk": topk,
-                             "experts": num_experts, "eager_us": eager, "graph_us": replay,
-                             "floor_us": floor * n / tokens, "graph_over_floor": replay / (floor * n / tokens)})
-            rows[-1]["checks"] = [check_close(f"layer {n} tokens, in place vs grouped", outputs["in place"],
-                                              outputs["grouped"])]
-    finally:
-        nn_moe.IN_PLACE_ROWS = default
+    rows = []
+    for n in (tokens, max(tokens // 8, 1)):
+        x = torch.randn(n, hidden, device=ts.device(), dtype=torch.bfloat16)
+        forward, outputs = functools.partial(layer, x), {}
+        for mode in ("in place", "grouped"):
+            with moe_dispatch_in_place(mode == "in place"), torch.no_grad():
+                outputs[mode] = forward()
+                eager = time_fn(forward, iters=iters).median_ms * 1e3
+                replay = time_fn(graphed(forward), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
+            rows.append({"step": f"layer forward, dispatch {mode}", "tokens": n, "hidden": hidden, "topk": topk,
+                         "experts": num_experts, "eager_us": eager, "graph_us": replay,
+                         "floor_us": floor * n / tokens, "graph_over_floor": replay / (floor * n / tokens)})
+        rows[-1]["checks"] = [check_close(f"layer {n} tokens, in place vs grouped", outputs["in place"],
+                                          outputs["grouped"])]
     return rows
 
 

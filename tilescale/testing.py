@@ -3,8 +3,9 @@ reference implementations to check layers against."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,29 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w1: torch.Tensor, w2: t
                 h = torch.nn.functional.gelu(x[rows] @ w1[e].T)
                 out = out.index_add(0, rows, weights[rows, k, None] * (h @ w2[e].T))
     return out
+
+
+@contextlib.contextmanager
+def moe_dispatch_in_place(in_place: bool) -> Iterator[None]:
+    """Force ``ts.nn.ExpertParallelMoE``'s inference dispatch in place (``True``) or grouped
+    (``False``) inside the block, whatever its tokens per expert (``IN_PLACE_ROWS``).
+
+    Example::
+
+        with moe_dispatch_in_place(False), torch.no_grad():
+            y = layer(x)                       # grouped rows, the TMA expert GEMM
+
+    Args:
+        in_place: The dispatch mode to force.
+    """
+    from tilescale.nn import moe  # the layers load lazily
+
+    default = moe.IN_PLACE_ROWS
+    moe.IN_PLACE_ROWS = 2**62 if in_place else 0
+    try:
+        yield
+    finally:
+        moe.IN_PLACE_ROWS = default
 
 
 def check_greedy(tokens: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor, atol: float) -> int:

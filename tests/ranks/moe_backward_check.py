@@ -5,9 +5,8 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-import tilescale.nn.moe as nn_moe
 from tilescale.nn.moe import moe_weights
-from tilescale.testing import reference_moe
+from tilescale.testing import moe_dispatch_in_place, reference_moe
 
 ts.init()
 torch.set_default_device(ts.device())
@@ -15,7 +14,6 @@ rank, world = ts.rank(), ts.world_size()
 hidden, ffn, num_experts, topk = 64, 96, 4 * world, 2
 # fp32 on the CPU path (exact comparison); the GPUs' tensor-core kernels take bf16.
 dtype = torch.bfloat16 if ts.device().type == "cuda" else torch.float32
-default_rows = nn_moe.IN_PLACE_ROWS
 
 
 def check(counts: list[int], max_tokens: int | None) -> None:
@@ -28,11 +26,9 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     (y * grad_y).sum().backward()
     # Inference: no autograd nodes; the dispatch in place (the first GEMM gathering the received
     # rows) where experts get few rows, else grouped: both paths, forced, against autograd's.
-    for rows in (10**9, 0):
-        nn_moe.IN_PLACE_ROWS = rows
-        with torch.no_grad():
+    for in_place in (True, False):
+        with moe_dispatch_in_place(in_place), torch.no_grad():
             torch.testing.assert_close(moe(x), y.detach(), rtol=1e-5, atol=1e-5)
-    nn_moe.IN_PLACE_ROWS = default_rows
 
     # Reference: every rank's tokens through the whole MoE (all experts) in one process.
     everyone = [None] * world

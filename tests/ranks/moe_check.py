@@ -5,12 +5,11 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-import tilescale.nn.moe as nn_moe
+from tilescale.testing import moe_dispatch_in_place
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
 rank, world = ts.rank(), ts.world_size()
-default_rows = nn_moe.IN_PLACE_ROWS
 per_rank = max(4, 8 // world)  # top-8 needs 8 experts, also in a one-rank job
 num_experts = per_rank * world
 hidden = 40
@@ -190,13 +189,11 @@ for low_latency in (False, True):
 layers = {fp8: ts.nn.ExpertParallelMoE(fp8_hidden, ffn, num_experts, 2, seed=21, max_tokens=16, fp8_dispatch=fp8)
           for fp8 in (False, True)}
 x = torch.randn(uneven(16), fp8_hidden).to(torch.bfloat16)
-for rows in (10**9, 0):  # FP8 rows dispatched in place (gathered by the first GEMM), then grouped
-    nn_moe.IN_PLACE_ROWS = rows
-    with torch.no_grad():
+for in_place in (True, False):  # FP8 rows dispatched in place (gathered by the first GEMM), then grouped
+    with moe_dispatch_in_place(in_place), torch.no_grad():
         y, y8 = layers[False](x).float(), layers[True](x).float()
     error = float((y8 - y).norm() / y.norm().clamp(min=1e-6)) if y.numel() else 0.0
-    assert error < 0.05, (rows, error)
-nn_moe.IN_PLACE_ROWS = default_rows
+    assert error < 0.05, (in_place, error)
 try:
     layers[True](x.requires_grad_())
     raise AssertionError("an FP8-dispatch layer recorded a gradient")
