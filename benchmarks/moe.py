@@ -76,66 +76,86 @@ class AllToAllBaseline:
         return out.to(rows.dtype)
 
 
-def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, iters: int) -> dict:
-    """Check, then time, dispatch and combine against the all_to_all_single baseline (also used by scaling.py)."""
+# Rows a dispatch sends: (FP8, in place). FP8 and in-place dispatches are timed alone: their
+# combine is the bf16 grouped one, timed in the bf16 row.
+VARIANTS = {"bf16": (False, False), "fp8": (True, False), "in-place": (False, True)}
+
+
+def measure(case: str, tokens: int, hidden: int, topk: int, num_experts: int, iters: int,
+            variant: str = "bf16") -> dict:
+    """Check, then time, dispatch and combine against the all_to_all_single baseline (also used by scaling.py).
+
+    ``variant`` (``VARIANTS``): FP8 rows are compared with the baseline exchanging the same
+    packed FP8 bytes; an in-place dispatch with the baseline as for bf16.
+    """
+    fp8, in_place = VARIANTS[variant]
     low_latency = case == "low-latency"
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    rows_in = ts.ops.moe.quantize_fp8(x) if fp8 else x
     baseline = AllToAllBaseline(experts, weights, num_experts)
 
-    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
-    received, meta = baseline.dispatch(x)
+    def dispatch():
+        return ts.ops.moe_dispatch(rows_in, experts, weights, num_experts, low_latency=low_latency, in_place=in_place)
+
+    sent = ts.ops.moe.fp8.pack(rows_in) if fp8 else x  # the baseline exchanges the same bytes
+    recv_x, recv_w, counts, handle = dispatch()
+    received, meta = baseline.dispatch(sent)
+    if fp8:
+        received = ts.ops.moe.dequantize_fp8(*ts.ops.moe.fp8.unpack(received, hidden))
+        recv_x = ts.ops.moe.dequantize_fp8(*recv_x)
+    valid = handle.source_row >= 0
+    if in_place:  # rows stay where they land: group them as a grouped dispatch would
+        grouped = torch.zeros(handle.source_row.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
+        grouped[valid] = recv_x[handle.source_row[valid].long()]
+        recv_x = grouped
     # The same rows arrive, in other orders, and grouped by expert tilescale repeats a row
     # for each local expert it goes to: compare the sorted row sums of the distinct rows.
-    valid = handle.source_row >= 0
     distinct, which = torch.unique(handle.source_row[valid], return_inverse=True)
     ours = torch.zeros(len(distinct), device=x.device).scatter_(0, which, recv_x[valid].float().sum(1))
-    checks = [check_close(f"{case} dispatch", ours.sort().values, received.float().sum(1).sort().values,
+    checks = [check_close(f"{case} {variant} dispatch", ours.sort().values, received.float().sum(1).sort().values,
                           rtol=1e-3, atol=1e-3)]
-    # Identity experts: each token comes back as x times the sum of its routing weights.
+    # Identity experts: each token comes back as its rows times the sum of its routing weights.
     per_rank = num_experts // ts.world_size()
     local = (meta[:, :topk].long() // per_rank) == ts.rank()
     weighted = (received.float() * (meta[:, topk:] * local).sum(1, keepdim=True)).to(received.dtype)
     combined = ts.ops.moe_combine(recv_x, recv_w, handle)
-    checks.append(check_close(f"{case} combine", combined, baseline.combine(weighted), rtol=2e-2, atol=2e-2))
-
-    def dispatch():
-        return ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
-
+    checks.append(check_close(f"{case} {variant} combine", combined, baseline.combine(weighted),
+                              rtol=2e-2, atol=2e-2))
     t_disp = time_fn(dispatch, iters=iters, barrier=dist.barrier)
-    # Each combine answers a dispatch: time the pair and subtract the dispatch alone.
-    def round_trip():
-        rx, rw, _, h = dispatch()
-        return ts.ops.moe_combine(rx, rw, h)
+    b_disp = time_fn(lambda: baseline.dispatch(sent), iters=iters, barrier=dist.barrier)
+    width = ts.ops.moe.fp8.packed_width(hidden) if fp8 else 2 * hidden
+    nbytes = received.shape[0] * width
+    row = {"case": case, "rows": variant, "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
+           "dispatch_us": t_disp.median_ms * 1e3, "a2a_dispatch_us": b_disp.median_ms * 1e3,
+           "dispatch_GBps": nbytes / t_disp.median_ms / 1e6, "recv_bytes": nbytes, "checks": checks}
+    if variant == "bf16":
+        # Each combine answers a dispatch: time the pair and subtract the dispatch alone.
+        def round_trip():
+            rx, rw, _, h = dispatch()
+            return ts.ops.moe_combine(rx, rw, h)
 
-    t_comb_pair = time_fn(round_trip, iters=iters, barrier=dist.barrier)
-    b_disp = time_fn(lambda: baseline.dispatch(x), iters=iters, barrier=dist.barrier)
-    b_comb = time_fn(lambda: baseline.combine(weighted), iters=iters, barrier=dist.barrier)
-    nbytes = received.shape[0] * hidden * 2
-    graph_rows = {}
+        pair = time_fn(round_trip, iters=iters, barrier=dist.barrier).median_ms
+        b_comb = time_fn(lambda: baseline.combine(weighted), iters=iters, barrier=dist.barrier)
+        row.update({"combine_us": (pair - t_disp.median_ms) * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
+                    "combine_GBps": nbytes / max(pair - t_disp.median_ms, 1e-6) / 1e6})
     if x.is_cuda:  # the baseline reads split sizes on the host, so it cannot be captured
-        graph_rows, graph_check = graph_timings(dispatch, round_trip, combined, iters)
-        checks.append(graph_check)
-    return {**graph_rows,
-        "case": case, "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
-        "dispatch_us": t_disp.median_ms * 1e3, "a2a_dispatch_us": b_disp.median_ms * 1e3,
-        "combine_us": (t_comb_pair.median_ms - t_disp.median_ms) * 1e3, "a2a_combine_us": b_comb.median_ms * 1e3,
-        "dispatch_GBps": nbytes / t_disp.median_ms / 1e6,
-        "combine_GBps": nbytes / max(t_comb_pair.median_ms - t_disp.median_ms, 1e-6) / 1e6,
-        "recv_bytes": nbytes, "checks": checks,
-    }
+        row["graph_dispatch_us"] = time_fn(graphed(dispatch), iters=iters, barrier=dist.barrier).median_ms * 1e3
+        if variant == "bf16":
+            graph_pair, graph_check = graph_timings(round_trip, combined, iters)
+            row["graph_combine_us"] = graph_pair - row["graph_dispatch_us"]
+            checks.append(graph_check)
+    return row
 
 
-def graph_timings(dispatch, round_trip, expected: torch.Tensor, iters: int) -> tuple[dict, dict]:
-    """Dispatch, and dispatch + combine, each captured once in a CUDA graph and replayed."""
-    replay_dispatch = graphed(dispatch)
+def graph_timings(round_trip, expected: torch.Tensor, iters: int) -> tuple[float, dict]:
+    """Dispatch + combine captured once in a CUDA graph and replayed: its median (us) and the
+    check of the replay's output."""
     outputs = []
     replay_pair = graphed(lambda: outputs.append(round_trip()))
     replay_pair()
     check = check_close("combine, CUDA graph replay", outputs[-1], expected, rtol=2e-2, atol=2e-2)
-    disp, pair = (time_fn(fn, iters=iters, barrier=dist.barrier).median_ms * 1e3
-                  for fn in (replay_dispatch, replay_pair))
-    return {"graph_dispatch_us": disp, "graph_combine_us": pair - disp}, check
+    return time_fn(replay_pair, iters=iters, barrier=dist.barrier).median_ms * 1e3, check
 
 
 LAYER = (4096, 4096, 1408, 64, 6)  # tokens per rank, hidden, expert FFN, experts, top-k (DeepSeek-V2-Lite-like)
@@ -372,6 +392,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--floor", action="store_true", help="one rank: each step's own cost beside its floor")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rows", default="bf16,fp8,in-place", help=f"dispatched rows, of {', '.join(VARIANTS)}")
     args = parser.parse_args()
     ts.init()
     if args.floor:
@@ -384,11 +405,12 @@ def main() -> None:
         report.save()
         ts.finalize()
         return
-    report = Report("moe", columns=["case", "tokens", "hidden", "topk", "experts", "dispatch_us", "a2a_dispatch_us",
-                                    "combine_us", "a2a_combine_us", "graph_dispatch_us", "graph_combine_us",
-                                    "dispatch_GBps", "combine_GBps"])
+    report = Report("moe", columns=["case", "rows", "tokens", "hidden", "topk", "experts", "dispatch_us",
+                                    "a2a_dispatch_us", "combine_us", "a2a_combine_us", "graph_dispatch_us",
+                                    "graph_combine_us", "dispatch_GBps", "combine_GBps"])
     for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
-        report.add(measure(case, tokens, hidden, topk, experts, args.iters))
+        for variant in args.rows.split(","):
+            report.add(measure(case, tokens, hidden, topk, experts, args.iters, variant))
     report.print_table()
     layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
                                          "layer_speedup", "graph_layer_ms"])
