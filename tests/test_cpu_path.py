@@ -172,7 +172,29 @@ def test_single_process_kernels_compute(tmp_path):
 
             return main
 
+        @ts.jit
+        def scaled_rows(N, width):
+            # Registers padded past the row (as the MoE combine's): the guarded loads and
+            # stores past N read and write nothing, as on the GPU.
+            @T.prim_func
+            def main(X: T.Tensor((2, N), "float32"), Y: T.Tensor((2, N), "float32")):
+                with T.Kernel(2, threads=128) as bx:
+                    acc = T.alloc_fragment((1, width), "float32")
+                    T.clear(acc)
+                    for i, c in T.Parallel(1, width):
+                        u = c + 0
+                        if u < N:
+                            acc[i, c] += X[bx, u] * 2.0
+                    for i, c in T.Parallel(1, width):
+                        if c < N:
+                            Y[bx, c] = acc[i, c]
+
+            return main
+
         ts.init(device="cpu")
+        X, Y = torch.randn(2, 40), torch.zeros(2, 40)
+        scaled_rows(40, 1024)(X, Y)
+        torch.testing.assert_close(Y, 2 * X)
         X, H = torch.randint(0, 8, (64,), dtype=torch.int32), torch.zeros(8)
         histogram(64, 8)(X, H)
         torch.testing.assert_close(H, torch.bincount(X, minlength=8).float())

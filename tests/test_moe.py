@@ -1,5 +1,6 @@
 """MoE dispatch/combine: CPU path with 2, 3 and 4 ranks against references; CUDA lowering and nvcc."""
 
+import re
 import textwrap
 
 import pytest
@@ -17,7 +18,7 @@ def test_dispatch_combine_match_reference(n):
     proc = run_cpu("tests/ranks/moe_check.py", n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # topk 1/2/8, skewed routing, low-latency mode, different counts per rank in both modes; every rank
-    assert proc.stdout.count("MOE-OK") == 9 * n
+    assert proc.stdout.count("MOE-OK") == 11 * n
     assert proc.stdout.count("uneven) tokens=0 ") == 2 and proc.stdout.count("uneven) tokens=") == 2 * n
     assert proc.stdout.count("(normal) tokens=11 topk=2 received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0
     assert proc.stdout.count("FP8-OK") == 2 * n  # FP8 dispatch against the bf16 path, both modes
@@ -212,6 +213,29 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, tmp_path
         assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place
     proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "hidden", "dtype"), [
+    ("dispatch", moe.fp8.packed_width(7168), "uint8"), ("dispatch", 2880, "bfloat16"), ("combine", 2880, "bfloat16"),
+    ("combine", 3584, "bfloat16")])
+def test_rows_of_any_length_move_in_16_byte_vectors(name, hidden, dtype):
+    # Packed FP8 rows (7392 bytes) and bf16 rows of 2880 or 3584 are no multiple of 128 threads
+    # x 16 bytes: TileLang's own split moved them in 1-8 byte pieces (FP8 dispatch at 0.46x the
+    # bf16 one on 2x H100), and the combine's (1, 2880) registers found no layout at all.
+    with build_options(world_size=2):
+        func = (moe.dispatch_kernel.__wrapped__(2, 256, hidden, 8, 4, 256 * 8 + 4 * 128, dtype, 132, False)
+                if name == "dispatch" else moe.combine_kernel.__wrapped__(2, 256, hidden, 8, 256 * 8 + 4 * 128, dtype,
+                                                                           132))
+    with coherent_reads():
+        src = lower_cuda(func)
+    element = "uchar" if dtype == "uint8" else "bfloat16_t"
+    # Every row access a 16-byte vector: peers' rows, grouped rows, inputs (not the NaN fill of
+    # a combine whose ranks disagreed, a constant store).
+    access = rf"\*\((\w+)\*\)\(\({element}\*\)|\*\((\w+)\*\)\((?:x|expert_out|back|out) \+"
+    widths = {a or b for line in src.splitlines() if "quiet_NaN" not in line and "make_uint" not in line
+              for a, b in re.findall(access, line)}
+    assert widths == {"uint4"}, widths
 
 
 @pytest.mark.slow

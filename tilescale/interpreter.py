@@ -240,6 +240,7 @@ class _Block:
         self.block_id = block_id
         self.cluster = cluster
         self.cta_rank = cta_rank
+        self._parallel_vars: set = set()  # the loop variables of the T.Parallel nest running now
         self.rank = launch.kernel.rank
         self.nodes = launch.kernel.nodes
         self.line = ""
@@ -730,7 +731,9 @@ class _Block:
             shape[axis] = int(self.eval(loop.extent))
             self.env[loop.loop_var] = torch.arange(int(self.eval(loop.min)), int(self.eval(loop.min)) + shape[axis])\
                 .view(shape)
+        self._parallel_vars = {loop.loop_var for loop in nest}
         self.parallel_body(body)
+        self._parallel_vars = set()
         for loop in nest:
             self.env.pop(loop.loop_var, None)
 
@@ -741,6 +744,8 @@ class _Block:
                 self.parallel_body(s)
         elif isinstance(stmt, (tirx.BufferStore, tirx.Bind)):
             self.run(stmt)
+            if isinstance(stmt, tirx.Bind):  # a value per element, like the loop variables
+                self._parallel_vars.add(stmt.var)
         elif isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
             # Masked store: evaluate the condition per element, store where it holds.
             cond = self.eval(stmt.condition)
@@ -755,15 +760,24 @@ class _Block:
             raise self.unsupported(f"{type(stmt).__name__} inside T.Parallel")
 
     def masked_store(self, node: tirx.BufferStore, mask: torch.Tensor) -> None:
-        t = self.tensor(node.buffer)
-        idx = [self.eval(i) for i in self.nodes.items(node.indices)]
-        shape = torch.broadcast_shapes(mask.shape, *[i.shape for i in idx if isinstance(i, torch.Tensor)])
+        # As on the GPU, the store's indices and value are evaluated only where the mask holds
+        # (a guarded load past a row's end reads nothing): the loop variables become the
+        # index tensors of those elements while the store runs.
+        loops = [v for v in self._parallel_vars if isinstance(self.env.get(v), torch.Tensor)]
+        shape = torch.broadcast_shapes(mask.shape, *[self.env[v].shape for v in loops])
         mask = mask.expand(shape)
-        idx = [(i.expand(shape) if isinstance(i, torch.Tensor) else torch.full(shape, int(i)))[mask] for i in idx]
-        self._check_bounds(node.buffer, t, idx)
-        value = self.eval(node.value)
-        value = value.expand(shape)[mask] if isinstance(value, torch.Tensor) and value.dim() else value
-        t[tuple(idx)] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
+        saved = {v: self.env[v] for v in loops}
+        try:
+            for v in loops:
+                self.env[v] = saved[v].expand(shape)[mask]
+            t = self.tensor(node.buffer)
+            idx = [self.eval(i) for i in self.nodes.items(node.indices)]
+            idx = [i if isinstance(i, torch.Tensor) else torch.full((int(mask.sum()),), int(i)) for i in idx]
+            self._check_bounds(node.buffer, t, idx)
+            value = self.eval(node.value)
+            t[tuple(idx)] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
+        finally:
+            self.env.update(saved)
 
     def evaluate(self, call: Any) -> None:
         if not isinstance(call, tirx.Call):
@@ -897,7 +911,7 @@ def _or(a: Any, b: Any) -> Any:
 
 
 def _select(cond: Any, a: Any, b: Any) -> Any:
-    if isinstance(cond, torch.Tensor) and cond.numel() > 1:
+    if isinstance(cond, torch.Tensor) and cond.numel() != 1:  # no element (a mask that holds nowhere) or many
         return torch.where(cond, torch.as_tensor(a), torch.as_tensor(b))
     return a if bool(cond) else b
 

@@ -10,6 +10,7 @@ import functools
 
 import tilelang  # noqa: F401 - makes TileLang's TVM importable as tvm
 import torch
+import tvm
 from tvm import tirx
 
 from tilescale import runtime
@@ -100,18 +101,25 @@ def poison_value(dtype: str) -> tirx.PrimExpr:
     return tirx.min_value(dtype) if dtype.startswith(("int", "uint")) else tirx.const(float("nan"), dtype)
 
 
-def vector_width(numel: int, like: torch.Tensor) -> int:
+def vector_width(numel: int, like: torch.Tensor | str) -> int:
     """Elements per 16-byte vector that evenly divide ``numel``: the kernels' sizes are
     ``vectors * width``, so TileLang can prove 16-byte accesses aligned and in bounds.
 
+    Also the ``coalesced_width`` of a row copy (``T.copy(..., coalesced_width=)``): left to
+    itself TileLang first splits a row among the block's threads and vectorises what each
+    gets, so a row that is not a multiple of threads x 16 bytes (every packed FP8 row, bf16
+    rows of 2880 or 3584) moves in 1- to 8-byte pieces; a fixed width keeps 16-byte accesses
+    and guards the last vectors.
+
     Args:
-        numel: Elements the kernel moves.
-        like: A tensor of the kernel's dtype (its element size).
+        numel: Elements the kernel moves (a row's, for a row copy).
+        like: A tensor of the kernel's dtype (its element size), or the TileLang dtype.
 
     Returns:
         int: A power of two, at most ``16 // element_size``, dividing ``numel`` (1 at worst).
     """
-    width = max(1, 16 // like.element_size())
+    size = like.element_size() if isinstance(like, torch.Tensor) else tvm.DataType(like).bits // 8
+    width = max(1, 16 // size)
     while numel % width:
         width //= 2
     return width

@@ -13,7 +13,7 @@ the call in between, which no rank reaches before it has read that set.
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._common import poison_value
+from tilescale.ops._common import poison_value, vector_width
 
 
 def exchange_blocks(world: int, tokens: int, sms: int) -> int:
@@ -57,6 +57,11 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     held = max(tokens, 1)
     received = world * capacity
     blocks = exchange_blocks(world, capacity, sms)
+    # A row's registers: whole 16-byte vectors for each of the 128 threads (TileLang lays a
+    # fragment out only over whole thread shares), so rows of any length move 16 bytes at a
+    # time; the channels past ``hidden`` are never read or stored.
+    vector = vector_width(hidden, dtype)
+    width = -(-hidden // (128 * vector)) * 128 * vector
 
     @T.prim_func
     def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
@@ -66,9 +71,9 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
              combines: T.Tensor((1,), "int32"), sig: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
-                acc = T.alloc_fragment((1, hidden), "float32")
-                part = T.alloc_fragment((1, hidden), dtype)
-                row = T.alloc_shared((1, hidden), dtype)
+                acc = T.alloc_fragment((1, width), "float32")
+                part = T.alloc_fragment((1, width), dtype)  # past hidden: never loaded, summed, or stored
+                row = T.alloc_shared((1, width), dtype)
                 call = T.alloc_local((1,), "int32")
                 call[0] = combines[0]
                 s = call[0] % 2
@@ -81,13 +86,13 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                         T.clear(acc)
                         for k in T.serial(topk):
                             if position[src * capacity + j, k] >= 0:
-                                T.copy(expert_out[position[src * capacity + j, k]:position[src * capacity + j, k] + 1,
-                                                  0:hidden], part)
-                                for i, c in T.Parallel(1, hidden):
-                                    acc[i, c] += (T.cast(part[i, c], "float32")
-                                                  * weight[position[src * capacity + j, k]])
+                                for i, c in T.Parallel(1, width):  # every load issued before the sums
+                                    if c < hidden:
+                                        part[i, c] = expert_out[position[src * capacity + j, k], c]
+                                for i, c in T.Parallel(1, width):
+                                    acc[i, c] += T.cast(part[i, c], "float32") * weight[position[src * capacity + j, k]]
                         T.copy(acc, row)
-                        T.copy(row, back[s, rank, j:j + 1, 0:hidden], dst_pe=src)
+                        T.copy(row[0:1, 0:hidden], back[s, rank, j:j + 1, 0:hidden], dst_pe=src, coalesced_width=vector)
                 agreed = T.alloc_local((1,), "int32")
                 agreed[0] = T.agree(sig)  # every rank's rows are back, if every rank runs this combine
                 if bx == 0:
@@ -99,11 +104,13 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                         T.clear(acc)
                         for d in T.serial(world):
                             if dest[d * held + t] >= 0:
-                                T.copy(back[s, d, slot[d * held + t]:slot[d * held + t] + 1, 0:hidden], part)
-                                for i, c in T.Parallel(1, hidden):
+                                for i, c in T.Parallel(1, width):
+                                    if c < hidden:
+                                        part[i, c] = back[s, d, slot[d * held + t], c]
+                                for i, c in T.Parallel(1, width):
                                     acc[i, c] += T.cast(part[i, c], "float32")
                         T.copy(acc, row)
-                        T.copy(row, out[t:t + 1, 0:hidden])
+                        T.copy(row[0:1, 0:hidden], out[t:t + 1, 0:hidden], coalesced_width=vector)
                     elif t < tokens:
                         for c in T.Parallel(hidden):
                             out[t, c] = poison_value(dtype)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import tilescale.language as T
 from tilescale.jit import jit
+from tilescale.ops._common import vector_width
 from tilescale.ops.moe.layout import Layout, Segments, _rank, finish, place, segments
 
 # Tokens a dispatch block reads at once and sends to a peer between two announcements (each
@@ -88,6 +89,7 @@ class _Group:
     eslots: object  # (group, topk) their expert slots
     where: object  # (group,) the received row each row is (source * capacity + slot), -1 for none
     pos: object  # (group, topk) each entry's grouped row, -1 for other ranks' experts
+    vector: int  # elements per 16-byte access of a row copy (``vector_width``)
 
 
 @jit
@@ -158,7 +160,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 # once from x (or a receive buffer), used for every destination.
                 tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
                               T.alloc_shared((group, topk), "float32"), T.alloc_shared((group, topk), "int32"),
-                              T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"))
+                              T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"),
+                              vector_width(hidden, dtype))
                 span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
                 given = T.alloc_shared((world, per_rank), "int32")  # every source's entries of each expert
                 got = T.alloc_shared((world,), "int32")  # every source's rows
@@ -196,7 +199,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                             for i in T.serial(group):
                                 if tile.where[i] >= 0:
                                     T.copy(tile.rows[i, 0:hidden],
-                                           recv.x[recv.set, rank, tile.where[i] - rank * capacity, 0:hidden])
+                                           recv.x[recv.set, rank, tile.where[i] - rank * capacity, 0:hidden],
+                                           coalesced_width=tile.vector)
                     if world > 1 and g > 0:
                         for j in T.serial(world - 1):
                             _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
@@ -223,7 +227,7 @@ def _group_tokens(b, g, chunk, group, tokens):
 def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
     """Tokens ``t0 ..`` of this rank into ``tile`` (a group past the last token is cut short)."""
     group = tile.rows.shape[0]
-    T.copy(x[t0:t0 + group, 0:tile.rows.shape[1]], tile.rows)
+    T.copy(x[t0:t0 + group, 0:tile.rows.shape[1]], tile.rows, coalesced_width=tile.vector)
     T.copy(topk_idx[t0:t0 + group, 0:tile.ids.shape[1]], tile.ids)
     T.copy(topk_w[t0:t0 + group, 0:tile.ids.shape[1]], tile.ws)
     T.copy(expert_slot[t0:t0 + group, 0:tile.ids.shape[1]], tile.eslots)
@@ -242,7 +246,8 @@ def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
     sent[0] = 0
     for i in T.serial(n):
         if slot[d * tokens + t0 + i] >= 0:
-            T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d)
+            T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d,
+                   coalesced_width=tile.vector)
             T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
             T.copy(tile.ws[i:i + 1, 0:topk], recv.w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
             T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
@@ -269,7 +274,7 @@ def _take_group(src, b, g, groups, tile, span, seg, recv, layout, capacity):
     n[0] = span[1]
     if n[0] > 0:
         if layout.out is not None:
-            T.copy(recv.x[recv.set, src, first[0]:first[0] + group, 0:hidden], tile.rows)
+            T.copy(recv.x[recv.set, src, first[0]:first[0] + group, 0:hidden], tile.rows, coalesced_width=tile.vector)
         T.copy(recv.idx[src, first[0]:first[0] + group, 0:topk], tile.ids)
         T.copy(recv.w[src, first[0]:first[0] + group, 0:topk], tile.ws)
         T.copy(recv.slot[src, first[0]:first[0] + group, 0:topk], tile.eslots)

@@ -143,7 +143,7 @@ def place(tile, seg, layout, capacity):
         for i in T.serial(group):
             for k in T.serial(topk):
                 if tile.pos[i, k] >= 0:
-                    T.copy(tile.rows[i, 0:hidden], layout.out[tile.pos[i, k], 0:hidden])
+                    T.copy(tile.rows[i, 0:hidden], layout.out[tile.pos[i, k], 0:hidden], coalesced_width=tile.vector)
 
 
 @T.macro
