@@ -10,6 +10,7 @@ Bandwidth counts as DeepEP counts it: bytes of token rows received / time. On GP
 baseline cannot be captured: it reads the split sizes on the host).
 
     tilescale run -n 2 benchmarks/moe.py                  # DeepEP's size and a decode batch
+    tilescale run -n 2 benchmarks/moe.py --rows bf16,fp8  # which rows to dispatch (bf16, fp8, in-place)
     tilescale run -n 2 --cpu benchmarks/moe.py --small
     tilescale run -n 1 benchmarks/moe.py --floor          # each step's own cost beside its floor
 

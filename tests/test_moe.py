@@ -215,11 +215,13 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
+@needs_nvcc
 @pytest.mark.parametrize(("name", "hidden", "dtype"), [
     ("dispatch", moe.fp8.packed_width(7168), "uint8"), ("dispatch", 2880, "bfloat16"), ("combine", 2880, "bfloat16"),
     ("combine", 3584, "bfloat16")])
-def test_rows_of_any_length_move_in_16_byte_vectors(name, hidden, dtype):
+def test_rows_of_any_length_move_in_16_byte_vectors(name, hidden, dtype, tmp_path):
     # Packed FP8 rows (7392 bytes) and bf16 rows of 2880 or 3584 are no multiple of 128 threads
     # x 16 bytes: TileLang's own split moved them in 1-8 byte pieces (FP8 dispatch at 0.46x the
     # bf16 one on 2x H100), and the combine's (1, 2880) registers found no layout at all.
@@ -236,6 +238,8 @@ def test_rows_of_any_length_move_in_16_byte_vectors(name, hidden, dtype):
     widths = {a or b for line in src.splitlines() if "quiet_NaN" not in line and "make_uint" not in line
               for a, b in re.findall(access, line)}
     assert widths == {"uint4"}, widths
+    proc = nvcc(src, tmp_path / f"{name}.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
