@@ -22,6 +22,7 @@ layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^
 
 import argparse
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -316,31 +317,32 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
              **({"checks": checks} if label == "grouped rows" else {})} for label, t in times.items()]
 
 
-def floor_rows(iters: int, small: bool) -> list[dict]:
+def floor_rows(iters: int, small: bool) -> Iterator[dict]:
     """One rank: dispatch (bf16, FP8, low-latency), combine and the layer, each eager and
-    replayed, beside the HBM / tensor-core floor of what it must move or compute."""
+    replayed, beside the HBM / tensor-core floor of what it must move or compute; rows are
+    yielded as they are measured."""
     if ts.world_size() != 1:
         raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/moe.py --floor")
     bandwidth, rate = copy_bandwidth(iters, small), gemm_rate(iters, small)
-    rows = []
+    context = {"copy_GBps": bandwidth / 1e9, "gemm_TFLOPs": rate / 1e12}
     for case, fp8 in (("normal", False), ("normal", True), ("low-latency", False), ("low-latency", True)):
-        rows += floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters)
-        rows += floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters, in_place=True)
-    rows += expert_gemm_rows(SMALL_LAYER if small else LAYER, rate, iters)
+        for in_place in (False, True):
+            for row in floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters, in_place=in_place):
+                yield {**row, **context}
+    for row in expert_gemm_rows(SMALL_LAYER if small else LAYER, rate, iters):
+        yield {**row, **context}
     tokens, hidden, ffn, num_experts, topk = SMALL_LAYER if small else LAYER
     with torch.no_grad():
         layer = measure_layer((tokens, hidden, ffn, num_experts, topk), iters)
     flops = 2 * tokens * topk * 2 * hidden * ffn
     floor = flops / rate * 1e6
-    rows.append({"step": "layer forward", "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
-                 "eager_us": layer["layer_ms"] * 1e3, "graph_us": layer.get("graph_layer_ms", float("nan")) * 1e3,
-                 "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
-                 "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"]})
-    rows.append(fp8_layer_row((tokens, hidden, ffn, num_experts, topk), floor, iters))
-    rows += layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), floor, iters)
-    for row in rows:
-        row["copy_GBps"], row["gemm_TFLOPs"] = bandwidth / 1e9, rate / 1e12
-    return rows
+    yield {"step": "layer forward", "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
+           "eager_us": layer["layer_ms"] * 1e3, "graph_us": layer.get("graph_layer_ms", float("nan")) * 1e3,
+           "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
+           "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"], **context}
+    yield {**fp8_layer_row((tokens, hidden, ffn, num_experts, topk), floor, iters), **context}
+    for row in layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), floor, iters):
+        yield {**row, **context}
 
 
 def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, iters: int) -> list[dict]:
@@ -402,6 +404,7 @@ def main() -> None:
                                               "torch_layer_us"])
         for row in floor_rows(args.iters, args.small):
             report.add(row)
+            report.save()  # after every step: a job cut off at its time limit keeps what it measured
         report.print_table()
         report.save()
         ts.finalize()
@@ -412,6 +415,7 @@ def main() -> None:
     for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
         for variant in args.rows.split(","):
             report.add(measure(case, tokens, hidden, topk, experts, args.iters, variant))
+            report.save()  # after every row: a job cut off at its time limit keeps what it measured
     report.print_table()
     layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
                                          "layer_speedup", "graph_layer_ms"])

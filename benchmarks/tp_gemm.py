@@ -363,6 +363,8 @@ def run_floor(args: argparse.Namespace) -> None:
     report = Report("tp-gemm-floor", columns=columns)
     for op, shape in progress(shapes, "tp_gemm floor", fmt=str):
         report.add(floor(op, shape, args.iters, compile_only=args.compile_only))
+        if not args.compile_only:
+            report.save()  # after every shape: a job cut off at its time limit keeps what it measured
     if args.compile_only:
         print(f"built and checked {len(shapes)} shapes")
         return
@@ -402,6 +404,7 @@ def main() -> None:
     report = Report("tp-gemm-graph" if args.graph else "tp-gemm", columns=columns)
     for op, shape in progress([(op, s) for op, ss in shapes.items() for s in ss], "tp_gemm", fmt=str):
         report.add(measure(op, shape, args.iters, tuple(int(b) for b in args.push_blocks.split(",") if b), args.graph))
+        report.save()  # after every shape: a job cut off at its time limit keeps what it measured
     report.print_table()
     report.save()
     plot(report)
