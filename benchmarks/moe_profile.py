@@ -4,8 +4,9 @@
     tilescale run -n 2 --cpu benchmarks/moe_profile.py --small
 
 Each step is timed as ``benchmarks/moe.py`` times a call (CUDA events around single calls,
-median of ``--iters``, ranks released together by a barrier), on the inputs the steps
-before it left; the table shows the slowest rank's median. ``send + group`` (the dispatch
+median of ``--iters``, ranks released together by a barrier), eagerly and on GPUs also as a
+CUDA-graph replay (``graph_us``: its GPU time without the host's launch path), on the inputs
+the steps before it left; the table shows the slowest rank's median. ``send + group`` (the dispatch
 kernel) also shows the rate of the rows it puts on other ranks (bytes out of this rank over
 NVLink / time).
 """
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from harness import Report, time_fn
+from harness import Report, graphed, time_fn
 from moe import CASES, SMALL, routing
 
 import tilescale as ts
@@ -52,13 +53,18 @@ def main() -> None:
     medians = torch.tensor([time_fn(fn, iters=args.iters, barrier=dist.barrier).median_ms * 1e3
                             for fn in steps.values()], device=x.device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    # The same steps as CUDA-graph replays: GPU time without the host's launch path.
+    replays = torch.tensor([time_fn(graphed(fn), iters=args.iters, barrier=dist.barrier).median_ms * 1e3
+                            if x.is_cuda else float("nan") for fn in steps.values()], device=x.device)
+    dist.all_reduce(replays, op=dist.ReduceOp.MAX)
     remote_bytes = (int(h.send_counts.sum()) - int(h.send_counts[rank])) * hidden * x.element_size()
     total = float(medians[-1])
-    report = Report("moe-profile", columns=["step", "us", "share", "GBps"])
-    for (name, _), us in zip(steps.items(), medians.tolist(), strict=True):
-        report.add({"step": name, "us": us, "share": us / total,
+    report = Report("moe-profile", columns=["step", "us", "share", "graph_us", "GBps"])
+    for (name, _), us, replay in zip(steps.items(), medians.tolist(), replays.tolist(), strict=True):
+        report.add({"step": name, "us": us, "share": us / total, "graph_us": replay,
                     "GBps": remote_bytes / us / 1e3 if name == "send + group" else None})
-    report.add({"step": "sum of steps", "us": float(medians[:-1].sum()), "share": float(medians[:-1].sum()) / total})
+    report.add({"step": "sum of steps", "us": float(medians[:-1].sum()), "share": float(medians[:-1].sum()) / total,
+                "graph_us": float(replays[:-1].sum())})
     if rank == 0:
         print(f"world {world}, {tokens} tokens/rank, hidden {hidden}, top-{topk} of {num_experts} experts "
               f"({args.case}); rank 0 sends {remote_bytes / 1e6:.1f} MB to other ranks")

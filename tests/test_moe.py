@@ -211,6 +211,11 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, tmp_path
         # Rows are stored by TMA: into the grouped rows, or in place (no grouped row written)
         # only this rank's own rows, into its own receive rows.
         assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place
+    if name == "combine":
+        # Four expert rows loaded (56 bf16 a thread each) before their sum, two blocks per SM:
+        # one row at a time kept too few bytes in flight (1.64x the HBM floor on one H100; now 1.19x).
+        assert "__launch_bounds__(128, 2)" in src and "bfloat16_t part[224];" in src
+        assert src.count("*(uint4*)(expert_out + ") == 1  # one unrolled load loop over the four rows
     proc = nvcc(src, tmp_path / f"{name}.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -15,10 +15,19 @@ import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import poison_value, vector_width
 
+# Rows a sum loads at once, and the row registers each thread may hold for them (elements):
+# with one row at a time a block kept 14 KB of loads in flight, too few to hide HBM's latency
+# (the combine at 1.64x its HBM floor on one H100).
+LOADS = 4
+ROW_REGISTERS = 256
+# Blocks resident per SM: two, for twice the loads in flight (a block of 128 threads never
+# needs more than half an SM's registers, and its shared memory is one row).
+BLOCKS_PER_SM = 2
+
 
 def exchange_blocks(world: int, tokens: int, sms: int) -> int:
-    """Blocks of the combine kernel: one per SM at most (so that device-wide barriers hold),
-    but no fewer than the ranks.
+    """Blocks of the combine kernel: ``BLOCKS_PER_SM`` per SM at most (so that device-wide
+    barriers hold: every block resident), but no fewer than the ranks.
 
     Args:
         world: Ranks of the group.
@@ -26,9 +35,9 @@ def exchange_blocks(world: int, tokens: int, sms: int) -> int:
         sms: SMs of the GPU.
 
     Returns:
-        int: ``max(min(world * tokens, sms), world)``.
+        int: ``max(min(world * tokens, BLOCKS_PER_SM * sms), world)``.
     """
-    return max(min(world * tokens, sms), world)
+    return max(min(world * tokens, BLOCKS_PER_SM * sms), world)
 
 
 @jit
@@ -62,6 +71,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     # time; the channels past ``hidden`` are never read or stored.
     vector = vector_width(hidden, dtype)
     width = -(-hidden // (128 * vector)) * 128 * vector
+    loads = max(1, min(max(topk, world), LOADS, ROW_REGISTERS // (width // 128)))
 
     @T.prim_func
     def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
@@ -70,9 +80,13 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
              back: T.Tensor((2, world, capacity, hidden), dtype), out: T.Tensor((held, hidden), dtype),
              combines: T.Tensor((1,), "int32"), sig: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
+            T.annotate_min_blocks_per_sm(BLOCKS_PER_SM)
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 acc = T.alloc_fragment((1, width), "float32")
-                part = T.alloc_fragment((1, width), dtype)  # past hidden: never loaded, summed, or stored
+                part = T.alloc_fragment((loads, width), dtype)  # past hidden: never loaded, summed, or stored
+                ids = T.alloc_local((max(topk, world),), "int32")  # rows a sum may read, -1: none
+                pick = T.alloc_shared((max(topk, world),), "int32")  # those it reads
+                n = T.alloc_local((1,), "int32")
                 row = T.alloc_shared((1, width), dtype)
                 call = T.alloc_local((1,), "int32")
                 call[0] = combines[0]
@@ -83,14 +97,10 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                     src = (bx + q * blocks) % world
                     j = (bx + q * blocks) // world
                     if j < counts[src]:
-                        T.clear(acc)
-                        for k in T.serial(topk):
-                            if position[src * capacity + j, k] >= 0:
-                                for i, c in T.Parallel(1, width):  # every load issued before the sums
-                                    if c < hidden:
-                                        part[i, c] = expert_out[position[src * capacity + j, k], c]
-                                for i, c in T.Parallel(1, width):
-                                    acc[i, c] += T.cast(part[i, c], "float32") * weight[position[src * capacity + j, k]]
+                        for k in T.unroll(topk):  # the row's entries of this rank's experts, read at once
+                            ids[k] = position[src * capacity + j, k]
+                        _pick(ids, topk, pick, n)
+                        _sum_rows(lambda r, c: expert_out[r, c], lambda r: weight[r], pick, n, part, acc, hidden)
                         T.copy(acc, row)
                         T.copy(row[0:1, 0:hidden], back[s, rank, j:j + 1, 0:hidden], dst_pe=src, coalesced_width=vector)
                 agreed = T.alloc_local((1,), "int32")
@@ -101,14 +111,11 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                 for q in T.serial(T.ceildiv(tokens, blocks)):
                     t = bx + q * blocks
                     if t < tokens and agreed[0] == 1:
-                        T.clear(acc)
-                        for d in T.serial(world):
-                            if dest[d * held + t] >= 0:
-                                for i, c in T.Parallel(1, width):
-                                    if c < hidden:
-                                        part[i, c] = back[s, d, slot[d * held + t], c]
-                                for i, c in T.Parallel(1, width):
-                                    acc[i, c] += T.cast(part[i, c], "float32")
+                        for d in T.unroll(world):  # the token's rows from its destination ranks, read at once
+                            ids[d] = T.if_then_else(dest[d * held + t] >= 0, d * capacity + slot[d * held + t], -1)
+                        _pick(ids, world, pick, n)
+                        _sum_rows(lambda r, c: back[s, r // capacity, r % capacity, c], lambda r: 1.0, pick, n, part,
+                                  acc, hidden)
                         T.copy(acc, row)
                         T.copy(row[0:1, 0:hidden], out[t:t + 1, 0:hidden], coalesced_width=vector)
                     elif t < tokens:
@@ -116,3 +123,29 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                             out[t, c] = poison_value(dtype)
 
     return main
+
+
+@T.macro
+def _pick(ids, count, pick, n):
+    """The ids of ``ids[0 .. count - 1]`` that are not -1, in order, into ``pick[0 .. n[0] - 1]``."""
+    n[0] = 0
+    for k in T.unroll(count):
+        if ids[k] >= 0:
+            pick[n[0]] = ids[k]
+            n[0] = n[0] + 1
+
+
+@T.macro
+def _sum_rows(load, weight_of, pick, n, part, acc, hidden):
+    """``acc`` = the sum of rows ``pick[0 .. n - 1]`` (``load(row, c)``), each times
+    ``weight_of(row)``, in float32, in pick order; ``part.shape[0]`` rows loaded at once."""
+    loads, width = part.shape
+    T.clear(acc)
+    for r in T.serial(T.ceildiv(n[0], loads)):
+        for p, c in T.Parallel(loads, width):  # every load of these rows issued before the sums
+            if c < hidden and r * loads + p < n[0]:
+                part[p, c] = load(pick[r * loads + p], c)
+        for p in T.unroll(loads):  # unrolled: the rows stay in registers
+            if r * loads + p < n[0]:
+                for i, c in T.Parallel(1, width):
+                    acc[i, c] += T.cast(part[p, c], "float32") * weight_of(pick[r * loads + p])
