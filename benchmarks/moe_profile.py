@@ -61,14 +61,15 @@ def main() -> None:
     total = float(medians[-1])
     report = Report("moe-profile", columns=["step", "us", "share", "graph_us", "GBps"])
     for (name, _), us, replay in zip(steps.items(), medians.tolist(), replays.tolist(), strict=True):
-        report.add({"step": name, "us": us, "share": us / total, "graph_us": replay,
+        report.add({"case": args.case, "step": name, "us": us, "share": us / total, "graph_us": replay,
                     "GBps": remote_bytes / us / 1e3 if name == "send + group" else None})
-    report.add({"step": "sum of steps", "us": float(medians[:-1].sum()), "share": float(medians[:-1].sum()) / total,
-                "graph_us": float(replays[:-1].sum())})
+    report.add({"case": args.case, "step": "sum of steps", "us": float(medians[:-1].sum()),
+                "share": float(medians[:-1].sum()) / total, "graph_us": float(replays[:-1].sum())})
     if rank == 0:
         print(f"world {world}, {tokens} tokens/rank, hidden {hidden}, top-{topk} of {num_experts} experts "
               f"({args.case}); rank 0 sends {remote_bytes / 1e6:.1f} MB to other ranks")
     report.print_table()
+    report.save()
     ts.finalize()
 
 
