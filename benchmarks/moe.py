@@ -168,11 +168,12 @@ def _expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sizes: t
     """The local experts over rows sorted by expert: torch's grouped GEMM where it has one, else a loop."""
     if rows.is_cuda and hasattr(torch, "_grouped_mm"):
         ends = torch.cumsum(sizes, 0).to(torch.int32)
-        h = torch.nn.functional.gelu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends).float())
-        return torch._grouped_mm(h.to(rows.dtype), w2.transpose(-2, -1), offs=ends)
+        # GELU on the GEMM's dtype: one kernel computing in float32 (as the layer's).
+        h = torch.nn.functional.gelu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends))
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
     out, start = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device), 0
     for e, n in enumerate(sizes.tolist()):
-        h = torch.nn.functional.gelu((rows[start:start + n] @ w1[e].T).float()).to(rows.dtype)
+        h = torch.nn.functional.gelu(rows[start:start + n] @ w1[e].T)
         out[start:start + n] = h @ w2[e].T
         start += n
     return out

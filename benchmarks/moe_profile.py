@@ -1,7 +1,9 @@
 """Where moe_dispatch's time goes: each of its kernels timed alone, then the whole call.
+``--layer``: where an ``ExpertParallelMoE`` forward's time goes, kernel by kernel.
 
     tilescale run -n 8 benchmarks/moe_profile.py                  # DeepEP's normal size, any world size
     tilescale run -n 2 --cpu benchmarks/moe_profile.py --small
+    tilescale run -n 1 benchmarks/moe_profile.py --layer          # moe.py's layer (4096 tokens, hidden 4096)
 
 Each step is timed as ``benchmarks/moe.py`` times a call (CUDA events around single calls,
 median of ``--iters``, ranks released together by a barrier), eagerly and on GPUs also as a
@@ -12,11 +14,12 @@ NVLink / time).
 """
 
 import argparse
+import collections
 
 import torch
 import torch.distributed as dist
 from harness import Report, graphed, time_fn
-from moe import CASES, SMALL, routing
+from moe import CASES, LAYER, SMALL, SMALL_LAYER, routing
 
 import tilescale as ts
 from tilescale.ops import moe
@@ -27,8 +30,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--case", choices=sorted(CASES), default="normal")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layer", action="store_true", help="profile moe.py's EP layer forward instead")
     args = parser.parse_args()
     ts.init()
+    if args.layer:
+        layer_profile(SMALL_LAYER if args.small else LAYER, args.iters)
+        ts.finalize()
+        return
     tokens, hidden, topk, num_experts = (SMALL if args.small else CASES)[args.case]
     low_latency = args.case == "low-latency"
     world, rank = ts.world_size(), ts.rank()
@@ -71,6 +79,50 @@ def main() -> None:
     report.print_table()
     report.save()
     ts.finalize()
+
+
+def layer_profile(shape: tuple[int, int, int, int, int], iters: int) -> None:
+    """Each kernel's time per forward of the EP layer (inference, ``torch.no_grad``)."""
+    tokens, hidden, ffn, num_experts, topk = shape
+    layer = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    with torch.no_grad():
+        forward_us = time_fn(lambda: layer(x), iters=iters, barrier=dist.barrier).median_ms * 1e3
+        activities = [torch.profiler.ProfilerActivity.CUDA if x.is_cuda else torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(iters):
+                layer(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+    events = []
+    for event in prof.events():
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if x.is_cuda == on_gpu and (on_gpu or event.cpu_parent is None):  # CPU: top-level ops only
+            events.append((event.time_range.start, event.name.split("(")[0].split("<")[0].strip(),
+                           event.device_time if on_gpu else event.cpu_time_total))
+    # TileLang names every kernel main_kernel: GPU kernels launched more than once a forward
+    # are told apart by their place among those of their name (#1 the first of the forward).
+    launches = collections.Counter(name for _, name, _ in events)
+    seen: collections.Counter = collections.Counter()
+    per_kernel: dict[str, list[float]] = {}
+    for _, name, us in sorted(events):
+        per_forward = launches[name] // iters
+        label = f"{name} #{seen[name] % per_forward + 1}" if per_forward > 1 and x.is_cuda else name
+        seen[name] += 1
+        stats = per_kernel.setdefault(label, [0, 0.0])
+        stats[0] += 1
+        stats[1] += us
+    total = sum(us for _, us in per_kernel.values()) / iters
+    report = Report("moe-layer-profile", columns=["kernel", "calls", "us", "share"])
+    for name, (calls, us) in per_kernel.items():  # in order of first launch
+        report.add({"kernel": name, "calls": calls / iters, "us": us / iters, "share": us / iters / total})
+    report.add({"kernel": "sum of kernels", "us": total, "share": 1.0})
+    report.add({"kernel": "forward (CUDA events)" if x.is_cuda else "forward", "us": forward_us})
+    if ts.rank() == 0:
+        print(f"EP layer forward, world {ts.world_size()}: {tokens} tokens/rank, hidden {hidden}, FFN {ffn}, "
+              f"top-{topk} of {num_experts} experts; per forward, median of {iters} (profiled: mean)")
+    report.print_table()
+    report.save()
 
 
 if __name__ == "__main__":

@@ -176,6 +176,8 @@ for case, (scheme, lead) in enumerate([("normalized", (2, 3)), ("unnormalized", 
     tokens = x.numel() // H
     ours = slice(rank * tokens, (rank + 1) * tokens)
     check(f"moe {scheme} y", y, y_all.detach()[ours].reshape(*lead, H))
+    with torch.no_grad():  # inference: no autograd nodes, the fused activation kernel
+        check(f"moe {scheme} y, inference", moe(x), y_all.detach()[ours].reshape(*lead, H))
     check(f"moe {scheme} dx", x.grad, x_all.grad[ours].reshape(*lead, H))
     router_grad = (route.weight if scheme == "callable" else moe.router).grad.float().clone()
     dist.all_reduce(router_grad)  # the router is replicated: each rank's tokens add their part
@@ -183,5 +185,5 @@ for case, (scheme, lead) in enumerate([("normalized", (2, 3)), ("unnormalized", 
     check(f"moe {scheme} d gate_up", moe.w1.grad, ref_gate_up.grad[mine])
     check(f"moe {scheme} d down", moe.w2.grad, ref_down.grad[mine])
 print(f"rank {rank}: from_weights MoE (softmax top-k with and without renormalisation, a router module): "
-      "NN-MOE-OK", flush=True)
+      "outputs and gradients, inference outputs: NN-MOE-OK", flush=True)
 ts.finalize()

@@ -59,13 +59,19 @@ def moe_weights(hidden: int, ffn_hidden: int, num_experts: int, seed: int) -> tu
 
 
 def _gelu(h: torch.Tensor) -> torch.Tensor:
-    return nn.functional.gelu(h.float())
+    """GELU in ``h``'s dtype: torch computes it in float32 and rounds once, one kernel (the same
+    values as ``gelu(h.float()).to(h.dtype)``, which writes and reads float32 twice more)."""
+    return nn.functional.gelu(h)
 
 
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Mixtral, Qwen-MoE, DeepSeek): each row's first half is the gate, its second the up projection."""
-    gate, up = h.chunk(2, -1)
-    return nn.functional.silu(gate.float()) * up.float()
+    """SwiGLU (Mixtral, Qwen-MoE, DeepSeek): each row's first half is the gate, its second the up
+    projection; float32 math, rounded once to ``h``'s dtype. One kernel (``ts.ops.silu_and_mul``)
+    where no gradient is recorded, torch's ops (autograd) where one is."""
+    if torch.is_grad_enabled() and h.requires_grad:
+        gate, up = h.chunk(2, -1)
+        return (nn.functional.silu(gate.float()) * up.float()).to(h.dtype)
+    return ops.silu_and_mul(h)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": _gelu, "silu_and_mul": _silu_and_mul}
@@ -244,7 +250,7 @@ class ExpertParallelMoE(nn.Module):
             values, scales = recv_x if self.fp8_dispatch else (recv_x, None)
             h = ops.grouped_gemm(values, self.w1, handle.row_expert, scales=scales,
                                  index=handle.source_row if in_place else None)
-        out = gemm(_ACTIVATIONS[self.activation](h).to(x.dtype), self.w2, handle)
+        out = gemm(_ACTIVATIONS[self.activation](h), self.w2, handle)
         return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
 
 

@@ -1,5 +1,6 @@
 """Library kernels written in the tilescale language, with torch tensors in and out."""
 
+from tilescale.ops.activation import silu_and_mul
 from tilescale.ops.collectives import all_gather, all_reduce, reduce_scatter
 from tilescale.ops.grouped_gemm import grouped_gemm
 from tilescale.ops.moe import moe_combine, moe_dispatch, moe_redispatch
@@ -19,4 +20,5 @@ __all__ = [
     "moe_redispatch",
     "put",
     "reduce_scatter",
+    "silu_and_mul",
 ]
