@@ -46,7 +46,9 @@ def main() -> None:
     # One whole call builds every kernel and leaves the outputs the steps below overwrite.
     _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     bad = torch.empty(1, dtype=torch.int32, device=x.device)
-    route = moe.route_kernel(world, tokens, topk, num_experts, str(experts.dtype).removeprefix("torch."))
+    route = moe.router(world, tokens, topk, num_experts, str(experts.dtype).removeprefix("torch."))
+    chunk_counts = torch.empty(moe.route_chunks(tokens)[1], world + num_experts + 1, dtype=torch.int32,
+                               device=x.device)
     ids = torch.empty_like(h.topk_idx)
     # the dispatch's kernels and sizes, as its first call made them
     send = h.buffer._plan(tokens, x, low_latency, experts.dtype)
@@ -54,7 +56,7 @@ def main() -> None:
               "expert_counts": h.expert_send_counts}
     steps = {
         "route": lambda: route(experts, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad, ids,
-                               0),
+                               chunk_counts, 0),
         "send + group": lambda: h.buffer._send(x, h.topk_idx, h.topk_w, routes, send),
     }
     steps["moe_dispatch"] = lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)

@@ -68,7 +68,9 @@ def kernels() -> dict:
         "all_reduce_two_shot": (find("reduce_kernel"), (2, "bfloat16", 8, 132, "push"), None),
         "put": (find("transfer_kernel"), ("bfloat16", 8, plan, 132, False), None),
         "get": (find("transfer_kernel"), ("bfloat16", 8, plan, 132, True), None),
-        "moe_route": (find("route_kernel"), (2, 64, 4, 8), None),
+        "moe_route": (find("route_kernel"), (2, 64, 4, 8), None),  # one block per bin (trees before 2026-11-26)
+        "moe_route_count": (find("route_count_kernel"), (2, 200, 4, 8), None),
+        "moe_route_finish": (find("route_finish_kernel"), (2, 200, 4, 8), None),
         "moe_dispatch": (find("dispatch_kernel"), (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False), None),
         "moe_dispatch_low_latency": (find("dispatch_kernel"), (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
         "moe_combine": (find("combine_kernel"), (2, 64, 256, 4, 1024, "bfloat16", 132), None),

@@ -73,29 +73,38 @@ LAYOUT_CHECK = textwrap.dedent("""
         return torch.where(goes, goes.int().cumsum(0) - 1, -1)
 
 
-    tokens = moe.SCAN_ROWS * moe.SCAN_COLS + 5  # two chunks of the routing scan
-    idx, _, _ = draw(tokens, 7 + rank)
-    idx[::97, 1] = idx[::97, 0]
-    idx[3, 2], idx[tokens - 1, 0], idx[5, 1] = -1, num_experts, 2**32 + 1  # int64 ids, read as passed
     i32 = dict(dtype=torch.int32)
-    dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
-    send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
-    expert_counts, bad, ids = torch.empty(num_experts, **i32), torch.empty(1, **i32), torch.empty(tokens, topk, **i32)
-    moe.route_kernel(world, tokens, topk, num_experts, "int64")(idx, dest, slot, send_counts, expert_slot,
-                                                                expert_counts, bad, ids, 0)
-    flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < num_experts)
-    assert torch.equal(ids.flatten().long(), torch.where(valid, flat, -1))  # what the dispatch sends
-    order = torch.full_like(flat, -1)
-    for e in range(num_experts):
-        hits = (flat == e).nonzero()[:, 0]
-        order[hits] = torch.arange(len(hits))
-    assert torch.equal(expert_slot.flatten()[valid].long(), order[valid])
-    assert torch.equal(expert_counts.long(), torch.bincount(flat[valid], minlength=num_experts))
-    assert int(bad[0]) == 3
-    for d in range(world):
-        assert torch.equal(slot[d * tokens:(d + 1) * tokens].long(), slots(idx, d)), d
-        assert torch.equal(dest[d * tokens:(d + 1) * tokens].long(), torch.where(slots(idx, d) >= 0, d, -1)), d
-        assert int(send_counts[d]) == int((slots(idx, d) >= 0).sum())
+    # Past MAX_CHUNKS chunks (64-token chunks, each block summing 64 earlier ones), a few chunks,
+    # and a decode batch: one chunk, its bins (302 + world) in ten groups of blocks.
+    for tokens, experts_here in ((moe.routing.CHUNK_TOKENS * moe.routing.MAX_CHUNKS + 37, num_experts),
+                                 (150, num_experts), (100, 302 // world * world)):
+        g = torch.Generator(device=ts.device()).manual_seed(7 + rank)
+        idx = torch.randint(0, experts_here, (tokens, topk), generator=g)  # ids may repeat within a token
+        idx[::97, 1] = idx[::97, 0]
+        idx[3, 2], idx[tokens - 1, 0], idx[5, 1] = -1, experts_here, 2**32 + 1  # int64 ids, read as passed
+        route = moe.router(world, tokens, topk, experts_here, "int64")
+        dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
+        send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
+        expert_counts, bad = torch.empty(experts_here, **i32), torch.empty(1, **i32)
+        ids = torch.empty(tokens, topk, **i32)
+        counts = torch.empty(moe.route_chunks(tokens)[1], world + experts_here + 1, **i32)
+        route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, 0)
+        flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < experts_here)
+        assert torch.equal(ids.flatten().long(), torch.where(valid, flat, -1))  # what the dispatch sends
+        order = torch.full_like(flat, -1)
+        for e in range(experts_here):
+            hits = (flat == e).nonzero()[:, 0]
+            order[hits] = torch.arange(len(hits))
+        assert torch.equal(expert_slot.flatten().long(), order), tokens  # -1 for ids out of range
+        assert torch.equal(expert_counts.long(), torch.bincount(flat[valid], minlength=experts_here))
+        assert int(bad[0]) == 3
+        per = experts_here // world
+        for d in range(world):
+            goes = ((idx >= d * per) & (idx < (d + 1) * per)).any(1)
+            want = torch.where(goes, goes.int().cumsum(0) - 1, -1)
+            assert torch.equal(slot[d * tokens:(d + 1) * tokens].long(), want), (tokens, d)
+            assert torch.equal(dest[d * tokens:(d + 1) * tokens].long(), torch.where(goes, d, -1)), (tokens, d)
+            assert int(send_counts[d]) == int(goes.sum())
     print(f"rank {rank}: ROUTE-OK", flush=True)
 
     tokens = 150
@@ -266,7 +275,8 @@ def test_kernels_build_for_real_models(model):
     per, tokens = experts // W, 512
     rows = W * tokens * min(topk, per) + per * 128
     with build_options(world_size=W):
-        kernels = [moe.route_kernel.__wrapped__(W, tokens, topk, experts),
+        kernels = [moe.route_count_kernel.__wrapped__(W, tokens, topk, experts),
+                   moe.route_finish_kernel.__wrapped__(W, tokens, topk, experts),
                    moe.dispatch_kernel.__wrapped__(W, tokens, hidden, topk, per, rows, "bfloat16", 132, False),
                    moe.combine_kernel.__wrapped__(W, tokens, hidden, topk, rows, "bfloat16", 132)]
         if hidden % 128 == 0:
@@ -325,10 +335,17 @@ def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8
 @pytest.mark.timeout(300)
 @needs_nvcc
 @pytest.mark.parametrize(("tokens", "id_dtype"), [(TOKENS, "int32"), (128, "int64")])
-def test_route_kernel_lowers_and_compiles(tokens, id_dtype, tmp_path):
+def test_route_kernels_lower_and_compile(tokens, id_dtype, tmp_path):
+    chunks = moe.route_chunks(tokens)[1]
     with build_options(world_size=W):
-        src = lower_cuda(moe.route_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK, id_dtype))
-    # Two-level scan: a warp per row of tokens, then the row totals.
-    assert "CumSum2D<512, 1, false>" in src and "CumSum1D<512, false>" in src
-    proc = nvcc(src, tmp_path / "route.cubin")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        funcs = [moe.route_count_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK, id_dtype)]
+        if chunks > 1:  # a decode batch: one chunk, one kernel
+            funcs.append(moe.route_finish_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK))
+    assert (chunks > 1) == (tokens > moe.routing.DECODE_TOKENS)
+    for n, func in enumerate(funcs):
+        src = lower_cuda(func)
+        if n == 0:  # the scan of each bin's hits along the chunk's tokens: a warp per bin
+            threads = min(512, moe.routing.THREADS_PER_TOKEN * moe.route_chunks(tokens)[0])
+            assert f"CumSum2D<{threads}, 1, false>" in src
+        proc = nvcc(src, tmp_path / f"route{n}.cubin")
+        assert proc.returncode == 0, proc.stderr[-3000:]

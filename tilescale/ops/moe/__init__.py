@@ -11,7 +11,8 @@ Experts are split evenly over ranks (expert ``e`` lives on rank ``e // experts_p
 The modules, by role:
 
 * ``routing``: on the sender, each (token, destination rank) pair's slot there and each
-  (token, k) entry's order among its expert's entries (``route_kernel``); the one check of
+  (token, k) entry's order among its expert's entries (``router``: each chunk of tokens
+  counted by its own block, then earlier chunks' counts added); the one check of
   expert ids (``expert_ids``, and the device's count of ids out of range, raised on the host
   once ready).
 * ``dispatch``: the dispatch kernel, sending and receiving at once; ``layout``: the grouped
@@ -25,7 +26,8 @@ The modules, by role:
 * ``buffer``: ``Buffer``, the symmetric buffers of one group sized up front (DeepEP's
   ``Buffer``), and its host API; ``api``: the functional ops over a per-group cached buffer.
 
-Two kernels per dispatch (routing, then the exchange) and one per combine, no host
+Three kernels per dispatch (two of routing, one for a decode batch of at most 128 tokens,
+then the exchange) and one per combine, no host
 synchronisation, so a step can be captured in a CUDA graph and replayed. Ranks may pass
 different token counts (0 included) up to a ``max_tokens`` the same on every rank: the
 kernels' plans derive from it, and every call's agreement compares only what ranks must
@@ -38,13 +40,11 @@ from tilescale.ops.moe.combine import combine_kernel, exchange_blocks
 from tilescale.ops.moe.dispatch import GROUP_ROWS, dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import dequantize_fp8, quantize_fp8
 from tilescale.ops.moe.layout import ROW_TILE, grouped_rows
-from tilescale.ops.moe.routing import SCAN_COLS, SCAN_ROWS, route_kernel
+from tilescale.ops.moe.routing import route_chunks, route_count_kernel, route_finish_kernel, router
 
 __all__ = [
     "GROUP_ROWS",
     "ROW_TILE",
-    "SCAN_COLS",
-    "SCAN_ROWS",
     "Buffer",
     "DispatchHandle",
     "cached_buffer",
@@ -58,5 +58,8 @@ __all__ = [
     "moe_dispatch",
     "moe_redispatch",
     "quantize_fp8",
-    "route_kernel",
+    "route_chunks",
+    "route_count_kernel",
+    "route_finish_kernel",
+    "router",
 ]

@@ -32,7 +32,7 @@ from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
-from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_kernel, watch_ids
+from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_chunks, router, watch_ids
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -312,13 +312,13 @@ class Buffer:
             received = self._received(hidden, dtype)
             routed = tokens and id_dtype
             plan = self._plans[key] = _SendPlan(
-                route=route_kernel(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
-                                   group=self.group) if routed else None,
+                route=router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
+                             group=self.group) if routed else None,
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
-                words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk)
-                              if routed else ())
+                words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk,
+                               route_chunks(held)[1] * (world + self.num_experts + 1)) if routed else ())
                              + (self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows, rows, rows)),
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
@@ -344,11 +344,12 @@ class Buffer:
         # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
         # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
-        dest, slot, send_counts, expert_slot, expert_counts, bad, ids = words
+        dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = words
         expert_slot, ids = expert_slot.view(tokens, topk), ids.view(tokens, topk)
+        chunk_counts = chunk_counts.view(route_chunks(tokens)[1], -1)
         # The check is read at the end of this call or a later one: it is queued behind the exchange.
         watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
-        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, watch)
+        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts, watch)
         return {"dest": dest, "slot": slot, "send_counts": send_counts, "expert_slot": expert_slot,
                 "expert_counts": expert_counts, "bad": bad, "ids": ids}
 

@@ -1,17 +1,23 @@
 """Routing, on the sender: where each token goes, and the one check of expert ids.
 
 A token routed to several experts of one rank crosses the link once (DeepEP's
-deduplication): every (token, destination rank) pair is one row. ``route_kernel`` gives each
+deduplication): every (token, destination rank) pair is one row. ``routing`` gives each
 pair its destination and its slot in the destination's receive buffer (one slot range per
 source rank, token order, so senders never need the receivers' offsets), and each (token, k)
 entry its order among this rank's entries naming the same expert (``expert_slot``): the
 receiver adds its (source, expert) base to place the entry without a scan.
+
+Work in O(tokens x topk): each block routes its own chunk of tokens (a scan per bin along the
+chunk), and a second kernel adds what earlier chunks hold of each bin; a decode batch is one
+chunk, one kernel. (One block per bin scanning every token took 33 us at 4096 tokens, top-8 of
+256 experts, one H100.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
 # refer to the kernel factory's local variables.
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,16 +27,29 @@ import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
 
-# Routing scans take tokens in chunks of (up to) SCAN_ROWS x SCAN_COLS: each row scanned by a
-# warp, then the row totals (a two-level scan: TileLang's scan gives a whole line to one warp).
-SCAN_ROWS = 32
-SCAN_COLS = 128
-SCAN_THREADS = 512
-# Routing blocks resident per SM (at most 64 registers a thread for 2): the blocks, one per
-# rank and expert, then fit in one wave on an H100 up to 264 of them, and each SM has twice
-# the warps to hide its loads behind (one block per SM: 57 us at 4096 tokens, top-8 of 256
-# experts, one H100; two: 45-47 us).
-ROUTE_BLOCKS_PER_SM = 2
+# Tokens per routing block: chunks of CHUNK_TOKENS (more per block past MAX_CHUNKS chunks,
+# which bounds the prefix each block of the second kernel sums); a decode batch of at most
+# DECODE_TOKENS is one chunk: one kernel.
+CHUNK_TOKENS = 32
+MAX_CHUNKS = 128
+DECODE_TOKENS = 128
+# Bins (ranks, experts, ids out of range) each block of the count kernel scans along its
+# chunk: a grid of bin groups x chunks, so a decode batch's one chunk is still spread over
+# SMs (its 128 tokens x 258 bins scanned by one block made the low-latency dispatch 25.6 ->
+# 33.2 us replayed, one H100).
+GROUP_BINS = 32
+# Threads of a count block: four per token of its chunk (512 for a decode batch's 128 tokens:
+# with 128 its scan and entries took the low-latency dispatch 23.5 -> 26.6 us, one H100).
+THREADS_PER_TOKEN = 4
+THREADS = 256
+
+
+def route_chunks(tokens: int) -> tuple[int, int]:
+    """``(chunk, chunks)``: tokens per routing block and blocks, for ``tokens`` (at least 1) tokens."""
+    if tokens <= DECODE_TOKENS:
+        return DECODE_TOKENS, 1
+    chunk = CHUNK_TOKENS * -(-tokens // (CHUNK_TOKENS * MAX_CHUNKS))
+    return chunk, -(-tokens // chunk)
 
 
 def _id(idx, t, k, num_experts):
@@ -39,46 +58,84 @@ def _id(idx, t, k, num_experts):
     return T.Cast("int32", T.max(T.min(idx[t, k], num_experts), -1))
 
 
-def _entries(idx, t, topk, lo, hi, num_experts):
-    """Entries k of token t whose expert id is in [lo, hi) (unrolled over k)."""
+def _valid(e, num_experts):
+    return T.And(e >= 0, e < num_experts)
+
+
+def _bad(e, num_experts):
+    """A clamped id out of range (-1 or num_experts; a padding token's num_experts + 1 is neither)."""
+    return T.Or(e == -1, e == num_experts)
+
+
+def _naming(own, i, topk, e):
+    """Entries of chunk token i naming expert ``e`` (unrolled over k)."""
     n = 0
     for k in range(topk):
-        e = _id(idx, t, k, num_experts)
-        n = n + T.if_then_else(T.And(lo <= e, e < hi), 1, 0)
+        n = n + T.if_then_else(own[i, k] == e, 1, 0)
     return n
 
 
-def _token_hits(idx, t, b, world, num_experts, topk):
-    """What block b of the routing kernel counts for token t: whether it goes to rank b
-    (b < world), its entries naming expert b - world, or (last block) its ids out of range."""
-    per_rank = num_experts // world
-    return T.if_then_else(
-        b < world, T.min(_entries(idx, t, topk, b * per_rank, b * per_rank + per_rank, num_experts), 1),
-        T.if_then_else(b < world + num_experts, _entries(idx, t, topk, b - world, b - world + 1, num_experts),
-                       topk - _entries(idx, t, topk, 0, num_experts, num_experts)))
+def _to_rank(own, i, topk, r, per_rank, num_experts):
+    """Entries of chunk token i naming an expert of rank ``r``."""
+    n = 0
+    for k in range(topk):
+        n = n + T.if_then_else(T.And(_valid(own[i, k], num_experts), own[i, k] // per_rank == r), 1, 0)
+    return n
 
 
-def _earlier(idx, t, k, expert, topk, num_experts):
-    """Entries before k of token t naming ``expert`` (several only for repeated ids)."""
+def _out_of_range(own, i, topk, num_experts):
+    """Entries of chunk token i whose ids are out of range."""
+    n = 0
+    for k in range(topk):
+        n = n + T.if_then_else(_bad(own[i, k], num_experts), 1, 0)
+    return n
+
+
+def _earlier(own, i, k, e, topk):
+    """Entries before k of chunk token i naming expert ``e`` (several only for repeated ids)."""
     n = 0
     for kk in range(topk - 1):
-        n = n + T.if_then_else(T.And(kk < k, _id(idx, t, kk, num_experts) == expert), 1, 0)
+        n = n + T.if_then_else(T.And(kk < k, own[i, kk] == e), 1, 0)
     return n
+
+
+def _earlier_chunks(counts, c, b, chunks):
+    """``counts[0, b] + ... + counts[c - 1, b]``: unrolled over every chunk, so that a thread's
+    loads are all in flight at once (a loop would wait for each in turn)."""
+    n = 0
+    for i in range(chunks - 1):
+        n = n + T.if_then_else(i < c, counts[i, b], 0)
+    return n
+
+
+@T.macro
+def _totals(world, num_experts, total, b, send_counts, expert_counts, bad):
+    """Store bin ``b``'s count over all tokens (``total``) where it belongs."""
+    if b < world:
+        send_counts[b] = total
+    if T.And(b >= world, b < world + num_experts):
+        expert_counts[b - world] = total
+    if b == world + num_experts:
+        bad[0] = total
 
 
 @jit
-def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32"):
-    """Block r < world: which tokens go to rank r (``dest``), their slots there in token
-    order (``slot``), how many (``send_counts[r]``); pair index ``r * tokens + t``.
-    Block world + e: the order of each (token, k) entry naming expert e among this rank's
-    entries naming it, in (token, k) order (``expert_slot``), and how many
-    (``expert_counts[e]``). The last block counts the ids outside [0, num_experts) into
-    ``bad[0]``: those are routed nowhere, their ``expert_slot`` -1; and writes the int32 ids
-    the dispatch sends (``ids``: -1 for those). Where ``bad_host`` is not 0 it also stores
-    that count at host address ``bad_host`` (a pinned, device-mapped word the host watches:
-    no copy to bring the check back). ``topk_idx`` is read as passed (``id_dtype``:
-    int32 or int64), so the caller's ids need no conversion kernel. Every element of every
-    output is written (the caller allocates them unfilled).
+def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32"):
+    """Routing within each chunk of tokens (``route_chunks``), one block per chunk and group of
+    ``GROUP_BINS`` bins (bins: ranks, then experts, then ids out of range): where each token
+    goes and each entry's order, counted from the chunk's first token; and each chunk's count
+    per bin (``counts[c, b]``), from which :func:`route_finish_kernel` adds what earlier
+    chunks hold. A single chunk's values are final: this kernel then also writes the totals.
+
+    Outputs (pair index ``r * tokens + t``): ``dest`` (r where token t goes to rank r, else
+    -1), ``slot`` (its order among this rank's tokens going to r, token order), ``expert_slot``
+    (entry (t, k)'s order among this rank's entries naming its expert, (token, k) order; -1 for
+    ids outside [0, num_experts), which are routed nowhere), ``ids`` (the int32 ids the
+    dispatch sends, -1 for those); totals: ``send_counts[r]``, ``expert_counts[e]``, ``bad[0]``
+    (ids out of range, also stored at host address ``bad_host`` where it is not 0: a pinned,
+    device-mapped word the host watches). ``topk_idx`` is read as passed (``id_dtype``: int32
+    or int64), so the caller's ids need no conversion kernel. Every element of every output is
+    written (the caller allocates them unfilled).
 
     Args:
         world: Ranks of the group.
@@ -90,70 +147,146 @@ def route_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype:
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    scan_rows = min(SCAN_ROWS, -(-tokens // SCAN_COLS))  # fewer for few tokens
-    chunk = scan_rows * SCAN_COLS
+    chunk, chunks = route_chunks(tokens)
+    bins = world + num_experts + 1
+    per_rank = num_experts // world
+    final = chunks == 1
 
     @T.prim_func
     def main(topk_idx: T.Tensor((tokens, topk), id_dtype), dest: T.Tensor((world * tokens,), "int32"),
              slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
-             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"), bad_host: T.int64):
-        with T.Kernel(world + num_experts + 1, threads=SCAN_THREADS) as b:
-            T.annotate_min_blocks_per_sm(ROUTE_BLOCKS_PER_SM)
-            hits = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # per token: 0/1 (rank), entries (expert)
-            prefix = T.alloc_shared((scan_rows, SCAN_COLS), "int32")  # inclusive, along each row
-            row_end = T.alloc_shared((scan_rows,), "int32")  # inclusive prefix of the row totals
-            done = T.alloc_local((1,), "int32")  # counted in earlier chunks
-            done[0] = 0
-            for c in T.serial(T.ceildiv(tokens, chunk)):
-                for i, j in T.Parallel(scan_rows, SCAN_COLS):
-                    u = c * chunk + i * SCAN_COLS + j
-                    hits[i, j] = T.if_then_else(
-                        u < tokens, _token_hits(topk_idx, T.min(u, tokens - 1), b, world, num_experts, topk), 0)
-                T.cumsum(src=hits, dst=prefix, dim=1)
-                for i in T.Parallel(scan_rows):
-                    row_end[i] = prefix[i, SCAN_COLS - 1]
-                T.cumsum(src=row_end, dim=0)
-                # Exclusive prefix of token (i, j): done + row_end[i] - prefix[i, -1] + prefix[i, j] - hits[i, j].
-                if b < world:
-                    for i, j in T.Parallel(scan_rows, SCAN_COLS):
-                        u = c * chunk + i * SCAN_COLS + j
-                        if u < tokens:
-                            dest[b * tokens + u] = T.if_then_else(hits[i, j] > 0, b, -1)
-                        if u < tokens:
-                            slot[b * tokens + u] = T.if_then_else(
-                                hits[i, j] > 0, done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j] - 1, -1)
-                elif b < world + num_experts:
-                    for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
-                        u = c * chunk + i * SCAN_COLS + j
-                        t = T.min(u, tokens - 1)
-                        # The token's ids are read again only where it names this expert (hits,
-                        # in shared memory): 1 token in num_experts / topk, not every one.
-                        if u < tokens and hits[i, j] > 0 and _id(topk_idx, t, k, num_experts) == b - world:
-                            expert_slot[t, k] = (done[0] + row_end[i] - prefix[i, SCAN_COLS - 1] + prefix[i, j]
-                                                 - hits[i, j] + T.if_then_else(
-                                                     hits[i, j] > 1,
-                                                     _earlier(topk_idx, t, k, b - world, topk, num_experts), 0))
-                else:  # entries of ids out of range get no expert slot (written, so no output needs a fill)
-                    for i, j, k in T.Parallel(scan_rows, SCAN_COLS, topk):
-                        u = c * chunk + i * SCAN_COLS + j
-                        t = T.min(u, tokens - 1)
-                        e = _id(topk_idx, t, k, num_experts)
-                        if u < tokens:
-                            ids[t, k] = T.if_then_else(T.And(e >= 0, e < num_experts), e, -1)
-                        if u < tokens and T.Or(e < 0, e >= num_experts):
-                            expert_slot[t, k] = -1
-                done[0] = done[0] + row_end[scan_rows - 1]
-            if b < world:
-                send_counts[b] = done[0]
-            elif b < world + num_experts:
-                expert_counts[b - world] = done[0]
-            else:
-                bad[0] = done[0]
-                if bad_host != 0:
-                    T.make_tensor_from_addr(bad_host, [1], "int32")[0] = done[0]
+             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"),
+             counts: T.Tensor((chunks, bins), "int32"), bad_host: T.int64):
+        with T.Kernel(T.ceildiv(bins, GROUP_BINS), chunks, threads=min(512, THREADS_PER_TOKEN * chunk)) as (g, c):
+            own = T.alloc_shared((chunk, topk), "int32")  # the chunk's ids, clamped; past the last token: none
+            hits = T.alloc_shared((GROUP_BINS, chunk), "int32")  # per bin of the group and token, then its prefix
+            lo = g * GROUP_BINS
+            for i, k in T.Parallel(chunk, topk):
+                own[i, k] = T.if_then_else(c * chunk + i < tokens,
+                                           _id(topk_idx, T.min(c * chunk + i, tokens - 1), k, num_experts),
+                                           num_experts + 1)
+            if g == 0:
+                for i, k in T.Parallel(chunk, topk):
+                    if c * chunk + i < tokens:
+                        ids[c * chunk + i, k] = T.if_then_else(_valid(own[i, k], num_experts), own[i, k], -1)
+                    if c * chunk + i < tokens and _bad(own[i, k], num_experts):
+                        expert_slot[c * chunk + i, k] = -1
+            T.fill(hits, 0)
+            # Each entry marks its bins for its token: 1 for its rank, its expert's entries in
+            # the token for its expert; entries of one token mark a bin alike.
+            for i, k in T.Parallel(chunk, topk):
+                e = own[i, k]
+                if _valid(e, num_experts) and lo <= e // per_rank and e // per_rank < lo + GROUP_BINS:
+                    hits[e // per_rank - lo, i] = 1
+                if _valid(e, num_experts) and lo <= world + e and world + e < lo + GROUP_BINS:
+                    hits[world + e - lo, i] = _naming(own, i, topk, e)
+                if _bad(e, num_experts) and lo <= world + num_experts and world + num_experts < lo + GROUP_BINS:
+                    hits[world + num_experts - lo, i] = _out_of_range(own, i, topk, num_experts)
+            T.cumsum(src=hits, dim=1)  # inclusive, along the chunk's tokens
+            for b in T.Parallel(GROUP_BINS):
+                if lo + b < bins:
+                    counts[c, lo + b] = hits[b, chunk - 1]
+            if final:
+                for b in T.Parallel(GROUP_BINS):
+                    _totals(world, num_experts, hits[b, chunk - 1], lo + b, send_counts, expert_counts, bad)
+                if bad_host != 0 and lo <= bins - 1 and bins - 1 < lo + GROUP_BINS:
+                    T.make_tensor_from_addr(bad_host, [1], "int32")[0] = hits[bins - 1 - lo, chunk - 1]
+            for b, i in T.Parallel(GROUP_BINS, chunk):  # rank lo + b
+                if c * chunk + i < tokens and lo + b < world:
+                    dest[(lo + b) * tokens + c * chunk + i] = T.if_then_else(
+                        _to_rank(own, i, topk, lo + b, per_rank, num_experts) > 0, lo + b, -1)
+                if c * chunk + i < tokens and lo + b < world:
+                    slot[(lo + b) * tokens + c * chunk + i] = T.if_then_else(
+                        _to_rank(own, i, topk, lo + b, per_rank, num_experts) > 0, hits[b, i] - 1, -1)
+            for i, k in T.Parallel(chunk, topk):
+                e = own[i, k]
+                if (c * chunk + i < tokens and _valid(e, num_experts)
+                        and lo <= world + e and world + e < lo + GROUP_BINS):
+                    expert_slot[c * chunk + i, k] = (hits[world + e - lo, i] - _naming(own, i, topk, e)
+                                                     + _earlier(own, i, k, e, topk))
 
     return main
+
+
+@jit
+def route_finish_kernel(world: int, tokens: int, topk: int, num_experts: int):
+    """The second routing kernel, for more than one chunk: each chunk's block adds to its
+    tokens' ``slot`` and ``expert_slot`` what earlier chunks hold of their bins (the sum of
+    their ``counts`` rows); the last chunk's block writes the totals (``send_counts``,
+    ``expert_counts``, ``bad``, and the bad-id count at host address ``bad_host`` where that
+    is not 0). Arguments as :func:`route_count_kernel`'s.
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
+    chunk, chunks = route_chunks(tokens)
+    bins = world + num_experts + 1
+    padded = 32 * -(-bins // 32)  # whole warps of bins (the layout of a ragged count does not lower)
+
+    @T.prim_func
+    def main(slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
+             bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"),
+             counts: T.Tensor((chunks, bins), "int32"), bad_host: T.int64):
+        with T.Kernel(chunks, threads=THREADS) as c:
+            base = T.alloc_shared((padded,), "int32")  # what chunks before c hold of each bin
+            for b in T.Parallel(padded):
+                base[b] = _earlier_chunks(counts, c, T.min(b, bins - 1), chunks)
+            if c == chunks - 1:
+                for b in T.Parallel(padded):
+                    _totals(world, num_experts, base[b] + counts[c, T.min(b, bins - 1)], b, send_counts, expert_counts,
+                            bad)
+                if bad_host != 0:
+                    T.make_tensor_from_addr(bad_host, [1], "int32")[0] = base[bins - 1] + counts[c, bins - 1]
+            for r, i in T.Parallel(world, chunk):
+                if c * chunk + i < tokens and slot[r * tokens + T.min(c * chunk + i, tokens - 1)] >= 0:
+                    slot[r * tokens + c * chunk + i] = slot[r * tokens + c * chunk + i] + base[r]
+            for i, k in T.Parallel(chunk, topk):
+                if c * chunk + i < tokens and ids[T.min(c * chunk + i, tokens - 1), k] >= 0:
+                    expert_slot[c * chunk + i, k] = (expert_slot[c * chunk + i, k]
+                                                     + base[world + ids[c * chunk + i, k]])
+
+    return main
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing kernels of one shape: :func:`route_count_kernel`, then (more than one chunk)
+    :func:`route_finish_kernel`. Called with the count kernel's arguments."""
+
+    count: Callable
+    finish: Callable | None
+
+    def __call__(self, topk_idx: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
+                 expert_slot: torch.Tensor, expert_counts: torch.Tensor, bad: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor, bad_host: int) -> None:
+        self.count(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+        if self.finish is not None:
+            self.finish(slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+
+
+def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32",
+            group: object = None) -> Routing:
+    """The routing kernels for ``tokens`` tokens (at least 1), built for ``group``'s size.
+
+    Example::
+
+        route = router(world, tokens, topk, num_experts, "int64")
+        counts = torch.empty(route_chunks(tokens)[1], world + num_experts + 1, dtype=torch.int32)
+        route(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, 0)
+
+    Args:
+        world, tokens, topk, num_experts, id_dtype: as :func:`route_count_kernel`'s.
+        group: the process group the kernels are built for (None: the whole job).
+
+    Returns:
+        Routing: launches both kernels (one for a single chunk); ``counts`` is
+        ``(route_chunks(tokens)[1], world + num_experts + 1)`` int32 scratch.
+    """
+    count = route_count_kernel(world, tokens, topk, num_experts, id_dtype, group=group)
+    several = route_chunks(tokens)[1] > 1
+    return Routing(count, route_finish_kernel(world, tokens, topk, num_experts, group=group) if several else None)
 
 
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
