@@ -47,7 +47,7 @@ def main() -> None:
     _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     bad = torch.empty(1, dtype=torch.int32, device=x.device)
     route = moe.router(world, tokens, topk, num_experts, str(experts.dtype).removeprefix("torch."))
-    chunk_counts = torch.empty(moe.route_chunks(tokens)[1], world + num_experts + 1, dtype=torch.int32,
+    chunk_counts = torch.empty(moe.chunk_counts_shape(world, tokens, num_experts), dtype=torch.int32,
                                device=x.device)
     ids = torch.empty_like(h.topk_idx)
     # the dispatch's kernels and sizes, as its first call made them

@@ -87,7 +87,7 @@ LAYOUT_CHECK = textwrap.dedent("""
         send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
         expert_counts, bad = torch.empty(experts_here, **i32), torch.empty(1, **i32)
         ids = torch.empty(tokens, topk, **i32)
-        counts = torch.empty(moe.route_chunks(tokens)[1], world + experts_here + 1, **i32)
+        counts = torch.empty(moe.chunk_counts_shape(world, tokens, experts_here), **i32)
         route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, 0)
         flat, valid = idx.flatten(), (idx.flatten() >= 0) & (idx.flatten() < experts_here)
         assert torch.equal(ids.flatten().long(), torch.where(valid, flat, -1))  # what the dispatch sends

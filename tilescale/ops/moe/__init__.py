@@ -40,7 +40,7 @@ from tilescale.ops.moe.combine import combine_kernel, exchange_blocks
 from tilescale.ops.moe.dispatch import GROUP_ROWS, dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import dequantize_fp8, quantize_fp8
 from tilescale.ops.moe.layout import ROW_TILE, grouped_rows
-from tilescale.ops.moe.routing import route_chunks, route_count_kernel, route_finish_kernel, router
+from tilescale.ops.moe.routing import chunk_counts_shape, route_chunks, route_count_kernel, route_finish_kernel, router
 
 __all__ = [
     "GROUP_ROWS",
@@ -48,6 +48,7 @@ __all__ = [
     "Buffer",
     "DispatchHandle",
     "cached_buffer",
+    "chunk_counts_shape",
     "combine_kernel",
     "dispatch_kernel",
     "dequantize_fp8",

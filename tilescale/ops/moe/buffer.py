@@ -20,6 +20,7 @@ rank, may overwrite them and raise the flags again; combine alternates two sets 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
-from tilescale.ops.moe.routing import expert_ids, raise_bad_ids, route_chunks, router, watch_ids
+from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -318,7 +319,7 @@ class Buffer:
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
                 words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk,
-                               route_chunks(held)[1] * (world + self.num_experts + 1)) if routed else ())
+                               math.prod(chunk_counts_shape(world, held, self.num_experts))) if routed else ())
                              + (self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows, rows, rows)),
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
@@ -346,7 +347,7 @@ class Buffer:
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
         dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = words
         expert_slot, ids = expert_slot.view(tokens, topk), ids.view(tokens, topk)
-        chunk_counts = chunk_counts.view(route_chunks(tokens)[1], -1)
+        chunk_counts = chunk_counts.view(chunk_counts_shape(world, tokens, self.num_experts))
         # The check is read at the end of this call or a later one: it is queued behind the exchange.
         watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
         plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts, watch)

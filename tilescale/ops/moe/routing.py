@@ -52,6 +52,12 @@ def route_chunks(tokens: int) -> tuple[int, int]:
     return chunk, -(-tokens // chunk)
 
 
+def chunk_counts_shape(world: int, tokens: int, num_experts: int) -> tuple[int, int]:
+    """Shape of the routing kernels' ``counts`` scratch: a row per chunk, a column per bin (ranks,
+    experts, ids out of range)."""
+    return route_chunks(tokens)[1], world + num_experts + 1
+
+
 def _id(idx, t, k, num_experts):
     """Entry (t, k)'s expert id as int32, ids of a wider type clamped to [-1, num_experts]
     first, which keeps every bad id bad: no cast wraps one into range (2**32 + 1 is not 1)."""
@@ -67,27 +73,11 @@ def _bad(e, num_experts):
     return T.Or(e == -1, e == num_experts)
 
 
-def _naming(own, i, topk, e):
-    """Entries of chunk token i naming expert ``e`` (unrolled over k)."""
+def _entries(own, i, topk, lo, hi):
+    """Entries of chunk token i whose (clamped) ids are in [lo, hi) (unrolled over k)."""
     n = 0
     for k in range(topk):
-        n = n + T.if_then_else(own[i, k] == e, 1, 0)
-    return n
-
-
-def _to_rank(own, i, topk, r, per_rank, num_experts):
-    """Entries of chunk token i naming an expert of rank ``r``."""
-    n = 0
-    for k in range(topk):
-        n = n + T.if_then_else(T.And(_valid(own[i, k], num_experts), own[i, k] // per_rank == r), 1, 0)
-    return n
-
-
-def _out_of_range(own, i, topk, num_experts):
-    """Entries of chunk token i whose ids are out of range."""
-    n = 0
-    for k in range(topk):
-        n = n + T.if_then_else(_bad(own[i, k], num_experts), 1, 0)
+        n = n + T.if_then_else(T.And(lo <= own[i, k], own[i, k] < hi), 1, 0)
     return n
 
 
@@ -180,9 +170,9 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
                 if _valid(e, num_experts) and lo <= e // per_rank and e // per_rank < lo + GROUP_BINS:
                     hits[e // per_rank - lo, i] = 1
                 if _valid(e, num_experts) and lo <= world + e and world + e < lo + GROUP_BINS:
-                    hits[world + e - lo, i] = _naming(own, i, topk, e)
+                    hits[world + e - lo, i] = _entries(own, i, topk, e, e + 1)
                 if _bad(e, num_experts) and lo <= world + num_experts and world + num_experts < lo + GROUP_BINS:
-                    hits[world + num_experts - lo, i] = _out_of_range(own, i, topk, num_experts)
+                    hits[world + num_experts - lo, i] = topk - _entries(own, i, topk, 0, num_experts)
             T.cumsum(src=hits, dim=1)  # inclusive, along the chunk's tokens
             for b in T.Parallel(GROUP_BINS):
                 if lo + b < bins:
@@ -193,17 +183,16 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
                 if bad_host != 0 and lo <= bins - 1 and bins - 1 < lo + GROUP_BINS:
                     T.make_tensor_from_addr(bad_host, [1], "int32")[0] = hits[bins - 1 - lo, chunk - 1]
             for b, i in T.Parallel(GROUP_BINS, chunk):  # rank lo + b
+                goes = _entries(own, i, topk, (lo + b) * per_rank, (lo + b + 1) * per_rank) > 0
                 if c * chunk + i < tokens and lo + b < world:
-                    dest[(lo + b) * tokens + c * chunk + i] = T.if_then_else(
-                        _to_rank(own, i, topk, lo + b, per_rank, num_experts) > 0, lo + b, -1)
+                    dest[(lo + b) * tokens + c * chunk + i] = T.if_then_else(goes, lo + b, -1)
                 if c * chunk + i < tokens and lo + b < world:
-                    slot[(lo + b) * tokens + c * chunk + i] = T.if_then_else(
-                        _to_rank(own, i, topk, lo + b, per_rank, num_experts) > 0, hits[b, i] - 1, -1)
+                    slot[(lo + b) * tokens + c * chunk + i] = T.if_then_else(goes, hits[b, i] - 1, -1)
             for i, k in T.Parallel(chunk, topk):
                 e = own[i, k]
                 if (c * chunk + i < tokens and _valid(e, num_experts)
                         and lo <= world + e and world + e < lo + GROUP_BINS):
-                    expert_slot[c * chunk + i, k] = (hits[world + e - lo, i] - _naming(own, i, topk, e)
+                    expert_slot[c * chunk + i, k] = (hits[world + e - lo, i] - _entries(own, i, topk, e, e + 1)
                                                      + _earlier(own, i, k, e, topk))
 
     return main
@@ -273,7 +262,7 @@ def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str =
     Example::
 
         route = router(world, tokens, topk, num_experts, "int64")
-        counts = torch.empty(route_chunks(tokens)[1], world + num_experts + 1, dtype=torch.int32)
+        counts = torch.empty(chunk_counts_shape(world, tokens, num_experts), dtype=torch.int32)
         route(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, 0)
 
     Args:
@@ -281,8 +270,8 @@ def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str =
         group: the process group the kernels are built for (None: the whole job).
 
     Returns:
-        Routing: launches both kernels (one for a single chunk); ``counts`` is
-        ``(route_chunks(tokens)[1], world + num_experts + 1)`` int32 scratch.
+        Routing: launches both kernels (one for a single chunk); ``counts`` is int32 scratch of
+        :func:`chunk_counts_shape`.
     """
     count = route_count_kernel(world, tokens, topk, num_experts, id_dtype, group=group)
     several = route_chunks(tokens)[1] > 1
