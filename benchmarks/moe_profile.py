@@ -1,8 +1,10 @@
 """Where moe_dispatch's time goes: each of its kernels timed alone, then the whole call.
-``--layer``: where an ``ExpertParallelMoE`` forward's time goes, kernel by kernel.
+``--kernels``: a dispatch and a combine, kernel by kernel (torch.profiler: each kernel's own
+GPU time). ``--layer``: the same for an ``ExpertParallelMoE`` forward.
 
     tilescale run -n 8 benchmarks/moe_profile.py                  # DeepEP's normal size, any world size
     tilescale run -n 2 --cpu benchmarks/moe_profile.py --small
+    tilescale run -n 1 benchmarks/moe_profile.py --case low-latency --kernels
     tilescale run -n 1 benchmarks/moe_profile.py --layer          # moe.py's layer (4096 tokens, hidden 4096)
 
 Each step is timed as ``benchmarks/moe.py`` times a call (CUDA events around single calls,
@@ -15,6 +17,7 @@ NVLink / time).
 
 import argparse
 import collections
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--case", choices=sorted(CASES), default="normal")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--kernels", action="store_true", help="a dispatch and a combine, kernel by kernel")
     parser.add_argument("--layer", action="store_true", help="profile moe.py's EP layer forward instead")
     args = parser.parse_args()
     ts.init()
@@ -42,6 +46,10 @@ def main() -> None:
     world, rank = ts.world_size(), ts.rank()
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    if args.kernels:
+        exchange_profile(x, experts, weights, num_experts, low_latency, args.iters)
+        ts.finalize()
+        return
 
     # One whole call builds every kernel and leaves the outputs the steps below overwrite.
     _, _, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
@@ -83,46 +91,68 @@ def main() -> None:
     ts.finalize()
 
 
+def exchange_profile(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     low_latency: bool, iters: int) -> None:
+    """Each kernel's time per dispatch + combine round trip."""
+    recv_x, recv_w, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
+
+    def round_trip() -> None:
+        recv_x, recv_w, _, h = ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
+        ts.ops.moe_combine(recv_x, recv_w, h)
+
+    kernel_table("moe-kernels", round_trip, iters,
+                 f"dispatch + combine, world {ts.world_size()}: {x.shape[0]} tokens/rank, hidden {x.shape[1]}, "
+                 f"top-{experts.shape[1]} of {num_experts} experts, low_latency={low_latency}")
+
+
 def layer_profile(shape: tuple[int, int, int, int, int], iters: int) -> None:
     """Each kernel's time per forward of the EP layer (inference, ``torch.no_grad``)."""
     tokens, hidden, ffn, num_experts, topk = shape
     layer = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
     with torch.no_grad():
-        forward_us = time_fn(lambda: layer(x), iters=iters, barrier=dist.barrier).median_ms * 1e3
-        activities = [torch.profiler.ProfilerActivity.CUDA if x.is_cuda else torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(iters):
-                layer(x)
-            if x.is_cuda:
-                torch.cuda.synchronize()
+        kernel_table("moe-layer-profile", lambda: layer(x), iters,
+                     f"EP layer forward, world {ts.world_size()}: {tokens} tokens/rank, hidden {hidden}, FFN {ffn}, "
+                     f"top-{topk} of {num_experts} experts")
+
+
+def kernel_table(name: str, fn: Callable[[], object], iters: int, title: str) -> None:
+    """Print and save each kernel's time per call of ``fn`` (torch.profiler; on the CPU path its
+    top-level ops), beside the whole call's (CUDA events)."""
+    on_cuda = ts.device().type == "cuda"
+    call_us = time_fn(fn, iters=iters, barrier=dist.barrier).median_ms * 1e3
+    activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if on_cuda:
+            torch.cuda.synchronize()
     events = []
     for event in prof.events():
         on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
-        if x.is_cuda == on_gpu and (on_gpu or event.cpu_parent is None):  # CPU: top-level ops only
+        if on_cuda == on_gpu and (on_gpu or event.cpu_parent is None):  # CPU: top-level ops only
             events.append((event.time_range.start, event.name.split("(")[0].split("<")[0].strip(),
                            event.device_time if on_gpu else event.cpu_time_total))
-    # TileLang names every kernel main_kernel: GPU kernels launched more than once a forward
-    # are told apart by their place among those of their name (#1 the first of the forward).
+    # TileLang names every kernel main_kernel: GPU kernels launched more than once a call are
+    # told apart by their place among those of their name (#1 the first of the call).
     launches = collections.Counter(name for _, name, _ in events)
     seen: collections.Counter = collections.Counter()
     per_kernel: dict[str, list[float]] = {}
-    for _, name, us in sorted(events):
-        per_forward = launches[name] // iters
-        label = f"{name} #{seen[name] % per_forward + 1}" if per_forward > 1 and x.is_cuda else name
-        seen[name] += 1
+    for _, kernel, us in sorted(events):
+        per_call = launches[kernel] // iters
+        label = f"{kernel} #{seen[kernel] % per_call + 1}" if per_call > 1 and on_cuda else kernel
+        seen[kernel] += 1
         stats = per_kernel.setdefault(label, [0, 0.0])
         stats[0] += 1
         stats[1] += us
     total = sum(us for _, us in per_kernel.values()) / iters
-    report = Report("moe-layer-profile", columns=["kernel", "calls", "us", "share"])
-    for name, (calls, us) in per_kernel.items():  # in order of first launch
-        report.add({"kernel": name, "calls": calls / iters, "us": us / iters, "share": us / iters / total})
+    report = Report(name, columns=["kernel", "calls", "us", "share"])
+    for kernel, (calls, us) in per_kernel.items():  # in order of first launch
+        report.add({"kernel": kernel, "calls": calls / iters, "us": us / iters, "share": us / iters / total})
     report.add({"kernel": "sum of kernels", "us": total, "share": 1.0})
-    report.add({"kernel": "forward (CUDA events)" if x.is_cuda else "forward", "us": forward_us})
+    report.add({"kernel": "call (CUDA events)" if on_cuda else "call", "us": call_us})
     if ts.rank() == 0:
-        print(f"EP layer forward, world {ts.world_size()}: {tokens} tokens/rank, hidden {hidden}, FFN {ffn}, "
-              f"top-{topk} of {num_experts} experts; per forward, median of {iters} (profiled: mean)")
+        print(f"{title}; per call, median of {iters} (profiled: mean)")
     report.print_table()
     report.save()
 

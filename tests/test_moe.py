@@ -190,26 +190,30 @@ LL_ROWS = 12288  # grouped_rows(128, 8, 32) with 8 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize(("name", "tokens", "low_latency", "in_place"), [
-    ("dispatch", TOKENS, False, False), ("dispatch", 128, True, False), ("dispatch", TOKENS, False, True),
-    ("combine", TOKENS, False, False)])
-def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, tmp_path):
+@pytest.mark.parametrize(("name", "tokens", "low_latency", "in_place", "sets"), [
+    ("dispatch", TOKENS, False, False, 2), ("dispatch", 128, True, False, 2), ("dispatch", TOKENS, False, True, 2),
+    ("dispatch", 128, True, False, 1), ("combine", TOKENS, False, False, 2)])
+def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, tmp_path):
     rows = ROWS if tokens == TOKENS else LL_ROWS
     with build_options(world_size=W):
         func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, rows, "bfloat16", 132, low_latency,
-                                                in_place=in_place)
+                                                in_place=in_place, sets=sets)
                 if name == "dispatch"
                 else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, rows, "bfloat16", 132))
     with coherent_reads():  # as ts.jit builds it
         src = lower_cuda(func)
-    # One closing barrier, no opening one: flag targets and the combine's buffer set come from
-    # a device-side count, read before the barrier and advanced after it (no host value, so
-    # a CUDA graph can replay it). The combine's barrier also compares the ranks' calls (T.agree).
-    call = "tilescale::grid_barrier(" if name == "dispatch" else "tilescale::grid_agree("
-    assert src.count("tilescale::grid_barrier(") + src.count("tilescale::grid_agree(") == src.count(call) == 1
-    counter = "sends[0]" if name == "dispatch" else "combines[0]"
-    barrier, advance = src.index(call), src.index(f"{counter} = ")
-    assert src.index(counter) < barrier < advance
+    if name == "combine":
+        # One closing barrier, no opening one: the buffer set comes from a device-side count,
+        # read before the barrier and advanced after it (no host value, so a CUDA graph can
+        # replay it). The barrier also compares the ranks' calls (T.agree).
+        assert src.count("tilescale::grid_barrier(") == 0 and src.count("tilescale::grid_agree(") == 1
+        assert src.index("combines[0]") < src.index("tilescale::grid_agree(") < src.index("combines[0] = ")
+    else:
+        # The call's number (its set of receive buffers, its flag values) from T.count_call; a
+        # closing barrier only with one set: with two, a peer a call ahead writes the other set,
+        # and one two calls ahead waited for this rank's next call, which follows this one.
+        assert src.count("tilescale::count_call(sends,") == 1 and "tilescale::grid_agree(" not in src
+        assert src.count("tilescale::grid_barrier(") == (sets == 1)
     assert "uint4" in src  # rows move as 16-byte vectors
     if name == "dispatch":
         # A group of rows is read once, for the peers and this rank's experts alike.

@@ -145,17 +145,19 @@ class Buffer:
         runtime.check_not_capturing(f"the MoE buffer of {max_tokens} tokens x {hidden} ({dtype})")
         check_same_across_ranks(state, "moe Buffer", [max_tokens, hidden, topk, num_experts, str(dtype),
                                                       f"SMs={self.sms}", f"in_place={in_place}"])
-        world, meta = state.size, (state.size, max_tokens, topk)
+        # Everything peers write into this rank comes in the same sets as the receive rows.
+        world, sets = state.size, self.sets
+        meta = (sets, world, max_tokens, topk)
         self._idx, self._w = allocate(state, meta, torch.int32), allocate(state, meta, torch.float32)
         self._slot = allocate(state, meta, torch.int32)
-        self._counts = allocate(state, (world,), torch.int32)
-        self._expert_counts = allocate(state, (world, self.per_rank), torch.int32)
+        self._counts = allocate(state, (sets, world), torch.int32)
+        self._expert_counts = allocate(state, (sets, world, self.per_rank), torch.int32)
         self._arrived = allocate(state, (world,), torch.int32)
         self._flags = {}  # per mode: (ranges, progress), the plan's shape
         for low_latency in (False, True):
             blocks, _, _, groups = dispatch_plan(world, max_tokens, self.sms, low_latency)
-            self._flags[low_latency] = (allocate(state, (world, blocks, groups, 2), torch.int32),
-                                        allocate(state, (world, blocks), torch.int32))
+            self._flags[low_latency] = (allocate(state, (sets, world, blocks, groups, 2), torch.int32),
+                                        allocate(state, (sets, world, blocks), torch.int32))
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
         self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
@@ -166,7 +168,7 @@ class Buffer:
         self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
         device = runtime.device()
-        self._sends = torch.zeros(1, dtype=torch.int32, device=device)
+        self._sends = torch.zeros(3, dtype=torch.int32, device=device)  # the dispatch's T.count_call state
         self._calls = 0  # dispatch kernels issued (the host's count; in-place rows are valid until the next)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
         self._key = ("moe buffer", next(_serial))

@@ -19,13 +19,20 @@ d first sends rank d this rank's row count and per-expert entry counts, and rais
 In place (``in_place=True``) no row is written a second time: the layout (each grouped row's
 received row, weight and expert) is built as above, the peers' rows stay where they landed,
 and this rank's own rows are written once into its own receive rows, where a grouped GEMM
-gathers them (``ts.ops.grouped_gemm(..., index=)``). The receive rows are read after the
-call then, so they come in two sets, alternate calls writing alternate sets (by the device's
-call count): a peer's next call, which may start as soon as this one's closing barrier is
-passed, writes the other set, and the one after it waits for this rank's next call.
+gathers them (``ts.ops.grouped_gemm(..., index=)``).
+
+Everything peers write into a rank (rows, entries, counts, group ranges and progress flags)
+comes in two sets, alternate calls writing alternate sets (by the call's number, counted on
+the device: ``T.count_call``), and no barrier ends a call. A peer finishing call c may start
+c + 1 while this rank still reads the set of c: it writes the other set (its ``arrived``
+flag, c + 1, passes this rank's wait for c: waits are ``ge``). It cannot write the set of c
+again before this rank is done with c: its call c + 2 starts after its call c + 1, which
+waited for this rank's counts of c + 1, sent by a launch that stream order puts after this
+rank's call c. In place, the received rows of call c are thus valid until this rank's next
+call. A buffer with one set (``sets=1``, less memory) ends each call with a barrier instead.
 
 Low-latency mode (decode batches) announces every row on its own (groups of one), so a
-receiver never waits for a row behind others. A closing barrier ends the call.
+receiver never waits for a row behind others.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -48,7 +55,7 @@ def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple
     """``(blocks, chunk, group, groups)`` of the dispatch kernel: block b sends tokens ``b *
     chunk .. (b + 1) * chunk - 1``, ``groups`` groups of ``group``, and announces each group to
     each peer (groups of one in low-latency mode: each row as soon as it is out). One block per
-    SM at most (the closing barrier needs every block resident), and no fewer blocks than
+    SM at most (a closing barrier, with one set of buffers, needs every block resident), and no fewer blocks than
     ranks (block d sends rank d the counts).
 
     Args:
@@ -71,12 +78,14 @@ class Received:
     slot j of source src at ``[src, j]``."""
 
     x: object  # (sets, world, capacity, hidden) rows: two sets for alternate calls, or one
-    set: object  # the set this call writes: its call count % sets
-    idx: object  # (world, capacity, topk) their entries' expert ids
-    w: object  # (world, capacity, topk) their routing weights
-    slot: object  # (world, capacity, topk) their expert slots
-    ranges: object  # (world, blocks, groups, 2) first slot and rows of each group sent
-    progress: object  # (world, blocks) groups of each source block in so far
+    set: object  # the set this call writes: (its call number - 1) % sets
+    idx: object  # (sets, world, capacity, topk) their entries' expert ids
+    w: object  # (sets, world, capacity, topk) their routing weights
+    slot: object  # (sets, world, capacity, topk) their expert slots
+    counts: object  # (sets, world) rows from each source
+    expert_counts: object  # (sets, world, per_rank) entries of each local expert from each source
+    ranges: object  # (sets, world, blocks, groups, 2) first slot and rows of each group sent
+    progress: object  # (sets, world, blocks) groups of each source block in so far
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
         in_place: Leave the received rows where they land (``out`` is then one unused row);
             ``source_row`` names each grouped row's row of ``recv_x`` viewed as
             ``(2 * world * capacity, hidden)``. Needs two ``sets``.
-        sets: Sets of receive rows (1 or 2), the same on every rank; call c writes set ``c % sets``.
+        sets: Sets of receive buffers (1 or 2), the same on every rank; call number n (1, 2, ...)
+            writes set ``(n - 1) % sets``. With one, each call ends with a barrier (module notes).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -137,12 +147,14 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              slot: T.Tensor((world * held,), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
              recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
-             recv_idx: T.Tensor((world, capacity, topk), "int32"),
-             recv_w: T.Tensor((world, capacity, topk), "float32"),
-             recv_slot: T.Tensor((world, capacity, topk), "int32"),
-             recv_counts: T.Tensor((world,), "int32"), recv_expert_counts: T.Tensor((world, per_rank), "int32"),
-             ranges: T.Tensor((world, blocks, groups, 2), "int32"), progress: T.Tensor((world, blocks), "int32"),
-             arrived: T.Tensor((world,), "int32"), sends: T.Tensor((1,), "int32"),
+             recv_idx: T.Tensor((sets, world, capacity, topk), "int32"),
+             recv_w: T.Tensor((sets, world, capacity, topk), "float32"),
+             recv_slot: T.Tensor((sets, world, capacity, topk), "int32"),
+             recv_counts: T.Tensor((sets, world), "int32"),
+             recv_expert_counts: T.Tensor((sets, world, per_rank), "int32"),
+             ranges: T.Tensor((sets, world, blocks, groups, 2), "int32"),
+             progress: T.Tensor((sets, world, blocks), "int32"),
+             arrived: T.Tensor((world,), "int32"), sends: T.Tensor((3,), "int32"),
              counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
              received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
              weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
@@ -150,10 +162,10 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
-                call = T.alloc_local((1,), "int32")
-                call[0] = sends[0]
-                recv = Received(recv_x, call[0] % sets if sets > 1 else 0, recv_idx, recv_w, recv_slot, ranges,
-                                progress)
+                call = T.alloc_local((2,), "int32")
+                T.count_call(sends, 1, call)  # call[0]: this call's number, 1, 2, ...
+                recv = Received(recv_x, (call[0] - 1) % sets if sets > 1 else 0, recv_idx, recv_w, recv_slot,
+                                recv_counts, recv_expert_counts, ranges, progress)
                 layout = Layout(position, weight, source_row, row_expert, None if in_place else out, counts,
                                 offsets, received_counts, recv.set * received if in_place else 0)
                 # A group of rows with their entries' expert ids, weights and expert slots: read
@@ -170,10 +182,10 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 seg = Segments(given, got, upto, end, world, per_rank)
                 if b < world:  # the counts first: a receiver needs every source's to place any row
                     T.announce(board, ident)  # released by the signal below: the receiver checks it
-                    T.copy(send_counts[b:b + 1], recv_counts[rank:rank + 1], dst_pe=b)
-                    T.copy(expert_counts[b * per_rank:b * per_rank + per_rank], recv_expert_counts[rank, 0:per_rank],
-                           dst_pe=b)
-                    T.signal(arrived[rank], call[0] + 1, pe=b)
+                    T.copy(send_counts[b:b + 1], recv.counts[recv.set, rank:rank + 1], dst_pe=b)
+                    T.copy(expert_counts[b * per_rank:b * per_rank + per_rank],
+                           recv.expert_counts[recv.set, rank, 0:per_rank], dst_pe=b)
+                    T.signal(arrived[rank], call[0], pe=b)
                 for g in T.serial(groups + 1):
                     # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
                     # block b placed meanwhile (it has had a group's time to arrive).
@@ -184,9 +196,9 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                             _put_group(tile, slot, span, recv, b * chunk + g * group,
                                        _group_tokens(b, g, chunk, group, tokens), _peer(b, j, world), b, g, held)
                     if g == 0:
-                        for src in T.serial(world):
-                            T.wait(arrived[src], "eq", call[0] + 1, agree=(board, ident))
-                        segments(recv_expert_counts, recv_counts, seg)
+                        for src in T.serial(world):  # "ge": a peer may be a call ahead (module notes)
+                            T.wait(arrived[src], "ge", call[0], agree=(board, ident))
+                        segments(recv.expert_counts, recv.counts, recv.set, seg)
                     if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
                         for i in T.Parallel(group):  # this rank's own tokens among them: received rows
                             tile.where[i] = T.if_then_else(
@@ -205,9 +217,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                         for j in T.serial(world - 1):
                             _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
                 finish(b, blocks, seg, layout, capacity, topk, rows)
-                T.barrier()  # every rank has taken its rows out of the receive buffers
-                if b == 0:
-                    sends[0] = call[0] + 1  # every thread stores the same value
+                if sets == 1:
+                    T.barrier()  # every rank has taken its rows out of the one set of receive buffers
 
     return main
 
@@ -237,7 +248,7 @@ def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
 def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
     """The group's tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row,
     expert ids, weights, expert slots, at their slots there), then the group's slot range into
-    ``ranges[rank, b, g]`` there and its progress flag raised to g + 1 (also for a group with
+    ``ranges[set, rank, b, g]`` there and its progress flag raised to g + 1 (also for a group with
     no token: the receiver waits for every group of the plan). ``tokens``: rows of ``slot``
     per destination."""
     hidden, topk = tile.rows.shape[1], tile.ids.shape[1]
@@ -248,38 +259,41 @@ def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
         if slot[d * tokens + t0 + i] >= 0:
             T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d,
                    coalesced_width=tile.vector)
-            T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
-            T.copy(tile.ws[i:i + 1, 0:topk], recv.w[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
-            T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[_rank(), slot[d * tokens + t0 + i], 0:topk], dst_pe=d)
+            T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+                   dst_pe=d)
+            T.copy(tile.ws[i:i + 1, 0:topk], recv.w[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+                   dst_pe=d)
+            T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+                   dst_pe=d)
             if sent[0] == 0:
                 first[0] = slot[d * tokens + t0 + i]  # slots grow with the token: the rest follow
             sent[0] = sent[0] + 1
     span[0] = first[0]
     span[1] = sent[0]
-    T.copy(span, recv.ranges[_rank(), b, g, 0:2], dst_pe=d)
-    T.signal(recv.progress[_rank(), b], g + 1, pe=d)
+    T.copy(span, recv.ranges[recv.set, _rank(), b, g, 0:2], dst_pe=d)
+    T.signal(recv.progress[recv.set, _rank(), b], g + 1, pe=d)
 
 
 @T.macro
 def _take_group(src, b, g, groups, tile, span, seg, recv, layout, capacity):
     """Once it has arrived, group g of source src's block b: its rows placed at their experts'
     grouped rows (received row ``src * capacity + slot``; in place only their layout, the rows
-    stay). After the last group, the flag goes back to 0 for the next call, whose sender
-    starts after this call's closing barrier."""
+    stay). After the last group, the flag goes back to 0 for the next call that writes this
+    set, which starts after this one ends (module notes)."""
     group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
-    T.wait(recv.progress[src, b], "ge", g + 1)
-    T.copy(recv.ranges[src, b, g, 0:2], span)
+    T.wait(recv.progress[recv.set, src, b], "ge", g + 1)
+    T.copy(recv.ranges[recv.set, src, b, g, 0:2], span)
     first, n = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")
     first[0] = span[0]
     n[0] = span[1]
     if n[0] > 0:
         if layout.out is not None:
             T.copy(recv.x[recv.set, src, first[0]:first[0] + group, 0:hidden], tile.rows, coalesced_width=tile.vector)
-        T.copy(recv.idx[src, first[0]:first[0] + group, 0:topk], tile.ids)
-        T.copy(recv.w[src, first[0]:first[0] + group, 0:topk], tile.ws)
-        T.copy(recv.slot[src, first[0]:first[0] + group, 0:topk], tile.eslots)
+        T.copy(recv.idx[recv.set, src, first[0]:first[0] + group, 0:topk], tile.ids)
+        T.copy(recv.w[recv.set, src, first[0]:first[0] + group, 0:topk], tile.ws)
+        T.copy(recv.slot[recv.set, src, first[0]:first[0] + group, 0:topk], tile.eslots)
         for i in T.Parallel(group):
             tile.where[i] = T.if_then_else(i < n[0], src * capacity + first[0] + i, -1)
         place(tile, seg, layout, capacity)
     if g == groups - 1:
-        recv.progress[src, b] = 0
+        recv.progress[recv.set, src, b] = 0

@@ -70,18 +70,20 @@ def _rank():
 
 
 @T.macro
-def segments(recv_expert_counts, recv_counts, seg):
+def segments(recv_expert_counts, recv_counts, s, seg):
     """Every source's counts into ``seg.given`` (entries per expert) and ``seg.got`` (rows);
     ``seg.upto``, the (source, expert) entry counts summed over sources; ``seg.end``, the
     inclusive prefix of the experts' padded segments.
 
     Args:
-        recv_expert_counts: (world, per_rank) entries of each local expert from each source (symmetric, received).
-        recv_counts: (world,) rows from each source (symmetric, received).
+        recv_expert_counts: (sets, world, per_rank) entries of each local expert from each source (symmetric,
+            received).
+        recv_counts: (sets, world) rows from each source (symmetric, received).
+        s: The set of counts this call's sources wrote.
         seg: The block's :class:`Segments` tiles, written here.
     """
-    T.copy(recv_expert_counts[0:seg.world, 0:seg.per_rank], seg.given)
-    T.copy(recv_counts[0:seg.world], seg.got)
+    T.copy(recv_expert_counts[s, 0:seg.world, 0:seg.per_rank], seg.given)
+    T.copy(recv_counts[s, 0:seg.world], seg.got)
     T.copy(seg.given, seg.upto)
     T.cumsum(src=seg.upto, dim=0)
     for e in T.Parallel(seg.per_rank):
