@@ -26,18 +26,9 @@ def uneven(max_tokens: int) -> int:
     return 0 if rank == 0 else max_tokens if rank == world - 1 else max_tokens // 3
 
 
-for case, (tokens, topk, low_latency, max_tokens, *row) in enumerate(cases):
-    tokens = uneven(max_tokens) if max_tokens else tokens
-    g = torch.Generator(device=ts.device()).manual_seed(100 * case + rank)
-    x = torch.randn(tokens, row[0] if row else hidden, generator=g).to(torch.bfloat16)
-    scores = torch.rand(tokens, num_experts, generator=g)
-    if case == 3:  # skewed: every token goes to rank 0's experts only; other ranks receive nothing
-        scores[:, per_rank:] = -1
-    topk_w, topk_idx = scores.topk(topk, dim=1)
-    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
-                                                         max_tokens=max_tokens)
-
-    # Expert e multiplies by (e + 1): easy to check, different per expert.
+def combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle) -> None:  # noqa: ANN001
+    """A dispatch's grouped rows and counts against every rank's tokens (collective), and its
+    combine through experts that multiply by (e + 1), against torch."""
     scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
     expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
     y = ts.ops.moe_combine(expert_out, recv_w, handle)
@@ -64,9 +55,38 @@ for case, (tokens, topk, low_latency, max_tokens, *row) in enumerate(cases):
         torch.testing.assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
+
+
+for case, (tokens, topk, low_latency, max_tokens, *row) in enumerate(cases):
+    tokens = uneven(max_tokens) if max_tokens else tokens
+    g = torch.Generator(device=ts.device()).manual_seed(100 * case + rank)
+    x = torch.randn(tokens, row[0] if row else hidden, generator=g).to(torch.bfloat16)
+    scores = torch.rand(tokens, num_experts, generator=g)
+    if case == 3:  # skewed: every token goes to rank 0's experts only; other ranks receive nothing
+        scores[:, per_rank:] = -1
+    topk_w, topk_idx = scores.topk(topk, dim=1)
+    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
+                                                         max_tokens=max_tokens)
+
+    combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
     mode = ("low-latency" if low_latency else "normal") + (", uneven" if max_tokens else "")
     print(f"rank {rank}: case {case} ({mode}) tokens={tokens} topk={topk} received {int(counts.sum())} rows: MOE-OK",
           flush=True)
+
+# Dispatches back to back, nothing between them that waits for the other ranks: a rank with few
+# tokens runs a call ahead of one with many (writing the other set of its receive buffers while
+# that one still reads its set). Every call's rows, counts and combine are right, checked after all.
+calls = []
+for call in range(5):
+    tokens, topk, low_latency = (3 if rank == 0 else 23), 2 + call % 2, call in (2, 3)
+    g = torch.Generator(device=ts.device()).manual_seed(1000 + 10 * call + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts, generator=g).topk(topk, dim=1)
+    calls.append((x, topk_idx, topk_w, *ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts,
+                                                            low_latency=low_latency, max_tokens=23)))
+for call, (x, topk_idx, topk_w, recv_x, recv_w, counts, handle) in enumerate(calls):
+    combine_and_check(f"back to back {call}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
+print(f"rank {rank}: {len(calls)} dispatches back to back: MOE-OK", flush=True)
 
 if ts.device().type == "cuda":  # a dispatch + combine step captured once, replayed on new tokens
     def step(x, topk_idx, topk_w, low_latency, in_place):  # noqa: ANN001, ANN202 - identity experts
