@@ -37,6 +37,17 @@ def test_dispatch_combine_match_reference(n):
 
 
 @pytest.mark.timeout(300)
+def test_dispatches_back_to_back_under_scheduling_jitter():
+    # Blocks sleep up to 50 ms after each signal (TILESCALE_CPU_JITTER_S), so a rank runs calls
+    # ahead of its peers as a GPU's schedule lets it. With the two sets of receive buffers merged
+    # into one, this failed 4 runs in 4 (wrong rows, or a flag lost and a wait timing out); 2
+    # ranks met that window in 1 run of 3 with the jitter, 0 of 6 without.
+    proc = run_cpu("tests/ranks/moe_check.py", 3, env={"TILESCALE_CPU_JITTER_S": "0.05"}, args=("--back-to-back",))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("dispatches back to back: MOE-OK") == 3
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_moe_layer_gradients_match_autograd(n):
     proc = run_cpu("tests/ranks/moe_backward_check.py", n)

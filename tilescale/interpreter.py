@@ -24,8 +24,8 @@ of ``tilescale.comm.base.DeviceLowering`` (put, get, signal, wait, fence, barrie
 announce), a peer given as a global rank and reached at the address of the same offset in
 its copy of the symmetric allocation, as a one-sided library would.
 
-Blocks of a grid run one after another, or as threads when the kernel uses
-``T.barrier()`` (which needs every block alive at once). In a cluster launch
+Blocks of a grid run one after another, or as threads when the kernel waits (``T.barrier``,
+``T.agree``, ``T.wait``: a block may wait for another block, which must be alive). In a cluster launch
 (``cluster_dims``) the blocks of each cluster run together as threads: their shared tiles
 are reachable from each other (``dst_cta``/``src_cta`` copies resolve to the peer block's
 tile, with the bounds checks of global tensors) and the cluster barrier is a barrier of
@@ -38,6 +38,8 @@ from __future__ import annotations
 import collections
 import math
 import operator
+import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +84,10 @@ _COMPARE = {COMPARISONS[name]: getattr(operator, name) for name in COMPARISONS}
 # it waits for share the host's cores with it, and a wait that polls at the first pause for
 # long takes their CPU time (a few waits spinning each use a core's worth on two cores).
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.0001, 0.001
+# TILESCALE_CPU_JITTER_S: a block that signals then sleeps up to this long (uniformly at
+# random), so that tests meet the interleavings a GPU's schedule gives (a peer
+# running a call ahead while this rank still reads, flags raised out of order) on purpose.
+_JITTER_ENV = "TILESCALE_CPU_JITTER_S"
 # The roles of a device lowering's helpers (tilescale.comm.base.DeviceLowering).
 _ROLES = ("put", "get", "signal", "warp_signal", "wait", "warp_wait", "fence", "barrier", "agree", "announce")
 
@@ -193,6 +199,8 @@ class _Launch:
         self.status = status
         self.blocks = blocks
         self.block_barrier = threading.Barrier(blocks) if threaded else None
+        self.jitter_s = float(os.environ.get(_JITTER_ENV) or 0)
+        self.jitter = random.Random() if self.jitter_s > 0 else None
         self.failed = threading.Event()
         self.lock = threading.Lock()
         cluster_size = math.prod(kernel.cluster_dims)
@@ -438,6 +446,8 @@ class _Block:
                 ptr.flat[0] = value
             else:
                 ptr.flat[0] += value
+        if self.launch.jitter:
+            time.sleep(self.launch.jitter.uniform(0, self.launch.jitter_s))
 
     def wait(self, ptr: _Pointer, cmp: int, expected: int, agree: tuple[torch.Tensor, int] | None = None) -> None:
         what = f"T.wait({ptr.label} {COMPARISON_TEXT[cmp]} {expected}) in block {self.block_id}"
