@@ -78,8 +78,10 @@ for low_latency in (False, True):
     recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency,
                                                          max_tokens=23)
     combine_and_check("first of its mode", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
-calls = [(*batch, *ts.ops.moe_dispatch(*batch, num_experts, low_latency=low_latency, max_tokens=23))
-         for batch, low_latency in ((routed_batch(call), mode) for call, mode in enumerate(modes))]
+calls = []
+for call, low_latency in enumerate(modes):
+    batch = routed_batch(call)
+    calls.append((*batch, *ts.ops.moe_dispatch(*batch, num_experts, low_latency=low_latency, max_tokens=23)))
 for call, (x, topk_idx, topk_w, recv_x, recv_w, counts, handle) in enumerate(calls):
     combine_and_check(f"back to back {call}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
 print(f"rank {rank}: {len(calls)} dispatches back to back: MOE-OK", flush=True)
