@@ -64,6 +64,10 @@ class SymmetricAllocation(abc.ABC):
     def peer(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s copy (``rank`` != own rank) as a uint8 tensor this process can read and write."""
 
+    def dropped(self) -> None:
+        """This rank's copy died (its storage was freed): a backend whose memory does not go with
+        the storage may take it back, once that is safe for every rank."""
+
 
 @dataclass(frozen=True)
 class DeviceLowering:

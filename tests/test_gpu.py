@@ -101,7 +101,8 @@ def nvshmem_modules(cache: Path) -> int:
                           ("examples/all_gather.py", " correct: ", 1), ("examples/all_reduce.py", " correct: ", 1),
                           ("examples/reduce_scatter.py", " correct: ", 1),
                           ("tests/ranks/ops_check.py", "OPS-OK", 2), ("tests/ranks/tp_gemm_check.py", " ok", 8),
-                          ("tests/ranks/moe_check.py", "MOE-OK", 32)])
+                          ("tests/ranks/moe_check.py", "MOE-OK", 32),
+                          ("tests/ranks/symmetric_lifetime.py", "LIFETIME-OK", 2)])
 def test_nvshmem_backend_runs_the_same_programs(program, marker, count, mode, tmp_path):
     proc = run(program, timeout=850, env=nvshmem_env(mode, tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -100,6 +100,17 @@ def test_four_rank_job_leaves_no_shared_memory(four_ranks):
     four_ranks.assert_no_shm_left()
 
 
+@pytest.mark.timeout(180)
+def test_many_live_tensors_keep_their_own_peers_and_dropped_ones_come_back():
+    """Of the whole job and of a process group: four tensors alive at once, written through peer
+    views and a kernel, each receives its own data; dropped tensors leave the registry (on
+    NVSHMEM their heap ranges come back: the GPU run of the same program, test_gpu.py)."""
+    job = cpu_job(3, RANKS / "symmetric_lifetime.py")
+    assert job.result.returncode == 0, job.explain()
+    for rank in range(3):
+        assert f"LIFETIME-OK rank={rank} world=3" in job.out, job.explain()
+
+
 @pytest.mark.timeout(120)
 def test_init_after_finalize_works_in_a_launched_job(four_ranks):
     job = four_ranks

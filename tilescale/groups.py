@@ -158,8 +158,8 @@ class GroupState:
         With ``barrier`` (the default) the group's ranks first meet (after this rank's queued
         GPU work), so no rank frees memory a peer may still write into. Symmetric tensors of
         the group that the caller still holds stay valid local tensors but are no longer
-        symmetric (peer views and kernels refuse them); on the ``nvshmem`` backend, whose
-        frees cannot follow the tensors, their memory goes back to the heap: drop them first.
+        symmetric (peer views and kernels refuse them); on the ``nvshmem`` backend their memory
+        goes back to the heap at once: drop them first.
 
         Args:
             barrier: meet the group's ranks first (pass False only where they cannot be reached any more).

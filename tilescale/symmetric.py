@@ -102,7 +102,9 @@ def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> to
 
 def _forget(state: GroupState, key: int) -> None:
     # The memory of this copy may now be handed out again: plans that know it by address go.
-    state.allocations.pop(key, None)
+    entry = state.allocations.pop(key, None)
+    if entry is not None:
+        entry.allocation.dropped()
     plans.invalidate()
 
 

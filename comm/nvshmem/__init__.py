@@ -8,7 +8,9 @@ by Open MPI's ``mpirun`` can instead let NVSHMEM bootstrap over MPI
 so under MPICH use the default).
 
 Every symmetric tensor is ``nvshmem.core.tensor`` memory: the same heap offset on every
-rank. Peers that NVSHMEM maps into this process (same node, P2P or NVLink) get an address
+rank. The tensor tilescale hands out has a storage of its own over that memory
+(:func:`heap_tensor`), so its death is seen and the memory comes back (see
+:meth:`NvshmemBackend.allocate`). Peers that NVSHMEM maps into this process (same node, P2P or NVLink) get an address
 from ``nvshmem_ptr``, so kernels lowered the default way (loads and stores through the
 peer-address table) run unchanged. Peers on other nodes have no address (0 in the table);
 kernels that touch them must be built with ``build_options(remote="nvshmem")``, which
@@ -40,7 +42,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -110,12 +114,14 @@ def check_mpi_bootstrap(world_size: int) -> None:
 
 
 class NvshmemAllocation(SymmetricAllocation):
-    """One ``nvshmem.core.tensor``; ``peer_ptrs[r]`` is 0 where rank r is not load/store reachable."""
+    """One range of the NVSHMEM heap; ``peer_ptrs[r]`` is 0 where rank r is not load/store reachable."""
 
-    def __init__(self, local: torch.Tensor, peers: list[torch.Tensor | None], peer_ptrs: list[int], rank: int):
-        super().__init__(local.numel(), peer_ptrs)
+    def __init__(self, nbytes: int, peers: list[torch.Tensor | None], peer_ptrs: list[int], rank: int,
+                 on_drop: Callable[[], None]):
+        super().__init__(nbytes, peer_ptrs)
         self._peers = peers
         self._rank = rank
+        self._on_drop = on_drop
 
     def peer(self, rank: int) -> torch.Tensor:
         view = self._peers[rank]
@@ -125,6 +131,38 @@ class NvshmemAllocation(SymmetricAllocation):
                 "address: another node, or no P2P); reach it from kernels built with build_options(remote='nvshmem')"
             )
         return view
+
+    def dropped(self) -> None:
+        self._on_drop()
+
+
+class _HeapRange:
+    """``nbytes`` of the heap at ``address``, in the form ``torch.as_tensor`` wraps (CUDA array interface)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3}
+
+
+def heap_tensor(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of the heap at ``address``, with a storage of its own.
+
+    Its own storage, not a view of the allocation NVSHMEM handed out: so the tensor's death is
+    seen (the memory goes back to the heap), and its storage offsets start at the range.
+
+    Example::
+
+        local = heap_tensor(arena.data_ptr() + start, 4096, torch.device("cuda", 0))
+
+    Args:
+        address: the range's first byte (this process's address of some rank's copy).
+        nbytes: its length (at least 1).
+        device: the GPU the address belongs to.
+
+    Returns:
+        The tensor; it does not own the memory (the backend does).
+    """
+    return torch.as_tensor(_HeapRange(address, nbytes), device=device)
 
 
 def parse_size(text: str) -> int:
@@ -154,6 +192,7 @@ class Arena:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.free: list[list[int]] = [[0, nbytes]] if nbytes else []
+        self._dropped: list[tuple[int, int]] = []
 
     @staticmethod
     def first_fit(free_lists: list[list[list[int]]], nbytes: int) -> int | None:
@@ -173,8 +212,20 @@ class Arena:
                 return
         raise AssertionError(f"heap range {start}..{end} is not free")
 
+    def drop(self, start: int, nbytes: int) -> None:
+        """Queue a range for :meth:`free_ranges` to give back (safe from a tensor's finalizer, at any moment)."""
+        self._dropped.append((start, nbytes))
+
+    def free_ranges(self) -> list[list[int]]:
+        """The free ranges, after giving back every dropped one."""
+        while self._dropped:
+            self.give_back(*self._dropped.pop())
+        return self.free
+
     def give_back(self, start: int, nbytes: int) -> None:
         end = start + -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        if any(s <= start and end <= e for s, e in self.free):
+            return  # dropped twice (a group released while its tensors died)
         merged = sorted([*self.free, [start, end]])
         self.free = []
         for s, e in merged:
@@ -196,8 +247,12 @@ class NvshmemBackend(CommBackend):
         super().__init__(group, parent)
         self.unreachable: list[int] = []  # peers without an address, known after the first allocation
         self.force_calls = os.environ.get(FORCE_CALLS_ENV, "0") not in ("", "0")
-        self._live: list[torch.Tensor] = []
-        self._ranges: list[tuple[int, int]] = []  # a group's ranges of the job's arena
+        self.finalized = False
+        self._owners: dict[str, torch.Tensor] = {}  # the job's allocations by tag, until freed
+        # Tags of the job's allocations whose tensor this rank dropped (appended by the tensors'
+        # finalizers, so at any moment: only the allocation path reads and trims it).
+        self._dropped: list[str] = []
+        self._ranges: dict[int, int] = {}  # a group's live ranges of the job's arena: start -> bytes
         if parent is not None:  # a process group: NVSHMEM and the arena are the job's
             if not isinstance(parent, NvshmemBackend) or parent.arena is None:
                 raise RuntimeError("a process group on the nvshmem backend needs the job's nvshmem backend")
@@ -238,43 +293,61 @@ class NvshmemBackend(CommBackend):
             np.copyto(uid._data.view(np.uint8), np.frombuffer(bytes.fromhex(sent), dtype=np.uint8))
         return uid
 
-    def _group_range(self, nbytes: int, tag: str) -> torch.Tensor:
-        """A range of the job's arena at the same offset on every rank of this group (collective over it)."""
-        lists = self.group.exchange(f"{tag}/free", self.arena.free)
+    def _group_range(self, nbytes: int, tag: str) -> int:
+        """The offset of a range of the job's arena free on every rank of this group (collective over it)."""
+        lists = self.group.exchange(f"{tag}/free", self.arena.free_ranges())
         start = Arena.first_fit(lists, nbytes)
         if start is None:
             raise RuntimeError(f"{nbytes} bytes do not fit in the NVSHMEM heap reserved for process groups on all of "
                                f"ranks {self.group.ranks} ({self.arena.nbytes} bytes): raise {GROUP_HEAP_ENV} (and "
                                "NVSHMEM_SYMMETRIC_SIZE with it)")
         self.arena.take(start, nbytes)
-        self._ranges.append((start, nbytes))
-        return self.arena_tensor[start:start + nbytes]
+        self._ranges[start] = nbytes
+        return start
 
     def allocate(self, nbytes: int, tag: str) -> tuple[torch.Tensor, SymmetricAllocation]:
+        """The job's allocations are NVSHMEM allocations of their own; a group's, ranges of the arena.
+
+        The memory comes back when the tensor dies (:meth:`SymmetricAllocation.dropped`): a
+        group's range at its rank's next arena allocation; the job's allocations at the job's
+        next allocation, once every rank has dropped them.
+        """
+        size = max(nbytes, 1)
         if self.parent is None:
-            local = self._core.tensor((max(nbytes, 1),), dtype=torch.uint8)
-            self._live.append(local)
-            base = local
+            self._free_dropped(tag)
+            owner = self._core.tensor((size,), dtype=torch.uint8)
+            self._owners[tag] = owner
+            address, on_drop = owner.data_ptr(), functools.partial(self._dropped.append, tag)
         else:
-            local = self._group_range(max(nbytes, 1), tag)
-            base = self.arena_tensor
+            start = self._group_range(size, tag)
+            address, on_drop = self.arena_tensor.data_ptr() + start, functools.partial(self._drop_range, start, size)
+        me, device = self.group.rank, torch.device("cuda", torch.cuda.current_device())
+        # NVSHMEM numbers PEs by global rank; 0 where nvshmem_ptr gives no address.
+        ptrs = [address if r == me else self._bindings.ptr(address, pe) or 0 for r, pe in enumerate(self.group.ranks)]
+        local = heap_tensor(address, size, device)
         local.zero_()
-        offset = local.data_ptr() - base.data_ptr()
-        me = self.group.rank
-        peers: list[torch.Tensor | None] = []
-        ptrs: list[int] = []
-        for r, pe in enumerate(self.group.ranks):  # NVSHMEM numbers PEs by global rank
-            address = local.data_ptr() if r == me else self._bindings.ptr(local.data_ptr(), pe)
-            view = None if r == me or not address else \
-                self._core.get_peer_tensor(base, pe)[offset:offset + nbytes]
-            peers.append(view)
-            ptrs.append(address or 0)
+        peers = [None if r == me or not p else heap_tensor(p, size, device)[:nbytes] for r, p in enumerate(ptrs)]
         self.unreachable = [r for r, p in enumerate(ptrs) if p == 0]
         # A peer may write into our copy as soon as it returns: our zero_() must be done first.
         torch.cuda.synchronize()
         self.group.barrier(f"{tag}/zeroed")
-        local = local[:nbytes]
-        return local, NvshmemAllocation(local, peers, ptrs, me)
+        return local[:nbytes], NvshmemAllocation(nbytes, peers, ptrs, me, on_drop)
+
+    def _free_dropped(self, tag: str) -> None:
+        """Free the job's allocations whose tensors every rank has dropped (collective over the job).
+
+        ``nvshmem_free`` is collective, so a tensor's death on one rank cannot free it: each
+        rank lists what it dropped, and what all dropped is freed, in the same order everywhere.
+        """
+        lists = self.group.exchange(f"{tag}/dropped", sorted(set(self._dropped)))
+        for gone in sorted(set.intersection(*map(set, lists))):
+            self._core.free_tensor(self._owners.pop(gone))
+            self._dropped.remove(gone)
+
+    def _drop_range(self, start: int, nbytes: int) -> None:
+        if not self.finalized:
+            self._ranges.pop(start, None)
+            self.arena.drop(start, nbytes)
 
     def check_lowering(self, lowering: str) -> None:
         super().check_lowering(lowering)
@@ -292,14 +365,15 @@ class NvshmemBackend(CommBackend):
 
     def finalize(self) -> None:
         torch.cuda.synchronize()
-        for start, nbytes in self._ranges:  # the group's ranks met before this (GroupState.release)
-            self.arena.give_back(start, nbytes)
+        self.finalized = True
+        for start, nbytes in list(self._ranges.items()):  # the group's ranks met before this (GroupState.release)
+            self.arena.drop(start, nbytes)
         self._ranges.clear()
         if self.parent is not None:
             return
-        for t in self._live:
-            self._core.free_tensor(t)
-        self._live.clear()
+        for owner in self._owners.values():  # the same tags, in the same order, on every rank
+            self._core.free_tensor(owner)
+        self._owners.clear()
         if self.arena_tensor is not None:
             self._core.free_tensor(self.arena_tensor)
         self._core.finalize()
