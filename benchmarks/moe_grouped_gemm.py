@@ -1,0 +1,92 @@
+"""The expert GEMMs of an MoE layer: ``ts.ops.grouped_gemm`` over a dispatch's grouped rows
+against ``torch._grouped_mm`` (what a PyTorch user calls) on the same rows, one rank.
+
+Both GEMMs of an expert FFN (``x @ w1.T``: K = hidden, N = FFN; ``h @ w2.T``: K = FFN,
+N = hidden) at two layer shapes, with each tile ``grouped_gemm`` can take (``chosen``: its
+default), each result checked against torch's first, then timed in interleaved rounds (CUDA
+events, median of ``--iters`` per round, the median round reported). torch gets the valid
+rows sorted by expert (no padding); ``grouped_gemm`` the dispatch's layout, each expert's
+rows padded to 128-row tiles, so its time includes that padding. ``TFLOPs`` counts the
+FLOPs of the rows that hold tokens.
+
+    tilescale run -n 1 benchmarks/moe_grouped_gemm.py
+    tilescale run -n 1 --cpu benchmarks/moe_grouped_gemm.py --small --iters 2
+"""
+
+import argparse
+
+import torch
+from harness import Report, check_close, time_fn
+from moe import LAYER, SMALL_LAYER, routing
+
+import tilescale as ts
+from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224
+
+# A layer shape of DeepSeek-V3's proportions beside moe.py's (tokens, hidden, FFN, experts, top-k).
+SHAPES = (LAYER, (2048, 7168, 2048, 32, 8))
+TILES = {"chosen": None, "128x256": WIDE, "128x224": WIDE_224, "128x192": WIDE_192, "128x128": DEFAULT}
+ROUNDS = 5
+
+
+def torch_grouped(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM where it has one (CUDA), else a loop over the experts."""
+    if rows.is_cuda:
+        return torch._grouped_mm(rows, w.transpose(-2, -1), offs=ends)
+    starts = [0, *ends.tolist()[:-1]]
+    return torch.cat([rows[s:e] @ w[i].T for i, (s, e) in enumerate(zip(starts, ends.tolist(), strict=True))])
+
+
+def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
+    tokens, hidden, ffn, num_experts, topk = shape
+    experts, weights = routing(tokens, num_experts, topk)
+    x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
+    grouped, _, _, handle = ts.ops.moe_dispatch(x, experts, weights, num_experts)
+    row_expert = handle.row_expert
+    valid = row_expert >= 0
+    order = torch.argsort(row_expert[valid], stable=True)
+    ends = torch.cumsum(torch.bincount(row_expert[valid].long(), minlength=num_experts), 0).to(torch.int32)
+    rows = []
+    for gemm, k, n in (("x @ w1.T", hidden, ffn), ("h @ w2.T", ffn, hidden)):
+        a = grouped if k == hidden else torch.randn(grouped.shape[0], k, device=ts.device(), dtype=torch.bfloat16)
+        w = (torch.randn(num_experts, n, k, device=ts.device()) / k**0.5).to(torch.bfloat16)
+        dense = a[valid][order].contiguous()
+        plans = {"torch._grouped_mm": lambda d=dense, w=w: torch_grouped(d, w, ends)}
+        plans.update({f"grouped_gemm {label}": (lambda a=a, w=w, t=tile: ts.ops.grouped_gemm(a, w, row_expert, tile=t))
+                      for label, tile in TILES.items()})
+        want = plans["torch._grouped_mm"]().float()
+        checks = {label: check_close(f"{gemm} {label}", fn()[valid][order].float(), want, rtol=2e-2, atol=2e-2)
+                  for label, fn in plans.items() if label != "torch._grouped_mm"}
+        times = {label: [] for label in plans}
+        for _ in range(ROUNDS):
+            for label, fn in plans.items():
+                times[label].append(time_fn(fn, iters=iters).median_ms * 1e3)
+        median = {label: sorted(t)[ROUNDS // 2] for label, t in times.items()}
+        flops = 2 * tokens * topk * k * n
+        for label, us in median.items():
+            rows.append({"gemm": gemm, "tokens": tokens, "K": k, "N": n, "experts": num_experts, "topk": topk,
+                         "plan": label, "us": us, "TFLOPs": flops / us / 1e6,
+                         "over_torch": us / median["torch._grouped_mm"], "rounds_us": times[label],
+                         **({"check": checks[label]} if label in checks else {})})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    ts.init()
+    if ts.world_size() != 1:
+        raise SystemExit("a one-rank job: tilescale run -n 1 benchmarks/moe_grouped_gemm.py")
+    report = Report("moe-grouped-gemm", columns=["gemm", "tokens", "K", "N", "experts", "topk", "plan", "us",
+                                                 "TFLOPs", "over_torch"])
+    for shape in (SMALL_LAYER,) if args.small else SHAPES:
+        for row in gemm_rows(shape, args.iters):
+            report.add(row)
+    report.print_table()
+    report.save()
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
