@@ -151,11 +151,15 @@ def test_unreachable_peer_copy_has_no_view():
     import torch
 
     local = torch.zeros(16, dtype=torch.uint8)
-    alloc = NvshmemAllocation(local, [None, local, None], [0, local.data_ptr(), 0], rank=1)
+    dropped = []
+    alloc = NvshmemAllocation(16, [None, local, None], [0, local.data_ptr(), 0], rank=1,
+                              on_drop=lambda: dropped.append(True))
     assert alloc.peer_ptrs == [0, local.data_ptr(), 0] and alloc.nbytes == 16
     assert alloc.peer(1) is local
     with pytest.raises(RuntimeError, match="rank 2's copy is not load/store reachable"):
         alloc.peer(2)
+    alloc.dropped()  # the tensor died: the backend hears of it
+    assert dropped == [True]
 
 
 # --- 2. lowering to NVSHMEM calls -------------------------------------------------------------------
