@@ -10,9 +10,9 @@ so under MPICH use the default).
 Every symmetric tensor is ``nvshmem.core.tensor`` memory: the same heap offset on every
 rank. The tensor tilescale hands out has a storage of its own over that memory
 (:func:`heap_tensor`), so its death is seen and the memory comes back (see
-:meth:`NvshmemBackend.allocate`). Peers that NVSHMEM maps into this process (same node, P2P or NVLink) get an address
-from ``nvshmem_ptr``, so kernels lowered the default way (loads and stores through the
-peer-address table) run unchanged. Peers on other nodes have no address (0 in the table);
+:meth:`NvshmemBackend.allocate`). Peers that NVSHMEM maps into this process (same node,
+P2P or NVLink) get an address from ``nvshmem_ptr``, so kernels lowered the default way
+(loads and stores through the peer-address table) run unchanged. Peers on other nodes have no address (0 in the table);
 kernels that touch them must be built with ``build_options(remote="nvshmem")``, which
 lowers remote operations to NVSHMEM device calls (see ``tilescale.comm.nvshmem.lowering``).
 Launching an address-lowered kernel in such a job raises (``check_lowering``).
