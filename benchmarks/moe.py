@@ -164,19 +164,20 @@ LAYER = (4096, 4096, 1408, 64, 6)  # tokens per rank, hidden, expert FFN, expert
 SMALL_LAYER = (32, 128, 96, 8, 2)  # hidden: whole FP8 scale blocks
 
 
-def _expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """The local experts over rows sorted by expert: torch's grouped GEMM where it has one, else a loop."""
+def torch_grouped_mm(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``rows`` sorted by expert (expert i's end at ``ends[i]``), each times its expert's
+    ``w[i].T``: torch's grouped GEMM where it has one (CUDA), else a loop over the experts."""
     if rows.is_cuda and hasattr(torch, "_grouped_mm"):
-        ends = torch.cumsum(sizes, 0).to(torch.int32)
-        # GELU on the GEMM's dtype: one kernel computing in float32 (as the layer's).
-        h = torch.nn.functional.gelu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends))
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
-    out, start = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device), 0
-    for e, n in enumerate(sizes.tolist()):
-        h = torch.nn.functional.gelu(rows[start:start + n] @ w1[e].T)
-        out[start:start + n] = h @ w2[e].T
-        start += n
-    return out
+        return torch._grouped_mm(rows, w.transpose(-2, -1), offs=ends)
+    bounds = [0, *ends.tolist()]
+    return torch.cat([rows[s:e] @ w[i].T for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
+
+
+def _expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The local experts over rows sorted by expert (``sizes`` rows each)."""
+    ends = torch.cumsum(sizes, 0).to(torch.int32)
+    # GELU on the GEMM's dtype: one kernel computing in float32 (as the layer's).
+    return torch_grouped_mm(torch.nn.functional.gelu(torch_grouped_mm(rows, w1, ends)), w2, ends)
 
 
 def torch_pipeline_layer(moe: "ts.nn.ExpertParallelMoE", x: torch.Tensor) -> torch.Tensor:

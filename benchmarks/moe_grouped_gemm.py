@@ -17,7 +17,7 @@ import argparse
 
 import torch
 from harness import Report, check_close, time_fn
-from moe import LAYER, SMALL_LAYER, routing
+from moe import LAYER, SMALL_LAYER, routing, torch_grouped_mm
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224
@@ -26,14 +26,6 @@ from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224
 SHAPES = (LAYER, (2048, 7168, 2048, 32, 8))
 TILES = {"chosen": None, "128x256": WIDE, "128x224": WIDE_224, "128x192": WIDE_192, "128x128": DEFAULT}
 ROUNDS = 5
-
-
-def torch_grouped(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM where it has one (CUDA), else a loop over the experts."""
-    if rows.is_cuda:
-        return torch._grouped_mm(rows, w.transpose(-2, -1), offs=ends)
-    starts = [0, *ends.tolist()[:-1]]
-    return torch.cat([rows[s:e] @ w[i].T for i, (s, e) in enumerate(zip(starts, ends.tolist(), strict=True))])
 
 
 def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
@@ -50,7 +42,7 @@ def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
         a = grouped if k == hidden else torch.randn(grouped.shape[0], k, device=ts.device(), dtype=torch.bfloat16)
         w = (torch.randn(num_experts, n, k, device=ts.device()) / k**0.5).to(torch.bfloat16)
         dense = a[valid][order].contiguous()
-        plans = {"torch._grouped_mm": lambda d=dense, w=w: torch_grouped(d, w, ends)}
+        plans = {"torch._grouped_mm": lambda d=dense, w=w: torch_grouped_mm(d, w, ends)}
         plans.update({f"grouped_gemm {label}": (lambda a=a, w=w, t=tile: ts.ops.grouped_gemm(a, w, row_expert, tile=t))
                       for label, tile in TILES.items()})
         want = plans["torch._grouped_mm"]().float()

@@ -225,7 +225,7 @@ class Arena:
     def give_back(self, start: int, nbytes: int) -> None:
         end = start + -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
         if any(s <= start and end <= e for s, e in self.free):
-            return  # dropped twice (a group released while its tensors died)
+            return  # already free: a range given back twice must not overlap the free list
         merged = sorted([*self.free, [start, end]])
         self.free = []
         for s, e in merged:
@@ -339,7 +339,7 @@ class NvshmemBackend(CommBackend):
         ``nvshmem_free`` is collective, so a tensor's death on one rank cannot free it: each
         rank lists what it dropped, and what all dropped is freed, in the same order everywhere.
         """
-        lists = self.group.exchange(f"{tag}/dropped", sorted(set(self._dropped)))
+        lists = self.group.exchange(f"{tag}/dropped", sorted(self._dropped))
         for gone in sorted(set.intersection(*map(set, lists))):
             self._core.free_tensor(self._owners.pop(gone))
             self._dropped.remove(gone)

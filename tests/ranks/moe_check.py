@@ -29,7 +29,7 @@ def uneven(max_tokens: int) -> int:
     return 0 if rank == 0 else max_tokens if rank == world - 1 else max_tokens // 3
 
 
-def combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle) -> None:  # noqa: ANN001
+def combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle) -> None:
     """A dispatch's grouped rows and counts against every rank's tokens (collective), and its
     combine through experts that multiply by (e + 1), against torch."""
     scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
