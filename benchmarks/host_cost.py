@@ -9,13 +9,15 @@ events (``eager_us``) and, where the call can be captured in a CUDA graph, that 
 kernel under a ``DistributedKernel`` are measured in the same run, interleaved with the rest:
 as ``JITKernel.__call__``, as the compiled module's entry function that ``DistributedKernel``
 calls (``tilescale.jit._fastest_launch``), and compiled by TileLang's cython backend. The
-goals of the host-path issue are printed at the end.
+goals of the host-path issue are printed at the end. The TP ops and layers run their fused
+plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks.
 
     tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
     tilescale run -n 1 benchmarks/host_cost.py --calls 500
 """
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -94,7 +96,7 @@ def check_results() -> int:
         a, w = torch.randn(128, 1024, device=dev, dtype=BF16), torch.randn(1024, 1024, device=dev, dtype=BF16) / 32
         want = a.float() @ w.float().T
         dist.all_reduce(want)
-        torch.testing.assert_close(ts.ops.gemm_all_reduce(a, w).float(), want, **close)
+        torch.testing.assert_close(ts.ops.gemm_all_reduce(a, w, plan="fused").float(), want, **close)
         rows = torch.randn(world * 64, 1024, device=dev, dtype=BF16)
         want = torch.empty(64, 1024, device=dev)
         dist.reduce_scatter_tensor(want, rows.float() @ w.float().T)
@@ -103,7 +105,7 @@ def check_results() -> int:
     static = torch.randn(128, 1024, device=dev, dtype=BF16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = ts.ops.gemm_all_reduce(static, w)
+        replayed = ts.ops.gemm_all_reduce(static, w, plan="fused")
     for _ in range(2):
         static.copy_(torch.randn_like(static))
         graph.replay()
@@ -168,7 +170,7 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         "ops.all_reduce two_shot 4 KiB": lambda: ts.ops.all_reduce(x4k, algorithm="two_shot"),
         "ops.all_gather_gemm fused 64x1024x1024": lambda: ts.ops.all_gather_gemm(rows, w, plan="fused"),
         "ops.gemm_reduce_scatter fused": lambda: ts.ops.gemm_reduce_scatter(big, w, plan="fused"),
-        "ops.gemm_all_reduce 128x1024x1024": lambda: ts.ops.gemm_all_reduce(decode, w),
+        "ops.gemm_all_reduce 128x1024x1024": lambda: ts.ops.gemm_all_reduce(decode, w, plan="fused"),
         "ops.moe_dispatch low-latency 128 tok": lambda: ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts,
                                                                             low_latency=True),
         "ops.moe_combine low-latency 128 tok": lambda: ts.ops.moe_combine(recv_x, recv_w, handle),
@@ -201,6 +203,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="back-to-back calls per host-time sample")
     args = parser.parse_args()
+    # The TP ops and layers on their fused plans, as they run over several ranks (a group of one
+    # rank would run the GEMM alone), unless the environment asks for another plan.
+    os.environ.setdefault("TILESCALE_TP_PLAN", "fused")
     ts.init()
     if ts.device().type != "cuda":
         raise SystemExit("host_cost.py measures the GPU launch path: run it on a GPU (without --cpu)")

@@ -20,7 +20,7 @@ def test_dispatch_combine_match_reference(n):
     proc = run_cpu("tests/ranks/moe_check.py", n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # topk 1/2/8, skewed routing, low-latency mode, different counts per rank in both modes; every rank
-    assert proc.stdout.count("MOE-OK") == 12 * n
+    assert proc.stdout.count("MOE-OK") == 14 * n
     assert proc.stdout.count("uneven) tokens=0 ") == 2 and proc.stdout.count("uneven) tokens=") == 2 * n
     assert proc.stdout.count("(normal) tokens=11 topk=2 received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0
     assert proc.stdout.count("FP8-OK") == 2 * n  # FP8 dispatch against the bf16 path, both modes

@@ -4,10 +4,11 @@ depend on changes, and never a way around the checks that ranks agree."""
 from pathlib import Path
 
 import pytest
+import torch
 from cpu_jobs import run_cpu
 
 from tilescale import plans
-from tilescale.plans import PlanCache
+from tilescale.plans import PlanCache, ReusedOutputs
 
 RANKS = Path(__file__).parent / "ranks"
 
@@ -23,6 +24,59 @@ def test_plan_cache_drops_its_plans_at_invalidate_and_keeps_at_most_its_limit():
     assert len(cache) == 0 and cache.get("b") is None
     cache.put("b", 4)
     assert cache.get("b") == 4
+
+
+def _outputs() -> ReusedOutputs:
+    return ReusedOutputs(lambda: torch.empty(100, dtype=torch.float32).split([10, 90]))
+
+
+def _ids(tensors: list[torch.Tensor]) -> list[int]:
+    return [id(t) for t in tensors]  # the kept sets stay alive: equal ids are the same tensors
+
+
+def test_reused_outputs_come_back_once_nothing_holds_them():
+    out = _outputs()
+    first = out.take()
+    first_ids = _ids(first)
+    second = out.take()  # the first is held: a new set
+    second_ids = _ids(second)
+    assert not set(first_ids) & set(second_ids)
+    del first
+    assert _ids(out.take()) == first_ids  # a loop's pattern: the one before last comes back
+    del second
+    assert _ids(out.take()) in (first_ids, second_ids)
+
+
+def _hold(kind: str, tensors: list[torch.Tensor]) -> object:
+    """Something that holds ``tensors`` (or their storage) in the way ``kind`` names."""
+    if kind == "tensor":
+        return tensors[1]
+    if kind == "slice":
+        return tensors[1][3:5]
+    if kind == "list":
+        return tensors
+    if kind == "dlpack":
+        return torch.utils.dlpack.to_dlpack(tensors[0])
+    if kind == "autograd":  # saves tensors[0] for the backward
+        return (torch.ones(10, requires_grad=True) * tensors[0]).sum()
+    return tensors[0].numpy()
+
+
+@pytest.mark.parametrize("hold", ["tensor", "slice", "list", "dlpack", "autograd", "numpy"])
+def test_reused_outputs_stay_new_while_anything_holds_them(hold):
+    out = _outputs()
+    first = out.take()
+    first_ids = _ids(first)
+    holder = _hold(hold, first)
+    del first
+    for _ in range(3):
+        taken = out.take()
+        assert not set(_ids(taken)) & set(first_ids), hold
+        taken_ids = _ids(taken)
+        del taken
+        assert _ids(out.take()) == taken_ids  # a set nothing holds does come back
+    del holder
+    assert _ids(out.take()) == first_ids  # let go: the first set is free again
 
 
 @pytest.mark.timeout(300)

@@ -212,16 +212,20 @@ class DistributedKernel:
             key = (group, *[args[i].data_ptr() for i in self._tables])
         except AttributeError:  # not a tensor: _bind says what is wrong
             key = None
-        hidden = self._plans.get(key)
-        if hidden is None:
-            hidden = self._bind(args, group)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._bind(args, group)
             if key is not None and all(key[1:]):  # address 0: a tensor with no elements, nothing to key by
-                self._plans.put(key, hidden)
-        rt.last_kernel_args = (self.inputs, args)
+                self._plans.put(key, plan)
+        hidden, spans = plan
+        # Arguments reached by address are not part of the key: their spans are this call's.
+        rt.last_kernel_spans = spans + _spans(self.inputs, args, self._by_address) if self._by_address else spans
         return self._launch(*args, *hidden)
 
-    def _bind(self, args: tuple, group: Any) -> list[Any]:
-        """The hidden arguments of a call on ``args`` over ``group``, every argument and the group checked."""
+    def _bind(self, args: tuple, group: Any) -> tuple[list[Any], tuple[tuple[str, int, int, int], ...]]:
+        """The hidden arguments of a call on ``args`` over ``group``, every argument and the group
+        checked, and the spans of the arguments with peer tables (``Runtime.last_kernel_spans``;
+        the plan's key fixes their addresses)."""
         rt = runtime.current()
         tables, state = self._peer_tables(args)
         if state is None or group is not None:
@@ -239,7 +243,7 @@ class DistributedKernel:
             self._launch = _fastest_launch(self.kernel)
         if self._launch is not self.kernel:  # TVM-FFI's entry function: the tables converted once, not per call
             hidden = [tvm_ffi.from_dlpack(h) if isinstance(h, torch.Tensor) else h for h in hidden]
-        return hidden
+        return hidden, _spans(self.inputs, args, self._tables)
 
     def _first_launch(self, *args: Any) -> Any:
         self._launch = _fastest_launch(self.kernel)
@@ -270,6 +274,12 @@ class DistributedKernel:
             table = entry.ptr_tables.get(offset)
             tables.append(table if table is not None else peer_table(entry, offset))
         return tables, state
+
+
+def _spans(names: list[str], args: tuple, indices: list[int]) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, address, bytes, element size) of the arguments at ``indices``, to name a flag by its address."""
+    return tuple((names[i], args[i].data_ptr(), args[i].numel() * args[i].element_size(), args[i].element_size())
+                 for i in indices)
 
 
 # Hidden arguments that depend on the group (and job), not on the call's tensors.

@@ -24,7 +24,11 @@ part of a plan: kernels compare the call on the device every time (``T.agree``,
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 # Incremented by invalidate(); a cache whose epoch differs drops its plans before its next lookup.
 _epoch = 0
@@ -94,3 +98,68 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans) if self._epoch == _epoch else 0
+
+
+class ReusedOutputs:
+    """A plan's small output tensors, made again only while something still holds the last ones.
+
+    A call's outputs must be new while the caller may still use an earlier call's (a handle
+    kept for a backward pass, say). Once nothing holds any of them, a later call gets the same
+    tensors back, as the caching allocator would give it the same memory, but without
+    allocating and viewing them again (a microsecond or more of host time per tensor). The
+    last two sets made are kept, so that a loop holding the previous call's outputs while it
+    makes the next (``out = op(x)``) gets them back too.
+
+    Example::
+
+        words = ReusedOutputs(lambda: torch.empty(2 * n, dtype=torch.int32, device=dev).split(n))
+        counts, offsets = words.take()      # an earlier call's tensors where all were dropped
+
+    Held means any of: a Python reference to one of the tensors besides this object's, a C++
+    one (autograd, DLPack), or another tensor on their storage (a view, a slice). Tensors go
+    back only to a call on the stream they were made on (as the caching allocator hands memory
+    back), and never into a CUDA graph capture: a capture's outputs belong to the graph's pool,
+    are made afresh and are not kept.
+
+    Args:
+        make: Makes the outputs: tensors that are views of one allocation.
+    """
+
+    KEPT = 2
+
+    def __init__(self, make: Callable[[], Sequence[torch.Tensor]]):
+        self._make = make
+        # Sets made outside a capture, newest last: (tensors, their storage, stream, holders as made).
+        self._kept: list[tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...]]] = []
+
+    def take(self) -> list[torch.Tensor]:
+        """The outputs of this call: a kept set if nothing holds it any more, else a new one.
+
+        Returns:
+            A new list of the tensors ``make`` returns (the same objects as an earlier call's, or new ones).
+        """
+        for tensors, storage, stream, holders in self._kept:
+            if _stream(tensors[0]) == stream and _holders(tensors, storage) == holders:
+                if not _capturing(tensors[0]):
+                    return list(tensors)  # a new list: a caller keeping it holds the tensors
+                break
+        tensors = tuple(self._make())
+        if _capturing(tensors[0]):
+            return list(tensors)
+        storage = tensors[0].untyped_storage()._cdata
+        self._kept = [*self._kept[1 - self.KEPT:], (tensors, storage, _stream(tensors[0]), _holders(tensors, storage))]
+        return list(tensors)
+
+
+def _holders(tensors: tuple[torch.Tensor, ...], storage: int) -> tuple[int, ...]:
+    """References to each of ``tensors`` (Python and C++), then to their storage."""
+    return (*[sys.getrefcount(t) + t._use_count() for t in tensors], torch._C._storage_Use_Count(storage))
+
+
+def _stream(t: torch.Tensor) -> int:
+    """The current CUDA stream of ``t``'s device (0 for CPU tensors)."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

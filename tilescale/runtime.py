@@ -58,8 +58,9 @@ class Runtime:
     owns_process_group: bool
     # Bound of every device-side wait, in ns (TILESCALE_WAIT_TIMEOUT_S when init ran, default 60 s).
     wait_timeout_ns: int = 60_000_000_000
-    # (parameter names, arguments) of the last distributed kernel launched, to name a timed-out flag.
-    last_kernel_args: tuple[list[str], tuple] = ([], ())
+    # (parameter name, address, bytes, element size) of each symmetric argument of the last
+    # distributed kernel launched, to name a timed-out flag (no reference to its tensors is kept).
+    last_kernel_spans: tuple[tuple[str, int, int, int], ...] = ()
     # Whether ranks of this node share GPUs (TILESCALE_SHARE_GPUS): correct, but not timeable.
     gpus_shared: bool = False
     # Whether a failure the kernels recorded (wait timeout, ranks disagreeing) has been raised to
@@ -281,13 +282,9 @@ def check_not_capturing(what: str) -> None:
 
 
 def _name_in_last_kernel(address: int) -> str | None:
-    names, args = current().last_kernel_args
-    for name, t in zip(names, args, strict=True):
-        if not isinstance(t, torch.Tensor):
-            continue
-        start = t.data_ptr()
-        if start <= address < start + t.numel() * t.element_size():
-            return f"{name}[{(address - start) // t.element_size()}]"
+    for name, start, nbytes, element in current().last_kernel_spans:
+        if start <= address < start + nbytes:
+            return f"{name}[{(address - start) // element}]"
     return None
 
 

@@ -11,12 +11,13 @@ dequantised as the A tile is loaded, in either case.
 # refer to the kernel factory's local variables.
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, tl_dtype
+from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
 from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile
 from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
@@ -216,12 +217,24 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         RuntimeError: ``index`` is an in-place dispatch's whose rows a later dispatch through
             the same buffer may have overwritten.
     """
+    key = ("grouped_gemm", layout_key(x), layout_key(w), layout_key(row_expert),
+           "none" if scales is None else layout_key(scales), "none" if index is None else layout_key(index), tile)
+    launch = op_plans.get(key)
+    if launch is None:  # the first call of these layouts: every check, then the plan
+        launch = op_plans.put(key, _plan(x, w, row_expert, scales, index, tile))
+    if index is not None:
+        check_in_place_rows(index)  # the index's rows themselves: every call
+    return launch(x, w, row_expert, scales, index)
+
+
+def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None,
+          index: torch.Tensor | None, tile: TileConfig | None) -> Callable[..., torch.Tensor]:
+    """:func:`grouped_gemm`'s arguments checked, and its launch for tensors of their layouts."""
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8 and scales is None:
         raise ValueError("grouped_gemm: FP8 rows need their scales")
     check_input(w, "w")
     check_input(row_expert, "row_expert")
-    row_expert = row_expert.to(torch.int32)
     rows = row_expert.shape[0]
     held, k = x.shape
     experts = w.shape[0]
@@ -230,29 +243,42 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     if rows % ROW_TILE or row_expert.dim() != 1 or (index is None and held != rows):
         raise ValueError(f"grouped_gemm: row_expert needs a multiple of {ROW_TILE} rows ({tuple(row_expert.shape)}), "
                          f"one per row of x ({held}) unless an index is given")
-    if index is not None:
-        if index.shape != (rows,) or index.dtype != torch.int32:
-            raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
-        check_in_place_rows(index)
+    if index is not None and (index.shape != (rows,) or index.dtype != torch.int32):
+        raise ValueError(f"grouped_gemm: index must be ({rows},) int32, got {tuple(index.shape)} {index.dtype}")
     n = w.shape[1]
     cfg = _tile(rows, n) if tile is None else tile
     if cfg.block_M != ROW_TILE:
         raise ValueError(f"grouped_gemm: tiles of {ROW_TILE} rows (an expert's segment), got {cfg.name()}")
-    out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
-    weights = w.view(experts * n, k)
+    # The kernel's operands before the weights: the rows (and their index), by variant.
     if fp8:
         if tuple(scales.shape) != (held, k // BLOCK) or k % BLOCK:
             raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
-        packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
-        index = _identity_index(rows, w.device) if index is None else index
-        check_input(index, "index")
+        if index is not None:
+            check_input(index, "index")
+        identity = _identity_index(rows, w.device)
         kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
-        kernel(packed.view(torch.float8_e4m3fn), packed.view(torch.float32), index, weights, row_expert, out)
-        return out
-    check_input(x, "x")
-    if index is None:
-        grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)(x, weights, row_expert, out)
+
+        def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
+            packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
+            return packed.view(torch.float8_e4m3fn), packed.view(torch.float32), identity if index is None else index
+    elif index is None:
+        check_input(x, "x")
+        kernel = grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)
+
+        def rows_of(x: torch.Tensor, scales: None, index: None) -> tuple:
+            return (x,)
     else:
+        check_input(x, "x")
         check_input(index, "index")
-        gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held, cfg=cfg)(x, index, weights, row_expert, out)
-    return out
+        kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held, cfg=cfg)
+
+        def rows_of(x: torch.Tensor, scales: None, index: torch.Tensor) -> tuple:
+            return x, index
+
+    def launch(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None,
+               index: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
+        kernel(*rows_of(x, scales, index), w.view(experts * n, k), row_expert.to(torch.int32), out)
+        return out
+
+    return launch

@@ -34,6 +34,7 @@ from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
+from tilescale.plans import ReusedOutputs
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -49,11 +50,12 @@ class _SendPlan:
 
     route: DistributedKernel | None  # the routing kernel (None for no tokens, or along known routes)
     send: DistributedKernel  # the dispatch kernel
-    # Every small output of a call in one int32 allocation: the routing kernel's (dest, slot,
-    # send_counts, expert_slot, expert_counts, bad, ids; only where it runs), then the dispatch
-    # kernel's (counts, offsets, received_counts, position, source_row, row_expert, and the
-    # grouped rows' float32 weights as int32 words).
-    words: _Words
+    # Every small output of a call, views of one int32 allocation: the routing kernel's (dest,
+    # slot, send_counts, expert_slot, expert_counts, bad, ids, chunk counts; only where it runs),
+    # then the dispatch kernel's (counts, offsets, received_counts, position, source_row,
+    # row_expert, and the grouped rows' float32 weights). A call whose previous outputs are all
+    # dropped gets them back (no allocation, no views made).
+    words: ReusedOutputs
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
@@ -285,7 +287,7 @@ class Buffer:
         sent = pack(x) if self.fp8 else x
         ids = expert_ids(topk_idx, self.num_experts)
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
-        words = plan.words.views(values.device)
+        words = plan.words.take()
         capturing = _capturing(values)
         routes = self._route(ids, tokens, plan, words[:-_SEND_WORDS], topk_idx if not capturing else None)
         idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
@@ -320,9 +322,11 @@ class Buffer:
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
-                words=_Words(((world * held, world * held, world, held * topk, self.num_experts, 1, held * topk,
-                               math.prod(chunk_counts_shape(world, held, self.num_experts))) if routed else ())
-                             + (self.per_rank, self.per_rank, world, world * self.max_tokens * topk, rows, rows, rows)),
+                words=_words(x.device,
+                             ((world * held,), (world * held,), (world,), (held, topk), (self.num_experts,), (1,),
+                              (held, topk), chunk_counts_shape(world, held, self.num_experts)) if routed else (),
+                             ((self.per_rank,), (self.per_rank,), (world,), (world * self.max_tokens, topk), (rows,),
+                              (rows,), (rows,))),
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
@@ -348,8 +352,6 @@ class Buffer:
         # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
         dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = words
-        expert_slot, ids = expert_slot.view(tokens, topk), ids.view(tokens, topk)
-        chunk_counts = chunk_counts.view(chunk_counts_shape(world, tokens, self.num_experts))
         # The check is read at the end of this call or a later one: it is queued behind the exchange.
         watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
         plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts, watch)
@@ -367,13 +369,12 @@ class Buffer:
         expert ``counts`` and ``offsets``; per received row its ``position`` (received rows,
         topk); and the rows received from each source.
         """
-        world, rows, hidden = self.world, self.rows, x.shape[1]
-        # The outputs are the caller's (a handle outlives the next call): new on every call,
-        # the small ones as views of one allocation.
+        rows, hidden = self.rows, x.shape[1]
+        # The outputs are the caller's (a handle outlives the next call): new on every call
+        # (the small ones again the last call's where those were all dropped: _SendPlan.words).
         if words is None:
-            words = plan.words.views(x.device)[-_SEND_WORDS:]
+            words = plan.words.take()[-_SEND_WORDS:]
         counts, offsets, received_counts, position, source_row, row_expert, weight = words
-        position, weight = position.view(world * self.max_tokens, self.topk), weight.view(torch.float32)
         in_place = plan.unused_rows is not None
         recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
@@ -474,16 +475,22 @@ def check_in_place_rows(index: torch.Tensor) -> None:
                            "through the same buffer, or copy them (recv_x[handle.source_row]) first.")
 
 
-class _Words:
-    """Int32 tensors of the given sizes as views of one new allocation per call, each starting
-    a multiple of ``_ALIGN`` words into it (as aligned as an allocation of its own)."""
+def _words(device: torch.device, routed: tuple[tuple[int, ...], ...], sent: tuple[tuple[int, ...], ...],
+           ) -> ReusedOutputs:
+    """A plan's small outputs: int32 tensors of the ``routed`` shapes, then of the ``sent`` ones
+    (the last float32), views of one allocation, each starting a multiple of ``_ALIGN`` words
+    into it (as aligned as an allocation of its own)."""
+    shapes = routed + sent
+    sizes = [math.prod(shape) for shape in shapes]
+    chunks = [c for n in sizes for c in (n, -n % _ALIGN)]  # each tensor, then its padding
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
-        self.chunks = [c for n in sizes for c in (n, -n % _ALIGN)]  # each tensor, then its padding
+    def make() -> list[torch.Tensor]:
+        flat = torch.empty(sum(chunks), dtype=torch.int32, device=device).split(chunks)[::2]
+        views = [t.view(shape) for t, shape in zip(flat, shapes, strict=True)]
+        views[-1] = views[-1].view(torch.float32)  # the grouped rows' routing weights
+        return views
 
-    def views(self, device: torch.device) -> list[torch.Tensor]:
-        """The tensors, one ``split`` of one allocation (a view per tensor made in one call)."""
-        return torch.empty(sum(self.chunks), dtype=torch.int32, device=device).split(self.chunks)[::2]
+    return ReusedOutputs(make)
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:

@@ -180,8 +180,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         a_shard: This rank's rows, (M_local, K), the same shape on every rank.
         weight: This rank's weight columns, (N_local, K), ``a_shard``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
-            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on the CPU path.
+            ``TILESCALE_TP_PLAN``, else unfused for a group of one rank (the GEMM alone), by the link
+            arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         push_blocks: Pushing blocks of the ``"sm"`` producer (default ``PUSH_BLOCKS``, 32).
         producer: ``"copy_engine"``, ``"sm"`` or None (the default choice above).
@@ -223,6 +223,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     if _choose(plan, world * m, wins, group) == "unfused":
 
         def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if world == 1:  # nothing to gather: the GEMM alone
+                return a_shard @ weight.T
             gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
             dist.all_gather_into_tensor(gathered, a_shard, group=group)
             return gathered @ weight.T

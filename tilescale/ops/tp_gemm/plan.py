@@ -231,13 +231,16 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
 
 
 def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None) -> str:
-    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else on GPUs ``fused_wins`` (the op's
+    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else for a group of one rank unfused (the
+    GEMM alone: there is nothing to overlap), else on GPUs ``fused_wins`` (the op's
     :func:`_fused_wins`, NVLink's arithmetic: where ``group``'s ranks talk through NVSHMEM calls,
     across nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
+    if plan is None and runtime.group_state(group).size == 1:
+        return "unfused"
     if runtime.device().type == "cuda":
         return plan or ("fused" if fused_wins and kernel_lowering(group) in (None, ADDRESS) else "unfused")
     return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")

@@ -89,8 +89,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         a: (M, K_local); M divisible by the group size and the same on every rank.
         weight: (N, K_local), ``a``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
-            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on the CPU path.
+            ``TILESCALE_TP_PLAN``, else unfused for a group of one rank (the GEMM alone), by the link
+            arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         group: The tensor-parallel process group; None is the whole job.
 
@@ -123,6 +123,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     if _choose(plan, m, wins, group) == "unfused":
 
         def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if world == 1:  # nothing to sum: the GEMM alone
+                return a @ weight.T
             out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
             dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
             return out
@@ -172,8 +174,8 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         a: (M, K_local), the same shape on every rank.
         weight: (N, K_local), ``a``'s dtype.
         plan: ``"fused"`` (tilescale kernels), ``"unfused"`` (cuBLAS + NCCL) or None: then
-            ``TILESCALE_TP_PLAN``, else by the link arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output
-            rows on the CPU path.
+            ``TILESCALE_TP_PLAN``, else unfused for a group of one rank (the GEMM alone), by the link
+            arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         group: The tensor-parallel process group; None is the whole job.
 
@@ -219,7 +221,8 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
 
         def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out = a @ weight.T
-            dist.all_reduce(out, group=group)
+            if world > 1:  # a group of one has nothing to sum
+                dist.all_reduce(out, group=group)
             return out
 
         return op_plans.put(key, launch)(a, weight)
