@@ -139,7 +139,7 @@ class ReusedOutputs:
             A new list of the tensors ``make`` returns (the same objects as an earlier call's, or new ones).
         """
         for tensors, storage, stream, holders in self._kept:
-            if _stream(tensors[0]) == stream and _holders(tensors, storage) == holders:
+            if _stream(tensors[0]) == stream and _unheld(tensors, storage, holders):
                 if not _capturing(tensors[0]):
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
@@ -153,7 +153,21 @@ class ReusedOutputs:
 
 def _holders(tensors: tuple[torch.Tensor, ...], storage: int) -> tuple[int, ...]:
     """References to each of ``tensors`` (Python and C++), then to their storage."""
-    return (*[sys.getrefcount(t) + t._use_count() for t in tensors], torch._C._storage_Use_Count(storage))
+    counts = []
+    for i in range(len(tensors)):  # t bound exactly as in _unheld, so that the counts compare
+        t = tensors[i]
+        counts.append(sys.getrefcount(t) + t._use_count())
+    return (*counts, torch._C._storage_Use_Count(storage))
+
+
+def _unheld(tensors: tuple[torch.Tensor, ...], storage: int, holders: tuple[int, ...]) -> bool:
+    """Whether ``tensors`` and their storage have only the references counted when they were
+    made (``holders``, :func:`_holders`), checked tensor by tensor (a held set fails early)."""
+    for i in range(len(tensors)):
+        t = tensors[i]
+        if sys.getrefcount(t) + t._use_count() != holders[i]:
+            return False
+    return torch._C._storage_Use_Count(storage) == holders[-1]
 
 
 def _stream(t: torch.Tensor) -> int:

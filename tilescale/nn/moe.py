@@ -216,9 +216,12 @@ class ExpertParallelMoE(nn.Module):
         """
         if self.router_fn is not None:
             return self.router_fn(x)
-        probs = torch.softmax(nn.functional.linear(x.to(self.router.dtype), self.router).float(), dim=-1)
-        weights, experts = probs.topk(self.topk, dim=-1)
-        return experts, (weights / weights.sum(-1, keepdim=True) if self.normalize_topk else weights)
+        logits = nn.functional.linear(x.to(self.router.dtype), self.router)
+        if self.normalize_topk:  # the top k probabilities renormalised are the softmax of the top k logits
+            top, experts = logits.topk(self.topk, dim=-1)
+            return experts, torch.softmax(top, dim=-1, dtype=torch.float32)
+        weights, experts = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.topk, dim=-1)
+        return experts, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route this rank's tokens, run them through their experts' ranks and combine them back.
