@@ -255,7 +255,7 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
             raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
         if index is not None:
             check_input(index, "index")
-        identity = _identity_index(rows, w.device)
+        identity = _identity_index(rows, w.device) if index is None else None  # this plan's calls all pass one or none
         kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
 
         def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
