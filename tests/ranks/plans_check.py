@@ -17,7 +17,8 @@ from tilescale.ops._common import op_plans, sm_count
 from tilescale.ops.tp_gemm import all_gather, reduce
 
 jit_module = sys.modules["tilescale.jit"]
-builds = {"all_reduce": 0, "put": 0, "tp_gemm": 0}
+grouped_module = sys.modules["tilescale.ops.grouped_gemm"]
+builds = {"all_reduce": 0, "put": 0, "tp_gemm": 0, "grouped_gemm": 0}
 
 
 def counted(fn, name):
@@ -33,6 +34,7 @@ p2p.transfer_kernel = counted(p2p.transfer_kernel, "put")  # p2p's plan builder 
 # The TP GEMM ops check their arguments once per plan, first thing when they build one.
 all_gather._check_pair = counted(all_gather._check_pair, "tp_gemm")
 reduce._check_pair = counted(reduce._check_pair, "tp_gemm")
+grouped_module._plan = counted(grouped_module._plan, "grouped_gemm")
 
 
 def all_reduce_checked(make, group=None) -> None:
@@ -86,6 +88,24 @@ def tp_gemms_reuse_their_plans(rank: int) -> None:
         y = row(x_all[0].chunk(2, -1)[rank])  # the replicated input's columns of this rank (recording gradients)
         torch.testing.assert_close(y, x_all[0] @ weight.T + bias, rtol=1e-4, atol=1e-4)
         assert builds["tp_gemm"] == before + 2 * new_plan, (shape, builds)
+
+
+def grouped_gemm_reuses_its_plans() -> None:
+    """grouped_gemm: a second call of a layout reuses its plan, a new one builds one, and what
+    the plan's key leaves out (the tensor's contiguity) is still checked on every call."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 24, 32, generator=g)
+    for rows, new_plan in ((128, True), (128, False), (256, True), (128, False)):
+        x = torch.randn(rows, 32, generator=g)
+        row_expert = (torch.arange(rows) >= 128).to(torch.int32)  # one 128-row tile per expert
+        before = builds["grouped_gemm"]
+        y = ts.ops.grouped_gemm(x, w, row_expert)
+        torch.testing.assert_close(y, torch.einsum("rk,rnk->rn", x, w[row_expert.long()]), rtol=1e-4, atol=1e-4)
+        assert builds["grouped_gemm"] == before + new_plan, (rows, builds)
+    strided = torch.randn(128, 64, generator=g)[:, :32]
+    msg = expect(ValueError, lambda: ts.ops.grouped_gemm(strided, w, torch.zeros(128, dtype=torch.int32)),
+                 "non-contiguous x of a cached shape")
+    assert "contiguous" in msg, msg
 
 
 def layer_params(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +179,7 @@ def main() -> None:
     # TP GEMM ops and the ts.nn layers on them: a second call of a shape reuses its plan (fused and
     # not), a new shape builds one; results stay right on every call.
     tp_gemms_reuse_their_plans(rank)
+    grouped_gemm_reuses_its_plans()
 
     # Freeing symmetric memory drops every plan that may know its address.
     ts.barrier()
