@@ -1,6 +1,7 @@
 """Call plans (tilescale.plans): reused by a shape's later calls, rebuilt when anything they
 depend on changes, and never a way around the checks that ranks agree."""
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,14 @@ def _hold(kind: str, tensors: list[torch.Tensor]) -> object:
     if kind == "autograd":  # saves tensors[0] for the backward
         return (torch.ones(10, requires_grad=True) * tensors[0]).sum()
     return tensors[0].numpy()
+
+
+def test_reused_outputs_keep_no_large_sets():
+    n = ReusedOutputs.KEEP_BYTES // 4
+    large = ReusedOutputs(lambda: torch.empty(n + 2, dtype=torch.int32).split([n, 2]))
+    small = ReusedOutputs(lambda: torch.empty(n, dtype=torch.int32).split([n - 2, 2]))
+    refs = [weakref.ref(out.take()[0]) for out in (large, small)]
+    assert refs[0]() is None and refs[1]() is not None  # dropped: only the small set is kept
 
 
 @pytest.mark.parametrize("hold", ["tensor", "slice", "list", "dlpack", "autograd", "numpy"])

@@ -119,13 +119,16 @@ class ReusedOutputs:
     one (autograd, DLPack), or another tensor on their storage (a view, a slice). Tensors go
     back only to a call on the stream they were made on (as the caching allocator hands memory
     back), and never into a CUDA graph capture: a capture's outputs belong to the graph's pool,
-    are made afresh and are not kept.
+    are made afresh and are not kept. Sets over ``KEEP_BYTES`` are not kept either: the calls
+    that make them are large enough for an allocation not to matter, and memory kept per shape
+    would add up over a run's many shapes.
 
     Args:
         make: Makes the outputs: tensors that are views of one allocation.
     """
 
     KEPT = 2
+    KEEP_BYTES = 1 << 20
 
     def __init__(self, make: Callable[[], Sequence[torch.Tensor]]):
         self._make = make
@@ -144,7 +147,7 @@ class ReusedOutputs:
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())
-        if _capturing(tensors[0]):
+        if _capturing(tensors[0]) or tensors[0].untyped_storage().nbytes() > self.KEEP_BYTES:
             return list(tensors)
         storage = tensors[0].untyped_storage()._cdata
         self._kept = [*self._kept[1 - self.KEPT:], (tensors, storage, _stream(tensors[0]), _holders(tensors, storage))]
