@@ -141,15 +141,16 @@ class ReusedOutputs:
         Returns:
             A new list of the tensors ``make`` returns (the same objects as an earlier call's, or new ones).
         """
+        current = _stream(self._kept[0][0][0]) if self._kept else None  # every set is on one device
         for tensors, storage, stream, holders in self._kept:
-            if _stream(tensors[0]) == stream and _unheld(tensors, storage, holders):
+            if stream == current and _unheld(tensors, storage, holders):
                 if not _capturing(tensors[0]):
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())
         if _capturing(tensors[0]) or tensors[0].untyped_storage().nbytes() > self.KEEP_BYTES:
             return list(tensors)
-        storage = tensors[0].untyped_storage()._cdata
+        storage = tensors[0].untyped_storage()._cdata  # the address only: a storage object would count as a holder
         self._kept = [*self._kept[1 - self.KEPT:], (tensors, storage, _stream(tensors[0]), _holders(tensors, storage))]
         return list(tensors)
 

@@ -29,6 +29,7 @@ from tilescale.ops.tp_gemm.plan import (
     _fused_wins,
     choose_tile,
     chunk_tiles,
+    gemm_alone,
 )
 from tilescale.symmetric import peer_ptrs
 
@@ -221,10 +222,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
                        (world - 1) * m * k * a_shard.element_size())
     if _choose(plan, world * m, wins, group) == "unfused":
+        if world == 1:
+            return op_plans.put(key, gemm_alone)(a_shard, weight)
 
         def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if world == 1:  # nothing to gather: the GEMM alone
-                return a_shard @ weight.T
             gathered = torch.empty(world * m, k, dtype=a_shard.dtype, device=a_shard.device)
             dist.all_gather_into_tensor(gathered, a_shard, group=group)
             return gathered @ weight.T

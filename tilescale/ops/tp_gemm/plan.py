@@ -230,6 +230,11 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
 
 
+def gemm_alone(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused plan of a group of one rank: ``a @ weight.T``, nothing to gather or sum."""
+    return a @ weight.T
+
+
 def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None) -> str:
     """The plan: as asked, else ``TILESCALE_TP_PLAN``, else for a group of one rank unfused (the
     GEMM alone: there is nothing to overlap), else on GPUs ``fused_wins`` (the op's

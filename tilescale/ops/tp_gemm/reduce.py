@@ -36,6 +36,7 @@ from tilescale.ops.tp_gemm.plan import (
     _choose,
     _fused_wins,
     choose_tile,
+    gemm_alone,
     reduce_grid,
 )
 
@@ -121,10 +122,10 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
     if _choose(plan, m, wins, group) == "unfused":
+        if world == 1:
+            return op_plans.put(key, gemm_alone)(a, weight)
 
         def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if world == 1:  # nothing to sum: the GEMM alone
-                return a @ weight.T
             out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
             dist.reduce_scatter_tensor(out, a @ weight.T, group=group)
             return out
@@ -218,11 +219,12 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     wins = one_kernel or gather and world > 1 and _fused_wins(2 * m * k * n, [world * grid.tiles],
                                                               2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
+        if world == 1:
+            return op_plans.put(key, gemm_alone)(a, weight)
 
         def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out = a @ weight.T
-            if world > 1:  # a group of one has nothing to sum
-                dist.all_reduce(out, group=group)
+            dist.all_reduce(out, group=group)
             return out
 
         return op_plans.put(key, launch)(a, weight)
