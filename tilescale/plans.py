@@ -116,7 +116,8 @@ class ReusedOutputs:
         counts, offsets = words.take()      # an earlier call's tensors where all were dropped
 
     Held means any of: a Python reference to one of the tensors besides this object's, a C++
-    one (autograd, DLPack), or another tensor on their storage (a view, a slice). Tensors go
+    one (autograd, DLPack), or another tensor on their storage (a view, a slice); a weak
+    reference does not hold (it finds the tensor alive, with a later call's values). Tensors go
     back only to a call on the stream they were made on (as the caching allocator hands memory
     back), and never into a CUDA graph capture: a capture's outputs belong to the graph's pool,
     are made afresh and are not kept. Sets over ``KEEP_BYTES`` are not kept either: the calls
