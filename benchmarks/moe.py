@@ -17,7 +17,10 @@ baseline cannot be captured: it reads the split sizes on the host).
 ``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a
 CUDA graph replay, bf16 and FP8 dispatch, beside the step's floor: the bytes it must move
 over the copy bandwidth measured in the same run (``torch`` copy of 1 GiB), and for the
-layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^3).
+layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^3). A
+dispatch also shows torch's own kernel for its bytes (``torch_same_bytes_us``: the rows
+gathered in expert order by ``index_select``, as the torch pipeline groups them; in place a
+copy), replayed: what this GPU reaches on that traffic, writes eight times the reads.
 """
 
 import argparse
@@ -281,6 +284,16 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
                      "topk": topk, "experts": num_experts, "eager_us": eager, "graph_us": replay, "floor_us": floor,
                      "graph_over_floor": replay / floor, "bytes": moved[step],
                      **({"checks": checks} if step == steps[-1][0] else {})})
+    # What torch's own copy kernels take for the dispatch's bytes, replayed the same way: the
+    # rows gathered in expert order, as the torch all_to_all pipeline groups them (index_select;
+    # in place one copy of the rows), 8-byte elements.
+    packed = ts.ops.moe.fp8.pack(rows_in) if fp8 else x
+    words = packed.view(tokens, -1).view(torch.int64 if width % 8 == 0 else torch.uint8)
+    order = experts.flatten().argsort(stable=True) // topk
+    same_bytes = (lambda: words.clone()) if in_place else (lambda: words.index_select(0, order))
+    assert same_bytes().shape[0] == (tokens if in_place else entries)
+    torch_us = time_fn(graphed(same_bytes), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
+    rows[0].update({"torch_same_bytes_us": torch_us, "graph_over_torch": rows[0]["graph_us"] / torch_us})
     return rows
 
 
@@ -403,7 +416,7 @@ def main() -> None:
     if args.floor:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
                                               "floor_us", "graph_over_floor", "eager_over_grouped",
-                                              "torch_layer_us"])
+                                              "torch_same_bytes_us", "graph_over_torch", "torch_layer_us"])
         for row in floor_rows(args.iters, args.small):
             report.add(row)
             report.save()  # after every step: a job cut off at its time limit keeps what it measured
