@@ -36,6 +36,28 @@ def test_dispatch_combine_match_reference(n):
         assert "'low_latency=True'" in proc.stdout and "'low_latency=False'" in proc.stdout
 
 
+def test_quantized_rows_are_the_dispatch_layout():
+    # quantize_fp8 writes values and scales into one byte row per token (DeepEP's layout, as the
+    # dispatch moves it), so the dispatch takes them without the packing copy; the numbers are
+    # the cast's (values / scale to e4m3, scale = block amax / 448), and separate tensors of
+    # the same numbers pack into the same bytes.
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 384, generator=g) * 3).to(torch.bfloat16)
+    x[5, :128] = 0  # a block of zeros: the floor scale, values 0
+    values, scales = moe.quantize_fp8(x)
+    blocks = x.float().view(37, 3, 128)
+    want_scales = blocks.abs().amax(-1).clamp(min=1e-4) / moe.fp8.E4M3_MAX
+    want_values = (blocks / want_scales[..., None]).view(37, 384).to(torch.float8_e4m3fn)
+    assert torch.equal(scales, want_scales) and torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    rows = moe.fp8.pack((values, scales))
+    assert rows.data_ptr() == values.data_ptr() and rows.is_contiguous()  # the views' own bytes: no copy
+    assert tuple(rows.shape) == (37, moe.fp8.packed_width(384))
+    assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
+    assert torch.equal(moe.dequantize_fp8(values, scales), moe.dequantize_fp8(want_values, want_scales))
+
+
 @pytest.mark.timeout(300)
 def test_dispatches_back_to_back_under_scheduling_jitter():
     # Blocks sleep up to 50 ms after each signal (TILESCALE_CPU_JITTER_S), so a rank runs calls

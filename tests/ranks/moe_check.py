@@ -182,6 +182,12 @@ for low_latency in (False, True):
     assert torch.equal(recv_w, ref_w) and torch.equal(h.source_row, ref.source_row), low_latency
     got = moe.dequantize_fp8(values[valid], scales[valid])
     assert torch.equal(got, moe.dequantize_fp8(*moe.quantize_fp8(ref_x[valid]))), low_latency
+    # quantize_fp8's pair is views of the rows the dispatch moves; separate tensors are packed first: same rows
+    separate = tuple(t.contiguous() for t in moe.quantize_fp8(x))
+    (values2, scales2), _, _, h2 = ts.ops.moe_dispatch(separate, topk_idx, topk_w, num_experts,
+                                                       low_latency=low_latency, max_tokens=16)
+    assert torch.equal(h2.row_expert, h.row_expert) and torch.equal(scales2[valid], scales[valid]), low_latency
+    assert torch.equal(values2[valid].view(torch.uint8), values[valid].view(torch.uint8)), low_latency
     error = (got.float() - ref_x[valid].float()).norm() / ref_x[valid].float().norm().clamp(min=1e-6)
     assert error < 0.04, float(error)  # e4m3: 3 mantissa bits
     y = ts.ops.moe_combine(moe.dequantize_fp8(values, scales), recv_w, h)  # bf16 back

@@ -70,12 +70,13 @@ def tl_dtype(t: torch.Tensor) -> str:
     return TORCH_TO_TL[t.dtype]
 
 
-def check_input(t: torch.Tensor, name: str) -> None:
-    """Inputs must be contiguous tensors on this rank's device.
+def check_input(t: torch.Tensor, name: str, contiguous: bool = True) -> None:
+    """Inputs must be tensors on this rank's device, contiguous unless the op copies them.
 
     Args:
         t: The input.
         name: Its parameter name, for the messages.
+        contiguous: Whether ``t`` must be contiguous (default True).
 
     Raises:
         TypeError: ``t`` is not a ``torch.Tensor``.
@@ -86,7 +87,7 @@ def check_input(t: torch.Tensor, name: str) -> None:
     dev = runtime.device()
     if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
         raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
 

@@ -109,7 +109,7 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     check expert ids (out-of-range ids are still routed nowhere).
     """
     values = x[0] if is_fp8(x) else x
-    tokens = _check_routing(values, topk_idx, topk_weights)
+    tokens = _check_routing(values, topk_idx, topk_weights, is_fp8(x))
     capacity = tokens if max_tokens is None else max_tokens
     if capacity == 0:  # zero tokens on every rank: nothing to exchange
         if is_fp8(x):

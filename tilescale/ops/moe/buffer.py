@@ -265,8 +265,8 @@ class Buffer:
         if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
             x = quantize_fp8(x)
         values = x[0] if is_fp8(x) else x
-        return self._dispatch(x, values, _check_routing(values, topk_idx, topk_weights), topk_idx, topk_weights,
-                              low_latency, in_place)
+        return self._dispatch(x, values, _check_routing(values, topk_idx, topk_weights, is_fp8(x)), topk_idx,
+                              topk_weights, low_latency, in_place)
 
     def _dispatch(self, x: Rows, values: torch.Tensor, tokens: int, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, low_latency: bool, in_place: bool = False,
@@ -493,9 +493,10 @@ def _words(device: torch.device, routed: tuple[tuple[int, ...], ...], sent: tupl
     return ReusedOutputs(make)
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
-    """This rank's shapes (checked locally; the ranks' agreement is the buffer's and the kernels'); its tokens."""
-    check_input(x, "x")
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, fp8: bool = False) -> int:
+    """This rank's shapes (checked locally; the ranks' agreement is the buffer's and the kernels'); its tokens.
+    FP8 values (``fp8``) may have any strides: ``pack`` moves them into byte rows where they are not already."""
+    check_input(x, "x", contiguous=not fp8)
     if x.dim() != 2:
         raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
     if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:

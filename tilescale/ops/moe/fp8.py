@@ -9,7 +9,9 @@ Example::
 
 The dispatch moves each token's e4m3 values and scales as one row of bytes (``hidden * 33 /
 32`` bytes against ``2 * hidden`` for bf16) through the same kernel; the grouped result is
-handed back as two views of that byte tensor, without a copy. Combine stays bf16.
+handed back as two views of that byte tensor, without a copy. ``quantize_fp8`` writes its
+pair in that layout too, so the dispatch reads it where it is; a pair of separate tensors is
+packed into it first (one copy of the rows). Combine stays bf16.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(values, scales)``: (tokens, hidden) ``torch.float8_e4m3fn`` and (tokens, hidden //
-        128) float32, with ``x ~= values * scales`` per 128-channel block.
+        128) float32, with ``x ~= values * scales`` per 128-channel block: views of one byte
+        row per token, values then scales (:func:`unpack`; rows of ``packed_width(hidden)``
+        bytes), which the dispatch moves as they are (no packing copy). ``.contiguous()``
+        gives separate tensors.
     """
     tokens, hidden = x.shape
     if hidden % BLOCK:
         raise ValueError(f"FP8 rows need hidden divisible by {BLOCK}, got {hidden}")
+    values, scales = unpack(torch.empty(tokens, packed_width(hidden), dtype=torch.uint8, device=x.device), hidden)
     blocks = x.float().view(tokens, hidden // BLOCK, BLOCK)
     # A block of zeros keeps a tiny scale rather than 0 (no division by zero, values stay 0).
-    scales = blocks.abs().amax(-1).clamp(min=1e-4) / E4M3_MAX
-    values = (blocks / scales[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
+    scales.copy_(blocks.abs().amax(-1).clamp(min=1e-4) / E4M3_MAX)
+    values.copy_((blocks / scales[..., None]).view(tokens, hidden))  # the cast to e4m3 as .to() makes it
     return values, scales
 
 
