@@ -49,7 +49,9 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     Args:
         x: this rank's (tokens, hidden) rows, or FP8 rows as DeepEP passes them: a pair
             ``(values, scales)``, (tokens, hidden) ``torch.float8_e4m3fn`` and (tokens, hidden
-            // 128) float32 (``ts.ops.moe.quantize_fp8``). FP8 halves the bytes on the link;
+            // 128) float32 (``ts.ops.moe.quantize_fp8``, whose pair is views of the byte rows
+            the dispatch moves: no copy; separate tensors are packed into such rows first).
+            FP8 halves the bytes on the link;
             ``recv_x`` is then such a pair too (views of one byte tensor, grouped alike), which
             ``ts.ops.grouped_gemm(..., scales=)`` takes; combine stays bf16.
         topk_idx: (tokens, topk) integer expert ids (TypeError otherwise); experts are split
