@@ -134,6 +134,7 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
     scores = torch.rand(tokens, experts, device=dev)
     moe_w, moe_idx = scores.topk(topk, dim=1)
     recv_x, recv_w, _, handle = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
+    moe_fp8 = ts.ops.moe.quantize_fp8(moe_x)  # views of the byte rows the FP8 dispatch moves
     local_w = torch.randn(experts // world, hidden, hidden, device=dev, dtype=BF16) / 32
     mlp = ts.nn.TensorParallelMLP(1024, 4096, dtype=BF16)
     moe = ts.nn.ExpertParallelMoE(hidden, 512, experts, topk, dtype=BF16, low_latency=True)
@@ -173,6 +174,8 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         "ops.gemm_all_reduce 128x1024x1024": lambda: ts.ops.gemm_all_reduce(decode, w, plan="fused"),
         "ops.moe_dispatch low-latency 128 tok": lambda: ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts,
                                                                             low_latency=True),
+        "ops.moe_dispatch low-latency 128 tok fp8": lambda: ts.ops.moe_dispatch(moe_fp8, moe_idx, moe_w, experts,
+                                                                                low_latency=True),
         "ops.moe_combine low-latency 128 tok": lambda: ts.ops.moe_combine(recv_x, recv_w, handle),
         "ops.moe dispatch + combine": dispatch_combine,
         "ops.moe_redispatch 128 tok": lambda: ts.ops.moe_redispatch(redispatch_x, handle),
