@@ -158,21 +158,13 @@ class ReusedOutputs:
 
 def _holders(tensors: tuple[torch.Tensor, ...], storage: int) -> tuple[int, ...]:
     """References to each of ``tensors`` (Python and C++), then to their storage."""
-    counts = []
-    for i in range(len(tensors)):  # t bound exactly as in _unheld, so that the counts compare
-        t = tensors[i]
-        counts.append(sys.getrefcount(t) + t._use_count())
-    return (*counts, torch._C._storage_Use_Count(storage))
+    return (*(sys.getrefcount(t) + t._use_count() for t in tensors), torch._C._storage_Use_Count(storage))
 
 
 def _unheld(tensors: tuple[torch.Tensor, ...], storage: int, holders: tuple[int, ...]) -> bool:
     """Whether ``tensors`` and their storage have only the references counted when they were
-    made (``holders``, :func:`_holders`), checked tensor by tensor (a held set fails early)."""
-    for i in range(len(tensors)):
-        t = tensors[i]
-        if sys.getrefcount(t) + t._use_count() != holders[i]:
-            return False
-    return torch._C._storage_Use_Count(storage) == holders[-1]
+    made (``holders``): counted by the same function, so that its own references cancel out."""
+    return _holders(tensors, storage) == holders
 
 
 def _stream(t: torch.Tensor) -> int:
