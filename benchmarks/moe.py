@@ -288,7 +288,7 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
     # rows gathered in expert order, as the torch all_to_all pipeline groups them (index_select;
     # in place one copy of the rows), 8-byte elements.
     packed = ts.ops.moe.fp8.pack(rows_in) if fp8 else x
-    words = packed.view(tokens, -1).view(torch.int64 if width % 8 == 0 else torch.uint8)
+    words = packed.view(torch.int64 if width % 8 == 0 else torch.uint8)
     order = experts.flatten().argsort(stable=True) // topk
     same_bytes = (lambda: words.clone()) if in_place else (lambda: words.index_select(0, order))
     assert same_bytes().shape[0] == (tokens if in_place else entries)
