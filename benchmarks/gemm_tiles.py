@@ -44,6 +44,7 @@ from tilescale.ops._gemm import TileConfig, gemm_tile, tile_coords
 
 # Dense bf16 tensor-core throughput an H200 sustains (the brief's floor: 2*M*N*K / this).
 FLOOR_TFLOPS = 790.0
+SMS = 132  # H100 SXM / H200: the persistent variants' blocks
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 DTYPE = "bfloat16"
 
@@ -70,8 +71,10 @@ class Variant:
 
     ``grid="1d"``: as ``ag_own_gemm_kernel`` (linear block index in a register, tile from
     ``tile_coords(..., cfg.panel)``); ``"2d"``: as ``gemm_push_kernel`` (``(N tiles, M tiles)``
-    grid, ``T.use_swizzle(cfg.panel)`` when the panel is non-zero). ``ws=False``: compiled
-    with warp specialisation off, as kernels linked with NVSHMEM are.
+    grid, ``T.use_swizzle(cfg.panel)`` when the panel is non-zero); ``"persistent"``: one
+    block per SM walking the 1-D order's tiles a wave at a time, so that the producer warps
+    load a tile's first stages while the consumers store the tile before it. ``ws=False``:
+    compiled with warp specialisation off, as kernels linked with NVSHMEM are.
     """
 
     label: str
@@ -121,6 +124,11 @@ VARIANTS = [
     Variant("128x224-2d-p8", _cfg(128, 224, 64, 3, "FullRow", "shared", 8), grid="2d"),
     Variant("128x192-2d-p8", _cfg(128, 192, 64, 3, "FullRow", "shared", 8), grid="2d"),
     Variant("128x128-2d-p8", _cfg(128, 128, 64, 4, "FullRow", "shared", 8), grid="2d"),
+    # Persistent twins of the 1-D candidates: the epilogue of one tile under the next one's loads.
+    Variant("128x256-pers-p8", _cfg(128, 256, 64, 3, "FullRow", "shared", 8), grid="persistent"),
+    Variant("128x224-pers-p8", _cfg(128, 224, 64, 3, "FullRow", "shared", 8), grid="persistent"),
+    Variant("128x192-pers-p8", _cfg(128, 192, 64, 3, "FullRow", "shared", 8), grid="persistent"),
+    Variant("128x128-pers-p8", _cfg(128, 128, 64, 4, "FullRow", "shared", 8), grid="persistent"),
 ]
 QUICK_VARIANTS = ["ag-today", "rs-today", "128x128-fullrow", "128x256-direct-s4-p8", "128x256-shared-p8",
                   "256x128-shared-p8", "tilelang-sm90-2d-swz10"]
@@ -131,6 +139,19 @@ def build(v: Variant, M: int, N: int, K: int):
     cfg, dtype = v.cfg, DTYPE
     bm, bn = cfg.block_M, cfg.block_N
     m_tiles, n_tiles = -(-M // bm), -(-N // bn)
+
+    if v.grid == "persistent":
+        sms, tiles = SMS, m_tiles * n_tiles
+
+        @T.prim_func
+        def gemm_persistent(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
+            with T.Kernel(sms, threads=cfg.threads) as b:
+                for wave in T.serial(-(-tiles // sms)):
+                    if wave * sms + b < tiles:
+                        by, bx = tile_coords(wave * sms + b, m_tiles, n_tiles, cfg.panel)
+                        gemm_tile(A, by * bm, W, bx * bn, C, by * bm, bx * bn, K, dtype, cfg.stages, cfg)
+
+        return gemm_persistent
 
     if v.grid == "1d":
 
@@ -325,13 +346,15 @@ def run_shape(name: str, shape: tuple[int, int, int], variants: list[Variant], k
 # The floor's tile candidates (tp_gemm.choose_tile's): 1-D grid as the all-gather GEMM's
 # kernels, 2-D with T.use_swizzle as the reduce-scatter and all-reduce GEMMs'.
 FLOOR_VARIANTS = {"1d": ["128x256-shared-p8", "128x224-shared-p8", "128x192-shared-p8", "128x128-shared-p8"],
-                  "2d": ["128x256-2d-p8", "128x224-2d-p8", "128x192-2d-p8", "128x128-2d-p8"]}
+                  "2d": ["128x256-2d-p8", "128x224-2d-p8", "128x192-2d-p8", "128x128-2d-p8"],
+                  "persistent": ["128x256-pers-p8", "128x224-pers-p8", "128x192-pers-p8", "128x128-pers-p8"]}
 
 
-def floor_cases() -> tuple[dict, dict[str, list[Variant]]]:
+def floor_cases(persistent: bool = False) -> tuple[dict, dict[str, list[Variant]]]:
     """The GEMMs of ``tp_gemm.py --floor`` with >= 1024 rows as ({name: (M, N, K)}, {name:
     variants}): every candidate width, and the 128x128 tile only where its waves are at least
-    3% fuller than the 128x256 tile's (it is slower per FLOP, so elsewhere it cannot win)."""
+    3% fuller than the 128x256 tile's (it is slower per FLOP, so elsewhere it cannot win);
+    with ``persistent``, each candidate's persistent twin besides."""
     from tp_gemm import FLOOR_SHAPES
 
     by_label = {v.label: v for v in VARIANTS}
@@ -343,9 +366,10 @@ def floor_cases() -> tuple[dict, dict[str, list[Variant]]]:
         shapes[name] = (m, n, k)
         labels = FLOOR_VARIANTS["1d" if op == "ag" else "2d"]
         full = {lb: _waves_busy(m, n, by_label[lb].cfg) for lb in labels}
-        cases[name] = [by_label[lb] for lb in labels[:3]]
-        if full[labels[3]] >= full[labels[0]] + 0.03:
-            cases[name].append(by_label[labels[3]])
+        chosen = [0, 1, 2] + ([3] if full[labels[3]] >= full[labels[0]] + 0.03 else [])
+        cases[name] = [by_label[labels[i]] for i in chosen]
+        if persistent:
+            cases[name] += [by_label[FLOOR_VARIANTS["persistent"][i]] for i in chosen]
     return shapes, cases
 
 
@@ -380,7 +404,9 @@ def main() -> int:
     parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--floor", action="store_true",
                         help="the tile candidates at tp_gemm.py --floor's GEMMs with >= 1024 rows (floor_cases)")
-    parser.add_argument("--variants", help="comma-separated labels (default: all, or the quick set)")
+    parser.add_argument("--persistent", action="store_true", help="with --floor: each candidate's persistent twin too")
+    parser.add_argument("--variants", help="comma-separated labels (default: all, or the quick set; with --floor, "
+                        "of the floor's candidates)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
@@ -396,7 +422,9 @@ def main() -> int:
     variants = [by_label[lb] for lb in labels] if labels else VARIANTS
     cases = {name: variants for name in shapes}
     if args.floor:
-        shapes, cases = floor_cases()
+        shapes, cases = floor_cases(args.persistent)
+        if labels:
+            cases = {name: [v for v in vs if v.label in labels] for name, vs in cases.items()}
         variants = list({v.label: v for vs in cases.values() for v in vs}.values())
 
     if args.compile_only:
