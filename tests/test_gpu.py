@@ -73,6 +73,13 @@ def test_rank_programs_of_the_cpu_suite_pass_on_gpus(program, marker, count):
 
 
 @pytest.mark.timeout(600)
+def test_ops_at_random_shapes_match_torch_on_gpus():
+    proc = run(str(RANKS / "random_shapes.py"), "--cases", "6", "--seed", "1", timeout=550)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("CASE-OK") == 2 * 6 * 2
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", ["cluster_splitk_gemm", "cluster_shared_operand_gemm"])
 def test_cluster_example_on_one_gpu(example):
     proc = subprocess.run([sys.executable, f"examples/{example}.py"], capture_output=True, text=True, timeout=550,

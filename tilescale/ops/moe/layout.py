@@ -69,6 +69,12 @@ def _rank():
     return current_context().rank
 
 
+def _first_expert(per_rank: int):
+    """This rank's first expert, inline like :func:`_rank` (with one expert per rank it *is* the
+    rank variable: named in a macro, it renamed the kernel's rank parameter)."""
+    return _rank() * per_rank
+
+
 @T.macro
 def segments(recv_expert_counts, recv_counts, s, seg):
     """Every source's counts into ``seg.given`` (entries per expert) and ``seg.got`` (rows);
@@ -123,12 +129,12 @@ def place(tile, seg, layout, capacity):
     """
     group, hidden, topk = tile.rows.shape[0], tile.rows.shape[1], tile.ids.shape[1]
     per_rank = seg.per_rank
-    lo = _rank() * per_rank
     for i, k in T.Parallel(group, topk):
         tile.pos[i, k] = T.if_then_else(
-            tile.where[i] >= 0 and lo <= tile.ids[i, k] and tile.ids[i, k] < lo + per_rank,
-            _base(seg, T.max(tile.where[i], 0) // capacity, T.max(T.min(tile.ids[i, k] - lo, per_rank - 1), 0))
-            + tile.eslots[i, k], -1)
+            tile.where[i] >= 0 and _first_expert(per_rank) <= tile.ids[i, k]
+            and tile.ids[i, k] < _first_expert(per_rank) + per_rank,
+            _base(seg, T.max(tile.where[i], 0) // capacity,
+                  T.max(T.min(tile.ids[i, k] - _first_expert(per_rank), per_rank - 1), 0)) + tile.eslots[i, k], -1)
     for i, k in T.Parallel(group, topk):
         if tile.where[i] >= 0:
             layout.position[tile.where[i], k] = tile.pos[i, k]
@@ -140,7 +146,7 @@ def place(tile, seg, layout, capacity):
             layout.source_row[tile.pos[i, k]] = tile.where[i] + layout.row_base
     for i, k in T.Parallel(group, topk):
         if tile.pos[i, k] >= 0:
-            layout.row_expert[tile.pos[i, k]] = tile.ids[i, k] - lo
+            layout.row_expert[tile.pos[i, k]] = tile.ids[i, k] - _first_expert(per_rank)
     if layout.out is not None:
         for i in T.serial(group):
             for k in T.serial(topk):

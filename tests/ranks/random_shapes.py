@@ -1,0 +1,97 @@
+"""Rank program: the TP GEMMs and the MoE exchange at random shapes none of the other checks name.
+
+Every rank draws the same cases from one seed (``--seed``, ``--cases``): TP GEMMs of random
+rows, K and N (multiples of 8, as TMA rows need 16 bytes; rows any count) in fp16 / bf16, each
+op on its fused plan and on its default plan, against torch.distributed + torch; MoE dispatch
++ combine of random token counts per rank (0 included), hidden sizes, top-k, expert counts,
+modes, FP8 and in place, checked through experts that scale their rows, against torch. Each
+case prints ``CASE-OK <n> <what>``; a mismatch raises on the rank that saw it (the job fails).
+
+    tilescale run -n 2 --share-gpus tests/ranks/random_shapes.py --cases 12 --seed 1
+    tilescale run -n 2 --cpu tests/ranks/random_shapes.py --cases 4 --small
+"""
+
+import argparse
+import random
+
+import torch
+import torch.distributed as dist
+
+import tilescale as ts
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--cases", type=int, default=8, help="cases of each kind (TP, MoE)")
+parser.add_argument("--small", action="store_true", help="sizes the CPU path runs in seconds")
+args = parser.parse_args()
+
+ts.init()
+torch.set_default_device(ts.device())
+rank, world = ts.rank(), ts.world_size()
+draw = random.Random(args.seed)  # the same on every rank: every rank runs the same cases
+data = torch.Generator(device=ts.device()).manual_seed(1000 * args.seed + rank)
+big = 1 if args.small else 8
+
+
+def tp_case(n: int) -> None:
+    m = draw.randint(1, 320 * big)
+    k, cols = 8 * draw.randint(2, 48 * big), 8 * draw.randint(2, 48 * big)
+    dtype = draw.choice((torch.float16, torch.bfloat16))
+    a = torch.randn(m, k, generator=data).to(dtype)
+    w = (torch.randn(cols, k, generator=data) / k ** 0.5).to(dtype)
+    tol = {"rtol": 2e-2, "atol": 5e-2}
+    full = torch.empty(world * m, k, dtype=dtype)
+    dist.all_gather_into_tensor(full, a)
+    rows = torch.randn(world * m, k, generator=data).to(dtype)
+    part = rows.float() @ w.float().T
+    scattered = torch.empty(m, cols)
+    dist.reduce_scatter_tensor(scattered, part.clone())
+    summed = part.clone()
+    dist.all_reduce(summed)
+    for plan in ("fused", None):
+        torch.testing.assert_close(ts.ops.all_gather_gemm(a, w, plan=plan).float(), full.float() @ w.float().T, **tol)
+        torch.testing.assert_close(ts.ops.gemm_reduce_scatter(rows, w, plan=plan).float(), scattered, **tol)
+        torch.testing.assert_close(ts.ops.gemm_all_reduce(rows, w, plan=plan).float(), summed, **tol)
+        # A decode batch: one rank's rows, all-reduced (the one-kernel plan up to 256 rows).
+        decode = rows[:m]
+        expected = decode.float() @ w.float().T
+        dist.all_reduce(expected)
+        torch.testing.assert_close(ts.ops.gemm_all_reduce(decode, w, plan=plan).float(), expected, **tol)
+    print(f"CASE-OK {n} tp m={m} k={k} n={cols} {dtype}", flush=True)
+
+
+def moe_case(n: int) -> None:
+    per_rank = draw.choice((1, 2, 3, 4, 8, 16))
+    experts = per_rank * world
+    topk = draw.randint(1, min(8, experts))
+    hidden = 128 * draw.randint(1, 8 * big) if draw.random() < 0.5 else 8 * draw.randint(1, 128 * big)
+    fp8 = hidden % 128 == 0 and draw.random() < 0.4
+    low_latency = draw.random() < 0.4
+    in_place = draw.random() < 0.3
+    max_tokens = draw.randint(1, 96 * big)
+    counts = [draw.randint(0, max_tokens) for _ in range(world)]
+    tokens = counts[rank]
+    x = torch.randn(tokens, hidden, generator=data).to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, generator=data)
+    topk_w, topk_idx = scores.topk(topk, dim=1)
+    sent = ts.ops.moe.quantize_fp8(x) if fp8 else x
+    recv, recv_w, _, handle = ts.ops.moe_dispatch(sent, topk_idx, topk_w, experts, low_latency=low_latency,
+                                                  in_place=in_place, max_tokens=max_tokens)
+    rows = ts.ops.moe.dequantize_fp8(*recv) if fp8 else recv
+    if in_place:  # the received rows as they landed, the grouped layout an index into them
+        rows = rows[handle.source_row.clamp(min=0).long()]
+    scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
+    expert_out = (rows.float() * scale[handle.row_expert.clamp(min=0).long()][:, None]).to(torch.bfloat16)
+    y = ts.ops.moe_combine(expert_out, recv_w, handle)
+    source = ts.ops.moe.dequantize_fp8(*sent) if fp8 else x
+    reference = (source.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
+    torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=2e-2 * experts)
+    print(f"CASE-OK {n} moe tokens={counts} max={max_tokens} hidden={hidden} top-{topk} of {experts} "
+          f"{'fp8' if fp8 else 'bf16'}{' low-latency' if low_latency else ''}{' in-place' if in_place else ''}",
+          flush=True)
+
+
+for n in range(args.cases):
+    tp_case(n)
+    moe_case(n)
+ts.finalize()
