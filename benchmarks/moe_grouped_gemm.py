@@ -7,7 +7,11 @@ default), each result checked against torch's first, then timed in interleaved r
 events, median of ``--iters`` per round, the median round reported). torch gets the valid
 rows sorted by expert (no padding); ``grouped_gemm`` the dispatch's layout, each expert's
 rows padded to 128-row tiles, so its time includes that padding. ``TFLOPs`` counts the
-FLOPs of the rows that hold tokens.
+FLOPs of the rows that hold tokens. The first GEMM also runs on an FP8 dispatch's rows (what
+``ExpertParallelMoE(fp8_dispatch=True)`` feeds it), dequantised as they load: grouped FP8
+rows by TMA where K allows (``fp8 grouped``) and the same rows gathered through an identity
+index by ``cp.async`` (``fp8 gathered``, every FP8 GEMM's path before the TMA one), both
+checked against torch's GEMM of the dequantised rows.
 
     tilescale run -n 1 benchmarks/moe_grouped_gemm.py
     tilescale run -n 1 --cpu benchmarks/moe_grouped_gemm.py --small --iters 2
@@ -45,9 +49,19 @@ def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
         plans = {"torch._grouped_mm": lambda d=dense, w=w: torch_grouped_mm(d, w, ends)}
         plans.update({f"grouped_gemm {label}": (lambda a=a, w=w, t=tile: ts.ops.grouped_gemm(a, w, row_expert, tile=t))
                       for label, tile in TILES.items()})
-        want = plans["torch._grouped_mm"]().float()
-        checks = {label: check_close(f"{gemm} {label}", fn()[valid][order].float(), want, rtol=2e-2, atol=2e-2)
-                  for label, fn in plans.items() if label != "torch._grouped_mm"}
+        wants = {label: plans["torch._grouped_mm"]().float() for label in plans if label != "torch._grouped_mm"}
+        if k == hidden:  # FP8 rows as an FP8 dispatch groups them: the same layout as the bf16 dispatch's
+            (values, scales), _, _, h8 = ts.ops.moe_dispatch(ts.ops.moe.quantize_fp8(x), experts, weights,
+                                                             num_experts)
+            identity = torch.arange(values.shape[0], dtype=torch.int32, device=ts.device())
+            for label, index in (("grouped_gemm fp8 grouped", None), ("grouped_gemm fp8 gathered", identity)):
+                plans[label] = (lambda w=w, v=values, s=scales, r=h8.row_expert, i=index:
+                                ts.ops.grouped_gemm(v, w, r, scales=s, index=i))
+            dequantised = ts.ops.moe.dequantize_fp8(values, scales)[valid][order].contiguous()
+            wants["grouped_gemm fp8 grouped"] = wants["grouped_gemm fp8 gathered"] = \
+                torch_grouped_mm(dequantised, w, ends).float()
+        checks = {label: check_close(f"{gemm} {label}", plans[label]()[valid][order].float(), want, rtol=2e-2,
+                                     atol=2e-2) for label, want in wants.items()}
         times = {label: [] for label in plans}
         for _ in range(ROUNDS):
             for label, fn in plans.items():

@@ -20,7 +20,7 @@ def test_dispatch_combine_match_reference(n):
     proc = run_cpu("tests/ranks/moe_check.py", n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # topk 1/2/8, skewed routing, low-latency mode, different counts per rank in both modes; every rank
-    assert proc.stdout.count("MOE-OK") == 14 * n
+    assert proc.stdout.count("MOE-OK") == 15 * n
     assert proc.stdout.count("uneven) tokens=0 ") == 2 and proc.stdout.count("uneven) tokens=") == 2 * n
     assert proc.stdout.count("(normal) tokens=11 topk=2 received 0 rows: MOE-OK") == n - 1  # skewed: only rank 0
     assert proc.stdout.count("FP8-OK") == 2 * n  # FP8 dispatch against the bf16 path, both modes
@@ -365,6 +365,32 @@ def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8
     if fp8:  # the e4m3 bytes and each row's scale land by cp.async, then scale into the bf16 tile
         assert "cp_async_gs_conditional<4>((&(((float*)s)" in src and "fp8_e4_t* __restrict__ x" in src
     proc = nvcc(src, tmp_path / "gathered.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_nvcc
+@pytest.mark.parametrize("K", [4096, 7168])
+def test_grouped_fp8_gemm_loads_values_and_scales_by_tma_and_compiles(K, tmp_path):
+    import tilelang
+    from cuda_build import TARGET
+
+    from tilescale.ops._gemm import WIDE
+    from tilescale.ops.grouped_gemm import grouped_fp8_gemm_kernel, tma_rows
+
+    assert tma_rows(K) and not tma_rows(K + 128) and not tma_rows(2880)  # packed rows of 16-byte multiples
+    func = grouped_fp8_gemm_kernel.__wrapped__(8, 1024, K, 2048, "bfloat16", WIDE)
+    with tilelang.tvm.target.Target(TARGET), tilelang.tvm.transform.PassContext(opt_level=3):
+        lowered = tilelang.lower(func, target=TARGET)
+    src = lowered.kernel_source
+    (kernel,) = lowered.device_mod.functions.values()
+    assert int(kernel.attrs["dyn_shared_memory_buf"]) <= 227 * 1024  # stages and the wide tile's epilogue
+    # The producer warps load the values, four scale columns and the weights by TMA; the
+    # consumers (their registers raised) scale the e4m3 tile into bf16, then one m64n256 wgmma.
+    assert src.count("tl::tma_load(") == 3 and "warpgroup_reg_alloc" in src
+    assert "__tl_cvt_fp8x2_to_float2" in src and "64, 256, 16" in src
+    proc = nvcc(src, tmp_path / "grouped_fp8.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -150,6 +150,22 @@ def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT
         T.copy(A[a_row, k * cfg.block_K], a)
         T.copy(W[w_row, k * cfg.block_K], w)
         T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
+    store_tile(acc, C, c_row, c_col, dtype, cfg)
+
+
+@T.macro
+def store_tile(acc, C, c_row, c_col, dtype, cfg=DEFAULT):
+    """The fp32 tile ``acc`` into ``C[c_row:+BM, c_col:+BN]`` as ``dtype``: from registers, or
+    staged in shared memory first where ``cfg.epilogue`` is ``"shared"``.
+
+    Args:
+        acc: The (block_M, block_N) fp32 accumulator fragment.
+        C: The output; the tile is stored at ``(c_row, c_col)``.
+        c_row: First output row.
+        c_col: First output column.
+        dtype: TileLang dtype of ``C``.
+        cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
+    """
     if cfg.epilogue == "shared":
         out = T.alloc_shared((cfg.block_M, cfg.block_N), dtype)
         T.copy(acc, out)

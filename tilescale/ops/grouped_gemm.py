@@ -4,7 +4,9 @@ The A rows come either grouped already (row ``i`` of ``x`` is output row ``i``; 
 loads) or gathered through an index (output row ``i`` reads row ``index[i]`` of ``x``): the
 received rows of an in-place dispatch, which never writes them a second time to group them.
 FP8 rows (e4m3 values with a float32 scale per 128 channels, DeepEP's layout) are
-dequantised as the A tile is loaded, in either case.
+dequantised as the A tile is loaded, in either case: grouped FP8 rows by TMA (values and
+scales) into the warp-specialised pipeline, whose consumer warps scale each e4m3 tile into
+the bf16 tile the tensor cores read; gathered ones by ``cp.async``.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -18,7 +20,7 @@ import torch
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
-from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile
+from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile, store_tile
 from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
 from tilescale.ops.moe.layout import ROW_TILE
@@ -54,6 +56,58 @@ def grouped_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, cfg
                           by * cfg.block_M, bx * cfg.block_N, K, dtype, cfg.stages, cfg)
 
     return main
+
+
+def tma_rows(K: int) -> bool:
+    """Whether grouped FP8 rows of ``K`` channels can be TMA boxes: a packed row
+    (``packed_width(K)`` bytes) must be a multiple of 16 bytes, and its scales come four at a
+    time (a 16-byte box), so ``K`` a multiple of 512; other FP8 rows go the gathered way."""
+    return K % (4 * BLOCK) == 0
+
+
+@jit
+def grouped_fp8_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str, cfg: TileConfig = DEFAULT):
+    """As :func:`grouped_gemm_kernel`, for grouped FP8 rows (``ts.ops.moe.fp8.pack``: K e4m3
+    values, then K / 128 float32 scales) dequantised in the pipeline: the values tile and the
+    rows' scales arrive by TMA, and the consumer warps scale the values into the bf16 tile
+    that the tensor cores read (no dequantised copy in HBM).
+
+    Args:
+        experts: Experts whose weights ``w`` stacks, (experts * N, K).
+        rows: Rows of ``x`` and ``out``, a multiple of the tile's ``block_M``.
+        K: Input features, a multiple of 512 (:func:`tma_rows`).
+        N: Output features per expert.
+        dtype: TileLang dtype of ``w`` and ``out``.
+        cfg: The GEMM tile (``block_M`` the layout's 128-row tiles; ``block_K`` divides 128).
+
+    Returns:
+        The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
+    width, bm, bn, bk = packed_width(K), cfg.block_M, cfg.block_N, cfg.block_K
+
+    @T.prim_func
+    def main(x: T.Tensor((rows, width), _FP8), scales: T.Tensor((rows, width // 4), "float32"),
+             w: T.Tensor((experts * N, K), dtype), row_expert: T.Tensor((rows,), "int32"),
+             out: T.Tensor((rows, N), dtype)):
+        with T.Kernel(T.ceildiv(N, bn), rows // bm, threads=cfg.threads) as (bx, by):
+            if row_expert[by * bm] >= 0:
+                q = T.alloc_shared((bm, bk), _FP8)
+                s = T.alloc_shared((bm, 4), "float32")  # four scale columns, the K step's among them
+                a = T.alloc_shared((bm, bk), dtype)
+                b = T.alloc_shared((bn, bk), dtype)
+                acc = T.alloc_fragment((bm, bn), "float32")
+                T.clear(acc)
+                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+                    T.copy(x[by * bm, k * bk], q)
+                    T.copy(scales[by * bm, K // 4 + k * bk // BLOCK // 4 * 4], s)
+                    T.copy(w[row_expert[by * bm] * N + bx * bn, k * bk], b)
+                    for i, c in T.Parallel(bm, bk):
+                        a[i, c] = T.cast(T.cast(q[i, c], "float32") * s[i, k * bk // BLOCK % 4], dtype)
+                    T.gemm(a, b, acc, transpose_B=True, policy=cfg.warp_policy)
+                store_tile(acc, out, by * bm, bx * bn, dtype, cfg)
+
+    return main
+
 
 
 # A gathered A tile is no TMA box: both operands' tiles are loaded by every thread with
@@ -156,12 +210,7 @@ def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype, cfg):
             for i, c in T.Parallel(bm, bk):
                 a[i, c] = T.cast(T.cast(q[i, c], "float32") * s[i], dtype)
             T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
-    if cfg.epilogue == "shared":
-        out = T.alloc_shared((bm, cfg.block_N), dtype)
-        T.copy(acc, out)
-        T.copy(out, C[c_row, c_col])
-    else:
-        T.copy(acc, C[c_row, c_col])
+    store_tile(acc, C, c_row, c_col, dtype, cfg)
 
 
 @functools.lru_cache(maxsize=256)
@@ -255,12 +304,20 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
             raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
         if index is not None:
             check_input(index, "index")
-        identity = _identity_index(rows, w.device) if index is None else None  # this plan's calls all pass one or none
-        kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
+        if index is None and tma_rows(k):
+            kernel = grouped_fp8_gemm_kernel(experts, rows, k, n, tl_dtype(w), cfg)
 
-        def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
-            packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
-            return packed.view(torch.float8_e4m3fn), packed.view(torch.float32), identity if index is None else index
+            def rows_of(x: torch.Tensor, scales: torch.Tensor, index: None) -> tuple:
+                packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
+                return packed.view(torch.float8_e4m3fn), packed.view(torch.float32)
+        else:
+            identity = _identity_index(rows, w.device) if index is None else None  # one or none in all calls
+            kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
+
+            def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
+                packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
+                gathered = identity if index is None else index
+                return packed.view(torch.float8_e4m3fn), packed.view(torch.float32), gathered
     elif index is None:
         check_input(x, "x")
         kernel = grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)
