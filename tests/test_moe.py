@@ -4,7 +4,7 @@ import re
 import textwrap
 
 import pytest
-from cpu_jobs import run_cpu
+from cpu_jobs import run_cpu, run_python
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
@@ -36,26 +36,44 @@ def test_dispatch_combine_match_reference(n):
         assert "'low_latency=True'" in proc.stdout and "'low_latency=False'" in proc.stdout
 
 
-def test_quantized_rows_are_the_dispatch_layout():
-    # quantize_fp8 writes values and scales into one byte row per token (DeepEP's layout, as the
-    # dispatch moves it), so the dispatch takes them without the packing copy; the numbers are
-    # the cast's (values / scale to e4m3, scale = block amax / 448), and separate tensors of
-    # the same numbers pack into the same bytes.
-    import torch
+@pytest.mark.timeout(200)
+def test_quantized_rows_are_the_dispatch_layout(tmp_path):
+    # quantize_fp8 (one kernel) writes values and scales into one byte row per token (DeepEP's
+    # layout, as the dispatch moves it), so the dispatch takes them without the packing copy;
+    # the numbers are the bits of the torch expression (values / scale to e4m3, scale = block
+    # amax / 448, a block of zeros the floor scale), and separate tensors of the same numbers
+    # pack into the same bytes.
+    script = tmp_path / "quantize.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale.ops import moe
 
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(37, 384, generator=g) * 3).to(torch.bfloat16)
-    x[5, :128] = 0  # a block of zeros: the floor scale, values 0
-    values, scales = moe.quantize_fp8(x)
-    blocks = x.float().view(37, 3, 128)
-    want_scales = blocks.abs().amax(-1).clamp(min=1e-4) / moe.fp8.E4M3_MAX
-    want_values = (blocks / want_scales[..., None]).view(37, 384).to(torch.float8_e4m3fn)
-    assert torch.equal(scales, want_scales) and torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
-    rows = moe.fp8.pack((values, scales))
-    assert rows.data_ptr() == values.data_ptr() and rows.is_contiguous()  # the views' own bytes: no copy
-    assert tuple(rows.shape) == (37, moe.fp8.packed_width(384))
-    assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
-    assert torch.equal(moe.dequantize_fp8(values, scales), moe.dequantize_fp8(want_values, want_scales))
+        ts.init(device="cpu")
+        g = torch.Generator().manual_seed(7)
+        # rows past one block's 32 and not a multiple of them; fp16 and float32 rows too
+        for tokens, hidden, dtype in [(37, 384, torch.bfloat16), (5, 128, torch.float16), (64, 256, torch.float32)]:
+            x = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
+            x[min(5, tokens - 1), :128] = 0
+            values, scales = moe.quantize_fp8(x)
+            blocks = x.float().view(tokens, hidden // 128, 128)
+            want_scales = blocks.abs().amax(-1).clamp(min=1e-4) / moe.fp8.E4M3_MAX
+            want_values = (blocks / want_scales[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
+            assert torch.equal(scales, want_scales), (tokens, hidden, dtype)
+            assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), (tokens, hidden, dtype)
+            rows = moe.fp8.pack((values, scales))
+            assert rows.data_ptr() == values.data_ptr() and rows.is_contiguous()  # the views' own bytes: no copy
+            assert tuple(rows.shape) == (tokens, moe.fp8.packed_width(hidden))
+            assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
+            assert torch.equal(moe.dequantize_fp8(values, scales), moe.dequantize_fp8(want_values, want_scales))
+        empty, empty_scales = moe.quantize_fp8(torch.empty(0, 256, dtype=torch.bfloat16))
+        assert empty.shape == (0, 256) and empty_scales.shape == (0, 2)
+        print("QUANTIZE-OK")
+        ts.finalize()
+    """))
+    proc = run_python(script)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "QUANTIZE-OK" in proc.stdout
 
 
 @pytest.mark.timeout(300)
@@ -365,6 +383,16 @@ def test_gathered_gemm_loads_through_the_index_with_cp_async_and_compiles(K, fp8
     if fp8:  # the e4m3 bytes and each row's scale land by cp.async, then scale into the bf16 tile
         assert "cp_async_gs_conditional<4>((&(((float*)s)" in src and "fp8_e4_t* __restrict__ x" in src
     proc = nvcc(src, tmp_path / "gathered.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_nvcc
+def test_quantize_kernel_lowers_and_compiles(tmp_path):
+    src = lower_cuda(moe.fp8.quantize_fp8_kernel.__wrapped__(7168, "bfloat16"))
+    assert "__nv_fp8" in src or "fp8_e4" in src  # the e4m3 cast on the device
+    proc = nvcc(src, tmp_path / "quantize.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

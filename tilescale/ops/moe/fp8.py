@@ -14,22 +14,81 @@ pair in that layout too, so the dispatch reads it where it is; a pair of separat
 packed into it first (one copy of the rows). Combine stays bf16.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
+# refer to the kernel factory's local variables.
 
 import torch
+
+import tilescale.language as T
+from tilescale.jit import jit
+from tilescale.ops._common import check_input, tl_dtype
 
 # A dispatch's rows: a tensor, or FP8 rows as a (values, scales) pair.
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # Channels per scale, and e4m3's largest finite value (DeepEP's per-token, per-128-channel scaling).
 BLOCK = 128
 E4M3_MAX = 448.0
+# Rows of a quantising block (each block one 128-channel scale group of them) and its threads.
+QUANT_ROWS, QUANT_THREADS = 32, 128
+_FP8 = "float8_e4m3fn"
+
+
+@jit
+def quantize_fp8_kernel(hidden: int, dtype: str):
+    """Rows of ``x`` to packed FP8 rows in one pass: per row and 128-channel group, the scale
+    ``max(amax, 1e-4) / 448`` and the values ``x / scale`` rounded to e4m3 (float32, IEEE
+    division, round to nearest even).
+
+    Args:
+        hidden: Channels of a row, a multiple of 128 (the rows: any number, a dynamic size).
+        dtype: TileLang dtype of ``x``.
+
+    Returns:
+        The kernel's ``T.prim_func`` (``x``, then the packed rows viewed as e4m3 values and as
+        float32 words); a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
+    """
+    width = packed_width(hidden)
+    tokens = T.dynamic("tokens")
+
+    @T.prim_func
+    def main(x: T.Tensor((tokens, hidden), dtype), values: T.Tensor((tokens, width), _FP8),
+             words: T.Tensor((tokens, width // 4), "float32")):
+        with T.Kernel(hidden // BLOCK, T.ceildiv(tokens, QUANT_ROWS), threads=QUANT_THREADS) as (g, by):
+            tile = T.alloc_fragment((QUANT_ROWS, BLOCK), "float32")
+            scale = T.alloc_fragment((QUANT_ROWS,), "float32")
+            for i, c in T.Parallel(QUANT_ROWS, BLOCK):  # rows past the last: zeros, never stored
+                tile[i, c] = T.if_then_else(by * QUANT_ROWS + i < tokens,
+                                            T.cast(x[T.min(by * QUANT_ROWS + i, tokens - 1), g * BLOCK + c], "float32"),
+                                            T.float32(0))
+            T.reduce_absmax(tile, scale, dim=1)
+            for i in T.Parallel(QUANT_ROWS):
+                scale[i] = T.max(scale[i], T.float32(1e-4)) / T.float32(E4M3_MAX)
+            for i, c in T.Parallel(QUANT_ROWS, BLOCK):
+                if by * QUANT_ROWS + i < tokens:
+                    values[by * QUANT_ROWS + i, g * BLOCK + c] = T.cast(tile[i, c] / scale[i], _FP8)
+            for i in T.Parallel(QUANT_ROWS):
+                if by * QUANT_ROWS + i < tokens:
+                    words[by * QUANT_ROWS + i, hidden // 4 + g] = scale[i]
+
+    return main
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` as e4m3 values with one float32 scale per 128 channels.
 
+    One pass, one kernel (:func:`quantize_fp8_kernel`, compiled once per hidden size and
+    dtype), computing in float32 with IEEE division what this torch expression states::
+
+        blocks = x.float().view(tokens, hidden // 128, 128)
+        scales = blocks.abs().amax(-1).clamp(min=1e-4) / 448     # a block of zeros: a tiny scale, values 0
+        values = (blocks / scales[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
+
+    (The same bits as that expression on the CPU. On a GPU torch divides by the Python scalar
+    448 as a product with its reciprocal, so its scales can be one float32 ulp off, and a few
+    values in 10^4 one e4m3 step: equally valid pairs.)
+
     Args:
-        x: (tokens, hidden) floating rows, hidden a multiple of 128.
+        x: (tokens, hidden) floating rows on this rank's device, hidden a multiple of 128.
 
     Returns:
         ``(values, scales)``: (tokens, hidden) ``torch.float8_e4m3fn`` and (tokens, hidden //
@@ -41,12 +100,12 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, hidden = x.shape
     if hidden % BLOCK:
         raise ValueError(f"FP8 rows need hidden divisible by {BLOCK}, got {hidden}")
-    values, scales = unpack(torch.empty(tokens, packed_width(hidden), dtype=torch.uint8, device=x.device), hidden)
-    blocks = x.float().view(tokens, hidden // BLOCK, BLOCK)
-    # A block of zeros keeps a tiny scale rather than 0 (no division by zero, values stay 0).
-    scales.copy_(blocks.abs().amax(-1).clamp(min=1e-4) / E4M3_MAX)
-    values.copy_((blocks / scales[..., None]).view(tokens, hidden))  # the cast to e4m3 as .to() makes it
-    return values, scales
+    x = x.contiguous()
+    check_input(x, "x")
+    rows = torch.empty(tokens, packed_width(hidden), dtype=torch.uint8, device=x.device)
+    if tokens:
+        quantize_fp8_kernel(hidden, tl_dtype(x))(x, rows.view(torch.float8_e4m3fn), rows.view(torch.float32))
+    return unpack(rows, hidden)
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
