@@ -9,6 +9,6 @@ from cpu_jobs import RANKS, run_cpu
 def test_ops_at_random_shapes_match_torch(n, seed):
     proc = run_cpu(RANKS / "random_shapes.py", n, args=("--cases", "4", "--small", "--seed", str(seed)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("CASE-OK") == 2 * 4 * n  # a TP and a MoE case per draw, every rank
+    assert proc.stdout.count("CASE-OK") == 3 * 4 * n  # a TP, a MoE and a layer case per draw, every rank
     if seed == 1:  # its first MoE case has one expert per rank (Mixtral's 8 experts on 8 ranks, say)
         assert proc.stdout.count("top-2 of 3 bf16") == n

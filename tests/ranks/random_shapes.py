@@ -4,8 +4,10 @@ Every rank draws the same cases from one seed (``--seed``, ``--cases``): TP GEMM
 rows, K and N (multiples of 8, as TMA rows need 16 bytes; rows any count) in fp16 / bf16, each
 op on its fused plan and on its default plan, against torch.distributed + torch; MoE dispatch
 + combine of random token counts per rank (0 included), hidden sizes, top-k, expert counts,
-modes, FP8 and in place, checked through experts that scale their rows, against torch. Each
-case prints ``CASE-OK <n> <what>``; a mismatch raises on the rank that saw it (the job fails).
+modes, FP8 and in place, checked through experts that scale their rows, against torch; and
+``ts.nn.ExpertParallelMoE`` (SwiGLU experts of random sizes, forward with and without
+autograd, FP8 dispatch) against every token through its experts in float32. Each case prints
+``CASE-OK <n> <what>``; a mismatch raises on the rank that saw it (the job fails).
 
     tilescale run -n 2 --share-gpus tests/ranks/random_shapes.py --cases 12 --seed 1
     tilescale run -n 2 --cpu tests/ranks/random_shapes.py --cases 4 --small
@@ -91,7 +93,51 @@ def moe_case(n: int) -> None:
           flush=True)
 
 
+def layer_case(n: int) -> None:
+    per_rank = draw.choice((1, 2, 4))
+    experts = per_rank * world
+    topk = draw.randint(1, min(4, experts))
+    hidden, ffn = 8 * draw.randint(2, 24 * big), 8 * draw.randint(2, 24 * big)
+    fp8 = draw.random() < 0.3
+    if fp8:
+        hidden = 128 * draw.randint(1, 2 * big)
+    low_latency = draw.random() < 0.3
+    tokens = draw.randint(1, 48 * big)  # every rank the same count (the layer's default: no max_tokens)
+    params = torch.Generator().manual_seed(args.seed * 100 + n)  # the same weights on every rank
+    router = torch.randn(experts, hidden, generator=params)
+    gate_up = torch.randn(experts, 2 * ffn, hidden, generator=params) / hidden ** 0.5
+    down = torch.randn(experts, hidden, ffn, generator=params) / ffn ** 0.5
+
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = torch.softmax(x.float() @ router.to(x.device).T, -1).topk(topk, -1)
+        return ids, weights / weights.sum(-1, keepdim=True)
+
+    moe = ts.nn.ExpertParallelMoE.from_weights(route, gate_up.to(torch.bfloat16), down.to(torch.bfloat16), topk,
+                                               low_latency=low_latency, fp8_dispatch=fp8)
+    x = torch.randn(tokens, hidden, generator=data).to(torch.bfloat16)
+    ids, weights = route(x)
+    want = torch.zeros(tokens, hidden)
+    xf = x.float()
+    for k in range(topk):
+        for e in range(experts):
+            sel = (ids[:, k] == e).nonzero(as_tuple=True)[0]
+            g, u = (xf[sel] @ gate_up[e].to(xf).T).chunk(2, -1)
+            expert = (torch.nn.functional.silu(g) * u) @ down[e].to(xf).T
+            want = want.index_add(0, sel, weights[sel, k, None] * expert)
+    tol = 0.08 if fp8 else 0.03  # bf16 weights and activations; e4m3 rows
+    with torch.no_grad():
+        outputs = {"inference": moe(x)}
+    if not fp8:  # FP8 dispatch is an inference path
+        outputs["autograd"] = moe(x.requires_grad_())
+    for what, y in outputs.items():
+        error = float((y.float() - want).norm() / want.norm())
+        assert error < tol, f"rank {rank}: layer case {n} {what}: relative error {error:.3f}"
+    print(f"CASE-OK {n} layer tokens={tokens} hidden={hidden} ffn={ffn} top-{topk} of {experts}"
+          f"{' fp8' if fp8 else ''}{' low-latency' if low_latency else ''}", flush=True)
+
+
 for n in range(args.cases):
     tp_case(n)
     moe_case(n)
+    layer_case(n)
 ts.finalize()
