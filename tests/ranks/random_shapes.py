@@ -103,7 +103,7 @@ def layer_case(n: int) -> None:
         hidden = 128 * draw.randint(1, 2 * big)
     low_latency = draw.random() < 0.3
     tokens = draw.randint(1, 48 * big)  # every rank the same count (the layer's default: no max_tokens)
-    params = torch.Generator().manual_seed(args.seed * 100 + n)  # the same weights on every rank
+    params = torch.Generator(device=ts.device()).manual_seed(args.seed * 100 + n)  # the same weights on every rank
     router = torch.randn(experts, hidden, generator=params)
     gate_up = torch.randn(experts, 2 * ffn, hidden, generator=params) / hidden ** 0.5
     down = torch.randn(experts, hidden, ffn, generator=params) / ffn ** 0.5

@@ -83,9 +83,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scales = blocks.abs().amax(-1).clamp(min=1e-4) / 448     # a block of zeros: a tiny scale, values 0
         values = (blocks / scales[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
 
-    (The same bits as that expression on the CPU. On a GPU torch divides by the Python scalar
-    448 as a product with its reciprocal, so its scales can be one float32 ulp off, and a few
-    values in 10^4 one e4m3 step: equally valid pairs.)
+    (The same bits as that expression on the CPU, and on a GPU with 448 as a tensor; given
+    the Python scalar, torch's CUDA division multiplies by its reciprocal, so its scales can
+    be one float32 ulp off and a few values in 10^4 one e4m3 step: equally valid pairs.)
 
     Args:
         x: (tokens, hidden) floating rows on this rank's device, hidden a multiple of 128.
