@@ -6,7 +6,10 @@ op on its fused plan and on its default plan, against torch.distributed + torch;
 + combine of random token counts per rank (0 included), hidden sizes, top-k, expert counts,
 modes, FP8 and in place, checked through experts that scale their rows, against torch; and
 ``ts.nn.ExpertParallelMoE`` (SwiGLU experts of random sizes, forward with and without
-autograd, FP8 dispatch) against every token through its experts in float32. Each case prints
+autograd, FP8 dispatch) against every token through its experts in float32; and
+``ts.nn.TensorParallelMLP`` (sequence parallel, random rows per rank and sizes: output and
+input gradient) and a ``ColumnParallelLinear`` with bias on a replicated input, against the
+whole layer in float32. Each case prints
 ``CASE-OK <n> <what>``; a mismatch raises on the rank that saw it (the job fails).
 
     tilescale run -n 2 --share-gpus tests/ranks/random_shapes.py --cases 12 --seed 1
@@ -136,8 +139,47 @@ def layer_case(n: int) -> None:
           f"{' fp8' if fp8 else ''}{' low-latency' if low_latency else ''}", flush=True)
 
 
+def tp_layer_case(n: int) -> None:
+    hidden, ffn = 8 * draw.randint(2, 32 * big), 8 * world * draw.randint(1, 16 * big)
+    rows = draw.randint(1, 40 * big)  # this rank's rows; the same count on every rank
+    params = torch.Generator(device=ts.device()).manual_seed(args.seed * 100 + 50 + n)  # the same on every rank
+    up = torch.randn(ffn, hidden, generator=params) / hidden ** 0.5
+    down = torch.randn(hidden, ffn, generator=params) / ffn ** 0.5
+    bias = torch.randn(ffn, generator=params)
+    mlp = ts.nn.TensorParallelMLP(hidden, ffn, up=up.to(torch.bfloat16), down=down.to(torch.bfloat16))
+    x = torch.randn(rows, hidden, generator=data).to(torch.bfloat16)
+    dy = torch.randn(rows, hidden, generator=data).to(torch.bfloat16)
+    everyone, grads = torch.empty(world * rows, hidden, dtype=x.dtype), torch.empty(world * rows, hidden, dtype=x.dtype)
+    dist.all_gather_into_tensor(everyone, x)
+    dist.all_gather_into_tensor(grads, dy)
+    full = everyone.float().requires_grad_()
+    want = torch.nn.functional.gelu(full @ up.to(full).T) @ down.to(full).T
+    (want * grads.float()).sum().backward()
+    mine = slice(rank * rows, (rank + 1) * rows)
+
+    def close(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        error = float((got.float() - ref).norm() / ref.norm())
+        assert error < 0.03, f"rank {rank}: tp layer case {n} {what}: relative error {error:.3f}"
+
+    with torch.no_grad():
+        close("MLP inference", mlp(x), want.detach()[mine])
+    xg = x.clone().requires_grad_()
+    y = mlp(xg)
+    close("MLP forward", y, want.detach()[mine])
+    (y.float() * dy.float()).sum().backward()
+    close("MLP dx", xg.grad, full.grad[mine])
+    # Column parallel on a replicated input (sequence_parallel=False), with a bias: this rank's columns.
+    column = ts.nn.ColumnParallelLinear(hidden, ffn, weight=up.to(torch.bfloat16), bias=bias.to(torch.bfloat16),
+                                        sequence_parallel=False)
+    cols = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    with torch.no_grad():
+        close("column", column(x), (x.float() @ up.to(full).T + bias.to(full))[:, cols])
+    print(f"CASE-OK {n} tp-layer rows={rows} hidden={hidden} ffn={ffn}", flush=True)
+
+
 for n in range(args.cases):
     tp_case(n)
     moe_case(n)
     layer_case(n)
+    tp_layer_case(n)
 ts.finalize()

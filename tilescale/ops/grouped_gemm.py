@@ -247,7 +247,9 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
 
     Args:
         x: (rows, K) rows in ``w``'s dtype, or FP8 values (``torch.float8_e4m3fn``, e.g. an
-            FP8 dispatch's) with their ``scales``: dequantised as the GEMM loads them.
+            FP8 dispatch's) with their ``scales``: dequantised as the GEMM loads them (grouped
+            rows of an FP8 dispatch or ``quantize_fp8`` with K a multiple of 512 by TMA, see
+            :func:`tma_rows`; others by ``cp.async``).
         w: (experts, N, K) expert weights.
         row_expert: (rows,) expert of each output row.
         scales: (rows of x, K // 128) float32 scales of FP8 ``x`` (``ts.ops.moe.quantize_fp8``).
