@@ -22,7 +22,7 @@ from tilescale.jit import jit
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
 from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile, store_tile
 from tilescale.ops.moe.buffer import check_in_place_rows
-from tilescale.ops.moe.fp8 import BLOCK, pack, packed_width
+from tilescale.ops.moe.fp8 import BLOCK, kernel_views, pack, packed_width
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.tp_gemm.plan import choose_tile
 
@@ -107,7 +107,6 @@ def grouped_fp8_gemm_kernel(experts: int, rows: int, K: int, N: int, dtype: str,
                 store_tile(acc, out, by * bm, bx * bn, dtype, cfg)
 
     return main
-
 
 
 # A gathered A tile is no TMA box: both operands' tiles are loaded by every thread with
@@ -310,16 +309,13 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
             kernel = grouped_fp8_gemm_kernel(experts, rows, k, n, tl_dtype(w), cfg)
 
             def rows_of(x: torch.Tensor, scales: torch.Tensor, index: None) -> tuple:
-                packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
-                return packed.view(torch.float8_e4m3fn), packed.view(torch.float32)
+                return kernel_views(pack((x, scales)))  # a dispatch's FP8 rows: its own bytes, no copy
         else:
             identity = _identity_index(rows, w.device) if index is None else None  # one or none in all calls
             kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
 
             def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
-                packed = pack((x, scales))  # a dispatch's FP8 rows: its own bytes, no copy
-                gathered = identity if index is None else index
-                return packed.view(torch.float8_e4m3fn), packed.view(torch.float32), gathered
+                return *kernel_views(pack((x, scales))), identity if index is None else index
     elif index is None:
         check_input(x, "x")
         kernel = grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)

@@ -104,7 +104,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x, "x")
     rows = torch.empty(tokens, packed_width(hidden), dtype=torch.uint8, device=x.device)
     if tokens:
-        quantize_fp8_kernel(hidden, tl_dtype(x))(x, rows.view(torch.float8_e4m3fn), rows.view(torch.float32))
+        quantize_fp8_kernel(hidden, tl_dtype(x))(x, *kernel_views(rows))
     return unpack(rows, hidden)
 
 
@@ -149,6 +149,19 @@ def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             and values.untyped_storage().data_ptr() == scales.untyped_storage().data_ptr()):
         return values.view(torch.uint8).as_strided((n, width), (width, 1))
     return torch.cat([values.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+
+
+def kernel_views(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed byte rows as the FP8 kernels take them: the same bytes as e4m3 values and as
+    float32 words (no copy; the scales are the words past ``hidden // 4``).
+
+    Args:
+        rows: (rows, packed_width(hidden)) uint8 rows (:func:`pack`).
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: (rows, width) ``float8_e4m3fn`` and (rows, width // 4) float32 views.
+    """
+    return rows.view(torch.float8_e4m3fn), rows.view(torch.float32)
 
 
 def packed_width(hidden: int) -> int:
