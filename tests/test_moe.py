@@ -232,6 +232,57 @@ def test_grouped_layout_entry_by_entry(n, tmp_path):
     assert proc.stdout.count("no error") == n - 1
 
 
+def test_dispatch_plan_shares_sms_by_row_size():
+    # Up to three blocks per SM while their tiles of four rows fit 120 KB: bf16 rows of 7168
+    # (57 KB a tile) two, packed FP8 rows of 7168 and bf16 rows of 4096 three, bf16 rows of
+    # 16384 (128 KB) one; low-latency groups are single rows, but blocks follow the same rule.
+    assert [moe.dispatch.blocks_per_sm(b) for b in (2 * 7168, moe.fp8.packed_width(7168), 2 * 4096, 2 * 16384)] \
+        == [2, 3, 3, 1]
+    assert moe.dispatch_plan(8, 4096, 132, False, 2 * 7168) == (256, 16, 4, 4)  # 16 tokens a block, 4 groups of 4
+    assert moe.dispatch_plan(8, 4096, 132, False, 2 * 16384) == (128, 32, 4, 8)  # one block per SM
+    assert moe.dispatch_plan(2, 128, 132, True, 2 * 7168) == (128, 1, 1, 1)  # a decode batch: a block per token
+    assert moe.dispatch_plan(8, 1, 132, False, 2 * 7168)[0] == 8  # never fewer blocks than ranks
+
+
+WIDER_ROWS = textwrap.dedent("""
+    import torch
+    import tilescale as ts
+    from tilescale.ops.moe.dispatch import blocks_per_sm
+    ts.init()
+    rank = ts.rank()
+    # bf16 rows of 4096 get three blocks per SM, float32 rows of 4096 one: a re-dispatch of
+    # the float32 rows through the bf16 buffer runs another plan, with flags of its own.
+    assert blocks_per_sm(2 * 4096) == 3 and blocks_per_sm(4 * 4096) == 1
+    buf = ts.ops.moe.Buffer(None, max_tokens=16, hidden=4096, topk=2, num_experts=4)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        tokens = 16 - 5 * rank - step
+        x = torch.randn(tokens, 4096, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, 4, (tokens, 2), generator=g)
+        idx[:, 1] = (idx[:, 0] + 1) % 4
+        w = torch.rand(tokens, 2, generator=g)
+        recv_x, recv_w, counts, h = buf.dispatch(x, idx, w)
+        wide = buf.redispatch(x.float() * 3, h)
+        held = h.source_row >= 0
+        torch.testing.assert_close(wide[held], recv_x[held].float() * 3, rtol=0, atol=0)
+        y = buf.combine(recv_x, recv_w, h)
+        torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    print(f"rank {rank}: plans {sorted(k[1] for k in buf._flags)} WIDER-OK", flush=True)
+    buf.release()
+    ts.finalize()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_redispatch_of_wider_rows_runs_its_own_plan(tmp_path):
+    program = tmp_path / "wider_rows.py"
+    program.write_text(WIDER_ROWS)
+    proc = run_cpu(str(program), 2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # The CPU path has 4 "SMs": 16 slots in 8 blocks of 2 (bf16) and in 4 blocks of 4 (float32).
+    assert proc.stdout.count("plans [4, 8, 8] WIDER-OK") == 2, proc.stdout[-2000:]
+
+
 # DeepEP's normal size on 8 ranks: 4096 tokens, hidden 7168, top-8 of 256 experts (32 per rank).
 W, TOKENS, HIDDEN, TOPK, PER_RANK = 8, 4096, 7168, 8, 32
 ROWS = 266240  # grouped_rows(4096, 8, 32) with 8 ranks: 8 * 4096 * 8 hits + 32 * 127 padding, in tiles
@@ -279,6 +330,8 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, tm
         # Rows are stored by TMA: into the grouped rows, or in place (no grouped row written)
         # only this rank's own rows, into its own receive rows.
         assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place
+        # Registers for every block of the plan to be resident together (two per SM for these rows).
+        assert "__launch_bounds__(128, 2)" in src and moe.dispatch.blocks_per_sm(2 * HIDDEN) == 2
     if name == "combine":
         # Four expert rows loaded (56 bf16 a thread each) before their sum, two blocks per SM:
         # one row at a time kept too few bytes in flight (1.64x the HBM floor on one H100; now 1.19x).

@@ -14,6 +14,7 @@ whole layer in float32. Each case prints
 
     tilescale run -n 2 --share-gpus tests/ranks/random_shapes.py --cases 12 --seed 1
     tilescale run -n 2 --cpu tests/ranks/random_shapes.py --cases 4 --small
+    tilescale run -n 4 --share-gpus tests/ranks/random_shapes.py --kinds moe,layer   # the MoE cases only
 """
 
 import argparse
@@ -28,6 +29,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--cases", type=int, default=8, help="cases of each kind (TP, MoE)")
 parser.add_argument("--small", action="store_true", help="sizes the CPU path runs in seconds")
+parser.add_argument("--kinds", default="tp,moe,layer,tp-layer", help="which kinds of case to run, in this order")
 args = parser.parse_args()
 
 ts.init()
@@ -177,9 +179,9 @@ def tp_layer_case(n: int) -> None:
     print(f"CASE-OK {n} tp-layer rows={rows} hidden={hidden} ffn={ffn}", flush=True)
 
 
+KINDS = {"tp": tp_case, "moe": moe_case, "layer": layer_case, "tp-layer": tp_layer_case}
+cases = [KINDS[kind] for kind in args.kinds.split(",")]
 for n in range(args.cases):
-    tp_case(n)
-    moe_case(n)
-    layer_case(n)
-    tp_layer_case(n)
+    for case in cases:
+        case(n)
 ts.finalize()

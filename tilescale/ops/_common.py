@@ -102,6 +102,22 @@ def poison_value(dtype: str) -> tirx.PrimExpr:
     return tirx.min_value(dtype) if dtype.startswith(("int", "uint")) else tirx.const(float("nan"), dtype)
 
 
+def element_bytes(like: torch.Tensor | str) -> int:
+    """Bytes of one element of a tensor, or of a TileLang dtype.
+
+    Example::
+
+        element_bytes("bfloat16")    # 2
+
+    Args:
+        like: A tensor or a TileLang dtype string.
+
+    Returns:
+        int: The element size in bytes.
+    """
+    return like.element_size() if isinstance(like, torch.Tensor) else tvm.DataType(like).bits // 8
+
+
 def vector_width(numel: int, like: torch.Tensor | str) -> int:
     """Elements per 16-byte vector that evenly divide ``numel``: the kernels' sizes are
     ``vectors * width``, so TileLang can prove 16-byte accesses aligned and in bounds.
@@ -119,8 +135,7 @@ def vector_width(numel: int, like: torch.Tensor | str) -> int:
     Returns:
         int: A power of two, at most ``16 // element_size``, dividing ``numel`` (1 at worst).
     """
-    size = like.element_size() if isinstance(like, torch.Tensor) else tvm.DataType(like).bits // 8
-    width = max(1, 16 // size)
+    width = max(1, 16 // element_bytes(like))
     while numel % width:
         width //= 2
     return width

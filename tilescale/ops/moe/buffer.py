@@ -155,11 +155,10 @@ class Buffer:
         self._counts = allocate(state, (sets, world), torch.int32)
         self._expert_counts = allocate(state, (sets, world, self.per_rank), torch.int32)
         self._arrived = allocate(state, (world,), torch.int32)
-        self._flags = {}  # per mode: (ranges, progress), the plan's shape
+        self._flags = {}  # (ranges, progress) by mode and the plan's (blocks, groups): _flags_of
+        row_bytes = packed_width(hidden) if self.fp8 else hidden * dtype.itemsize
         for low_latency in (False, True):
-            blocks, _, _, groups = dispatch_plan(world, max_tokens, self.sms, low_latency)
-            self._flags[low_latency] = (allocate(state, (sets, world, blocks, groups, 2), torch.int32),
-                                        allocate(state, (sets, world, blocks), torch.int32))
+            self._flags_of(low_latency, row_bytes)
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
         self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
@@ -225,6 +224,19 @@ class Buffer:
             self._drop()
         if self.released:
             raise RuntimeError(f"{self!r} is released: construct a new one")
+
+    def _flags_of(self, low_latency: bool, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``ranges`` and ``progress`` flags of dispatches of rows of ``row_bytes`` in a mode:
+        their shape is the plan's (blocks and groups: ``dispatch_plan``), so rows of another size
+        (a re-dispatch) may get their own, at first use."""
+        blocks, _, _, groups = dispatch_plan(self.world, self.max_tokens, self.sms, low_latency, row_bytes)
+        key = (low_latency, blocks, groups)
+        if key not in self._flags:
+            runtime.check_not_capturing(f"the MoE buffer's flags of {blocks} blocks")
+            sets, world = self.sets, self.world
+            self._flags[key] = (allocate(self.state, (sets, world, blocks, groups, 2), torch.int32),
+                                allocate(self.state, (sets, world, blocks), torch.int32))
+        return self._flags[key]
 
     def _received(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """Receive rows of a dispatch of ``hidden`` x ``dtype``, in the buffer's sets (alternate
@@ -331,7 +343,7 @@ class Buffer:
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, flags=self._flags[low_latency],
+                received=received, flags=self._flags_of(low_latency, hidden * x.element_size()),
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
         return plan
 

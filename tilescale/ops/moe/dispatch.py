@@ -5,9 +5,10 @@ d first sends rank d this rank's row count and per-expert entry counts, and rais
 ``arrived`` flag. Then each block walks its own range of tokens in groups of a few:
 
 * each token of the group that goes to a peer is put there (row, expert ids, weights,
-  expert slots) at its slot; the group's slot range then goes to the peer, and the peer's
-  ``progress`` flag of this block is raised past the group (peers interleaved, so no rank
-  receives from all the others at once);
+  expert slots) at its slot, and the group's slot range after its rows (peers interleaved,
+  so no rank receives from all the others at once); once the group is out to every peer,
+  each peer's ``progress`` flag of this block is raised past the group (one wait for the
+  block's stores to land, not one per peer);
 * once every source's counts are in (first group only), the grouped layout is known
   (``layout.py``);
 * this rank's own tokens go straight from ``x`` to their grouped rows (no receive buffer),
@@ -42,32 +43,56 @@ from dataclasses import dataclass
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._common import vector_width
+from tilescale.ops._common import element_bytes, vector_width
 from tilescale.ops.moe.layout import Layout, Segments, _rank, finish, place, segments
 
 # Tokens a dispatch block reads at once and sends to a peer between two announcements (each
 # a fence and a flag): more rows in flight and fewer fences, against the receiver waiting
 # longer for the first rows.
 GROUP_ROWS = 4
+# Dispatch blocks resident per SM, at most. A block waits in turn for its loads, for the fence
+# that lands its stores at the peers before it announces them, and for the peers' groups;
+# blocks sharing an SM fill each other's waits. Measured on 2x H200, 2 ranks, 4096 tokens,
+# replayed, one block per SM against two / three: bf16 rows of 7168 361 -> 306 / 338 us, FP8
+# rows of 7168 282 -> 222 / 204 us, bf16 rows of 4096 223 -> 177 / 175 us.
+BLOCKS_PER_SM = 3
+# Shared memory the row tiles of one SM's blocks may take together: three blocks of bf16 rows
+# of 7168 (57 KB each) were slower than two, above; so are any blocks past this budget.
+ROW_TILES_PER_SM = 120 << 10
 
 
-def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool) -> tuple[int, int, int, int]:
+def blocks_per_sm(row_bytes: int) -> int:
+    """Dispatch blocks per SM for rows of ``row_bytes`` bytes: ``BLOCKS_PER_SM`` at most,
+    while their tiles of ``GROUP_ROWS`` rows fit ``ROW_TILES_PER_SM`` (at least one).
+
+    Args:
+        row_bytes: Bytes of one row as the kernel moves it (hidden x element size; packed FP8 rows' bytes).
+
+    Returns:
+        int: 1 to ``BLOCKS_PER_SM``.
+    """
+    return max(1, min(BLOCKS_PER_SM, ROW_TILES_PER_SM // (GROUP_ROWS * row_bytes)))
+
+
+def dispatch_plan(world: int, tokens: int, sms: int, low_latency: bool, row_bytes: int) -> tuple[int, int, int, int]:
     """``(blocks, chunk, group, groups)`` of the dispatch kernel: block b sends tokens ``b *
     chunk .. (b + 1) * chunk - 1``, ``groups`` groups of ``group``, and announces each group to
-    each peer (groups of one in low-latency mode: each row as soon as it is out). One block per
-    SM at most (a closing barrier, with one set of buffers, needs every block resident), and no fewer blocks than
-    ranks (block d sends rank d the counts).
+    each peer (groups of one in low-latency mode: each row as soon as it is out). At most
+    :func:`blocks_per_sm` blocks per SM, all resident together (a closing barrier, with one set
+    of buffers, needs every block resident), and no fewer blocks than ranks (block d sends
+    rank d the counts).
 
     Args:
         world: Ranks of the group.
         tokens: Token slots per source (the capacity), at least 1.
         sms: SMs of the GPU.
         low_latency: Announce every row on its own.
+        row_bytes: Bytes of one row (:func:`blocks_per_sm`).
 
     Returns:
         tuple[int, int, int, int]: ``(blocks, chunk, group, groups)`` as above.
     """
-    chunk = -(-tokens // min(tokens, sms))
+    chunk = -(-tokens // min(tokens, sms * blocks_per_sm(row_bytes)))
     group = 1 if low_latency else min(GROUP_ROWS, chunk)
     return max(-(-tokens // chunk), world), chunk, group, -(-chunk // group)
 
@@ -138,7 +163,8 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
     if sets not in (1, 2) or (in_place and sets != 2):
         raise ValueError(f"dispatch_kernel: 1 or 2 sets of receive rows, 2 in place; got {sets}")
     held = max(tokens, 1)
-    blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency)
+    row_bytes = hidden * element_bytes(dtype)
+    blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency, row_bytes)
     received = world * capacity
 
     @T.prim_func
@@ -161,6 +187,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
              row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((1 if in_place else rows, hidden), dtype),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
+            T.annotate_min_blocks_per_sm(blocks_per_sm(row_bytes))  # registers for every block to be resident
             with T.Scale("device") as (rank, _):  # world: the kernel factory's
                 call = T.alloc_local((2,), "int32")
                 T.count_call(sends, 1, call)  # call[0]: this call's number, 1, 2, ...
@@ -195,6 +222,10 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                         for j in T.serial(world - 1):
                             _put_group(tile, slot, span, recv, b * chunk + g * group,
                                        _group_tokens(b, g, chunk, group, tokens), _peer(b, j, world), b, g, held)
+                        # Announced once every peer's rows are out: the first signal waits for all
+                        # of the block's stores to land, the others find nothing left to wait for.
+                        for j in T.serial(world - 1):
+                            T.signal(recv.progress[recv.set, rank, b], g + 1, pe=_peer(b, j, world))
                     if g == 0:
                         for src in T.serial(world):  # "ge": a peer may be a call ahead (module notes)
                             T.wait(arrived[src], "ge", call[0], agree=(board, ident))
@@ -248,9 +279,9 @@ def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
 def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
     """The group's tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row,
     expert ids, weights, expert slots, at their slots there), then the group's slot range into
-    ``ranges[set, rank, b, g]`` there and its progress flag raised to g + 1 (also for a group with
-    no token: the receiver waits for every group of the plan). ``tokens``: rows of ``slot``
-    per destination."""
+    ``ranges[set, rank, b, g]`` there; the caller then raises the peer's progress flag of this
+    block to g + 1 (also for a group with no token: the receiver waits for every group of the
+    plan). ``tokens``: rows of ``slot`` per destination."""
     hidden, topk = tile.rows.shape[1], tile.ids.shape[1]
     first, sent = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")  # per thread: no race
     first[0] = 0
@@ -271,7 +302,6 @@ def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
     span[0] = first[0]
     span[1] = sent[0]
     T.copy(span, recv.ranges[recv.set, _rank(), b, g, 0:2], dst_pe=d)
-    T.signal(recv.progress[recv.set, _rank(), b], g + 1, pe=d)
 
 
 @T.macro
