@@ -49,11 +49,41 @@ def _ipc_handle(local: torch.Tensor) -> list:
 
 def _open_ipc_handle(fields: list) -> torch.Tensor:
     device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+    _enable_peer_access(device)
     storage = torch.UntypedStorage._new_shared_cuda(
         device, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
         bytes.fromhex(event_handle) if event_handle else event_handle, event_sync,
     )  # fmt: skip
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
+
+
+def _enable_peer_access(device: int) -> None:
+    """Let kernels on this process's current GPU reach memory on GPU ``device`` (``cuCtxEnablePeerAccess``).
+
+    Torch opens a legacy IPC handle in the context of the GPU the memory lives on, which
+    grants that GPU's context the mapping but not this GPU's: with ranks sharing several GPUs
+    (two ranks on each of two GPUs, say) a kernel here storing to a peer on the other GPU
+    faulted. Enabling access twice is harmless (``CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED``).
+
+    Args:
+        device: The GPU (this process's index) whose memory kernels here must reach.
+    """
+    me = torch.cuda.current_device()
+    if device == me:
+        return
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    torch.cuda.synchronize(me)  # the runtime has made this GPU's primary context current on this thread
+    err = lib.cuDeviceGet(ctypes.byref(dev), device) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    err = err or lib.cuCtxEnablePeerAccess(ctx, 0)
+    if err not in (0, _PEER_ACCESS_ALREADY_ENABLED):
+        raise RuntimeError(f"GPU {me} cannot map GPU {device}'s memory for its kernels: peer access "
+                           f"failed with CUresult {err}")
+
+
+_PEER_ACCESS_ALREADY_ENABLED = 704  # CUresult
 
 
 class CudaIpcBackend(CommBackend):

@@ -4,6 +4,7 @@ With one GPU the two ranks share it (``tilescale run --share-gpus``): the GPU ru
 kernels by turns, which checks every cross-rank protocol for correctness, not speed.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a GPU
 
 
 def run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
     proc = subprocess.run(
         [sys.executable, "-m", "tilescale.launch", "run", "-n", "2", *SHARE_GPUS, *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
@@ -77,6 +76,19 @@ def test_ops_at_random_shapes_match_torch_on_gpus():
     proc = run(str(RANKS / "random_shapes.py"), "--cases", "4", "--seed", "1", timeout=550)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("CASE-OK") == 4 * 4 * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason="ranks sharing several GPUs: needs two")
+def test_ranks_sharing_two_gpus_reach_peers_on_both():
+    # Two ranks on each of two GPUs: every rank has a peer on its own GPU and two on the
+    # other. Before cuda_ipc enabled peer access for the copies it opens, stores to the other
+    # GPU's ranks faulted (an illegal address at random_shapes.py's first TP GEMM, 2026-11-27).
+    proc = subprocess.run([sys.executable, "-m", "tilescale.launch", "run", "-n", "4", "--share-gpus",
+                           str(RANKS / "put_every_peer.py")], capture_output=True, text=True, timeout=280, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("PUT-OK") == 4
 
 
 @pytest.mark.timeout(600)
