@@ -69,6 +69,10 @@ def test_reused_outputs_keep_no_large_sets():
     small = ReusedOutputs(lambda: torch.empty(n, dtype=torch.int32).split([n - 2, 2]))
     refs = [weakref.ref(out.take()[0]) for out in (large, small)]
     assert refs[0]() is None and refs[1]() is not None  # dropped: only the small set is kept
+    # An owner that bounds the memory itself (a MoE buffer's one set of dispatch outputs) keeps any size.
+    bounded = ReusedOutputs(lambda: torch.empty(n + 2, dtype=torch.int32).split([n, 2]), keep_bytes=None)
+    ids = [id(t) for t in bounded.take()]
+    assert [id(t) for t in bounded.take()] == ids
 
 
 @pytest.mark.parametrize("hold", ["tensor", "slice", "list", "dlpack", "autograd", "numpy"])

@@ -120,19 +120,21 @@ class ReusedOutputs:
     reference does not hold (it finds the tensor alive, with a later call's values). Tensors go
     back only to a call on the stream they were made on (as the caching allocator hands memory
     back), and never into a CUDA graph capture: a capture's outputs belong to the graph's pool,
-    are made afresh and are not kept. Sets over ``KEEP_BYTES`` are not kept either: the calls
-    that make them are large enough for an allocation not to matter, and memory kept per shape
-    would add up over a run's many shapes.
+    are made afresh and are not kept. Sets over ``keep_bytes`` are not kept either: memory kept
+    per shape would add up over a run's many shapes, where each shape has its own outputs.
 
     Args:
         make: Makes the outputs: tensors that are views of one allocation.
+        keep_bytes: The largest set kept (``KEEP_BYTES``); None: any, for outputs whose memory
+            their owner bounds (one set per buffer, say, not per shape).
     """
 
     KEPT = 2
     KEEP_BYTES = 1 << 20
 
-    def __init__(self, make: Callable[[], Sequence[torch.Tensor]]):
+    def __init__(self, make: Callable[[], Sequence[torch.Tensor]], keep_bytes: int | None = KEEP_BYTES):
         self._make = make
+        self._keep_bytes = keep_bytes
         # Sets made outside a capture, newest last: (tensors, their storage, stream, holders as made).
         self._kept: list[tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...]]] = []
 
@@ -149,7 +151,8 @@ class ReusedOutputs:
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())
-        if _capturing(tensors[0]) or tensors[0].untyped_storage().nbytes() > self.KEEP_BYTES:
+        too_large = self._keep_bytes is not None and tensors[0].untyped_storage().nbytes() > self._keep_bytes
+        if _capturing(tensors[0]) or too_large:
             return list(tensors)
         storage = tensors[0].untyped_storage()._cdata  # the address only: a storage object would count as a holder
         self._kept = [*self._kept[1 - self.KEPT:], (tensors, storage, _stream(tensors[0]), _holders(tensors, storage))]

@@ -38,7 +38,6 @@ from tilescale.plans import ReusedOutputs
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
-_SEND_WORDS = 7  # the dispatch kernel's outputs, last in a plan's words (_SendPlan.words)
 # int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
 # vector accesses may assume their tensors start aligned, as torch's allocations do.
 _ALIGN = 64
@@ -50,12 +49,10 @@ class _SendPlan:
 
     route: DistributedKernel | None  # the routing kernel (None for no tokens, or along known routes)
     send: DistributedKernel  # the dispatch kernel
-    # Every small output of a call, views of one int32 allocation: the routing kernel's (dest,
-    # slot, send_counts, expert_slot, expert_counts, bad, ids, chunk counts; only where it runs),
-    # then the dispatch kernel's (counts, offsets, received_counts, position, source_row,
-    # row_expert, and the grouped rows' float32 weights). A call whose previous outputs are all
-    # dropped gets them back (no allocation, no views made).
-    words: ReusedOutputs
+    # The routing kernel's outputs (dest, slot, send_counts, expert_slot, expert_counts, bad,
+    # ids, chunk counts), views of one int32 allocation; None where it does not run. A call
+    # whose previous outputs are all dropped gets them back (no allocation, no views made).
+    routed: ReusedOutputs | None
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
@@ -172,6 +169,13 @@ class Buffer:
         self._sends = torch.zeros(3, dtype=torch.int32, device=device)  # the dispatch's T.count_call state
         self._calls = 0  # dispatch kernels issued (the host's count; in-place rows are valid until the next)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
+        # The dispatch kernel's small outputs (counts, offsets, received_counts, position,
+        # source_row, row_expert, the grouped rows' float32 weights): their sizes are the
+        # buffer's, whatever a call's token count, so one set serves every call through it and
+        # is kept whatever its size (a large normal-mode dispatch's: allocating and viewing
+        # them took half of its host time).
+        self._sent = _words(device, ((self.per_rank,), (self.per_rank,), (world,), (world * max_tokens, topk),
+                                     (self.rows,), (self.rows,), (self.rows,)), floats_last=True, keep_bytes=None)
         self._key = ("moe buffer", next(_serial))
         state.exchange(self._key, lambda: self)  # the group's release (ts.finalize) releases it
         self.released = False
@@ -299,12 +303,11 @@ class Buffer:
         sent = pack(x) if self.fp8 else x
         ids = expert_ids(topk_idx, self.num_experts)
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
-        words = plan.words.take()
         capturing = _capturing(values)
-        routes = self._route(ids, tokens, plan, words[:-_SEND_WORDS], topk_idx if not capturing else None)
+        routes = self._route(ids, tokens, plan, topk_idx if not capturing else None)
         idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(sent, 0), idx, weights, routes, plan, words[-_SEND_WORDS:])
+            _padded(sent, 0), idx, weights, routes, plan)
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
@@ -334,11 +337,9 @@ class Buffer:
                 send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
                                      group=self.group),
-                words=_words(x.device,
-                             ((world * held,), (world * held,), (world,), (held, topk), (self.num_experts,), (1,),
-                              (held, topk), chunk_counts_shape(world, held, self.num_experts)) if routed else (),
-                             ((self.per_rank,), (self.per_rank,), (world,), (world * self.max_tokens, topk), (rows,),
-                              (rows,), (rows,))),
+                routed=_words(x.device, ((world * held,), (world * held,), (world,), (held, topk), (self.num_experts,),
+                                         (1,), (held, topk), chunk_counts_shape(world, held, self.num_experts)))
+                if routed else None,
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
@@ -347,10 +348,10 @@ class Buffer:
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
         return plan
 
-    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan, words: list[torch.Tensor],
+    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan,
                watched: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends) in ``words``;
-        for no tokens, those of one token routed nowhere. ``watched``: the ids as the caller
+        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends), in the plan's
+        ``routed`` words; for no tokens, those of one token routed nowhere. ``watched``: the ids as the caller
         passed them, whose check :func:`raise_bad_ids` reports (None: not checked, in a graph)."""
         i32 = dict(dtype=torch.int32, device=idx.device)
         world, topk = self.world, self.topk
@@ -363,7 +364,7 @@ class Buffer:
         # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
         # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
         # The kernel writes every element of these (no fill needed): one allocation, viewed.
-        dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = words
+        dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = plan.routed.take()
         # The check is read at the end of this call or a later one: it is queued behind the exchange.
         watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
         plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts, watch)
@@ -371,10 +372,9 @@ class Buffer:
                 "expert_counts": expert_counts, "bad": bad, "ids": ids}
 
     def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
-              plan: _SendPlan, words: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+              plan: _SendPlan) -> tuple[torch.Tensor, ...]:
         """Every token to its destinations, and what this rank receives grouped by local expert,
-        from the routing kernel's outputs, into ``words`` (the dispatch kernel's part of the
-        plan's; None: new ones); no host round trip.
+        from the routing kernel's outputs; no host round trip.
 
         Returns ``recv_x`` (rows, hidden; in place the receive rows, (2 * world * max_tokens,
         hidden)), per grouped row its routing weight, ``row_expert`` and ``source_row``; per local
@@ -383,10 +383,8 @@ class Buffer:
         """
         rows, hidden = self.rows, x.shape[1]
         # The outputs are the caller's (a handle outlives the next call): new on every call
-        # (the small ones again the last call's where those were all dropped: _SendPlan.words).
-        if words is None:
-            words = plan.words.take()[-_SEND_WORDS:]
-        counts, offsets, received_counts, position, source_row, row_expert, weight = words
+        # (the small ones again an earlier call's where those were all dropped: self._sent).
+        counts, offsets, received_counts, position, source_row, row_expert, weight = self._sent.take()
         in_place = plan.unused_rows is not None
         recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
@@ -487,22 +485,22 @@ def check_in_place_rows(index: torch.Tensor) -> None:
                            "through the same buffer, or copy them (recv_x[handle.source_row]) first.")
 
 
-def _words(device: torch.device, routed: tuple[tuple[int, ...], ...], sent: tuple[tuple[int, ...], ...],
-           ) -> ReusedOutputs:
-    """A plan's small outputs: int32 tensors of the ``routed`` shapes, then of the ``sent`` ones
-    (the last float32), views of one allocation, each starting a multiple of ``_ALIGN`` words
-    into it (as aligned as an allocation of its own)."""
-    shapes = routed + sent
+def _words(device: torch.device, shapes: tuple[tuple[int, ...], ...], floats_last: bool = False,
+           keep_bytes: int | None = ReusedOutputs.KEEP_BYTES) -> ReusedOutputs:
+    """Small outputs of a kernel: int32 tensors of ``shapes`` (the last float32 with
+    ``floats_last``), views of one allocation, each starting a multiple of ``_ALIGN`` words
+    into it (as aligned as an allocation of its own); ``keep_bytes`` as ``ReusedOutputs``'s."""
     sizes = [math.prod(shape) for shape in shapes]
     chunks = [c for n in sizes for c in (n, -n % _ALIGN)]  # each tensor, then its padding
 
     def make() -> list[torch.Tensor]:
         flat = torch.empty(sum(chunks), dtype=torch.int32, device=device).split(chunks)[::2]
         views = [t.view(shape) for t, shape in zip(flat, shapes, strict=True)]
-        views[-1] = views[-1].view(torch.float32)  # the grouped rows' routing weights
+        if floats_last:
+            views[-1] = views[-1].view(torch.float32)
         return views
 
-    return ReusedOutputs(make)
+    return ReusedOutputs(make, keep_bytes)
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, fp8: bool = False) -> int:
