@@ -221,7 +221,7 @@ class Buffer:
         for key in [k for k, v in self.state.exchanges.items() if v is self]:  # its own key, and the ops' cache
             del self.state.exchanges[key]
         self._flags, self._rows_in, self._rows_back, self._plans, self._combines_by = {}, {}, {}, {}, {}
-        self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
+        self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = self._sent = None
 
     def _check_live(self) -> None:
         if not self.released and self.state.released:  # the group went first (ts.finalize)
