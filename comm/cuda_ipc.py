@@ -15,6 +15,8 @@ passed ``finalize``'s barrier.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
@@ -49,7 +51,7 @@ def _ipc_handle(local: torch.Tensor) -> list:
 
 def _open_ipc_handle(fields: list) -> torch.Tensor:
     device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
-    _enable_peer_access(device)
+    _enable_peer_access(torch.cuda.current_device(), device)
     storage = torch.UntypedStorage._new_shared_cuda(
         device, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
         bytes.fromhex(event_handle) if event_handle else event_handle, event_sync,
@@ -57,8 +59,10 @@ def _open_ipc_handle(fields: list) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
 
 
-def _enable_peer_access(device: int) -> None:
-    """Let kernels on this process's current GPU reach memory on GPU ``device`` (``cuCtxEnablePeerAccess``).
+@functools.cache  # once per pair of GPUs in a process
+def _enable_peer_access(me: int, device: int) -> None:
+    """Let kernels on GPU ``me``, this process's current one, reach memory on GPU ``device``
+    (``cuCtxEnablePeerAccess``).
 
     Torch opens a legacy IPC handle in the context of the GPU the memory lives on, which
     grants that GPU's context the mapping but not this GPU's: with ranks sharing several GPUs
@@ -66,9 +70,9 @@ def _enable_peer_access(device: int) -> None:
     faulted. Enabling access twice is harmless (``CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED``).
 
     Args:
+        me: This process's current GPU.
         device: The GPU (this process's index) whose memory kernels here must reach.
     """
-    me = torch.cuda.current_device()
     if device == me:
         return
     import ctypes

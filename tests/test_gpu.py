@@ -21,9 +21,10 @@ SHARE_GPUS = ["--share-gpus"] if GPUS == 1 else []
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a GPU")]
 
 
-def run(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 300, env: dict | None = None, ranks: int = 2,
+        share: list[str] = SHARE_GPUS) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "tilescale.launch", "run", "-n", "2", *SHARE_GPUS, *args],
+        [sys.executable, "-m", "tilescale.launch", "run", "-n", str(ranks), *share, *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
     )
     print(proc.stdout[-4000:], proc.stderr[-4000:])
@@ -84,9 +85,8 @@ def test_ranks_sharing_two_gpus_reach_peers_on_both():
     # Two ranks on each of two GPUs: every rank has a peer on its own GPU and two on the
     # other. Before cuda_ipc enabled peer access for the copies it opens, stores to the other
     # GPU's ranks faulted (an illegal address at random_shapes.py's first TP GEMM, 2026-11-27).
-    proc = subprocess.run([sys.executable, "-m", "tilescale.launch", "run", "-n", "4", "--share-gpus",
-                           str(RANKS / "put_every_peer.py")], capture_output=True, text=True, timeout=280, cwd=ROOT,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    proc = run(str(RANKS / "put_every_peer.py"), ranks=4, share=["--share-gpus"], timeout=280,
+               env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("PUT-OK") == 4
 

@@ -55,7 +55,7 @@ class _SendPlan:
     routed: ReusedOutputs | None
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
-    flags: tuple[torch.Tensor, torch.Tensor]  # the mode's (ranges, progress)
+    flags: tuple[torch.Tensor, torch.Tensor]  # the plan's (ranges, progress)
     unused_rows: torch.Tensor | None  # in place (else None): the kernel's grouped-rows argument, one row never written
 
 
@@ -153,9 +153,6 @@ class Buffer:
         self._expert_counts = allocate(state, (sets, world, self.per_rank), torch.int32)
         self._arrived = allocate(state, (world,), torch.int32)
         self._flags = {}  # (ranges, progress) by mode and the plan's (blocks, groups): _flags_of
-        row_bytes = packed_width(hidden) if self.fp8 else hidden * dtype.itemsize
-        for low_latency in (False, True):
-            self._flags_of(low_latency, row_bytes)
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
         self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
@@ -163,7 +160,9 @@ class Buffer:
         # combine's (kernel, return rows, signature) by (tokens, hidden, dtype)
         self._combines_by: dict[tuple, tuple] = {}
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
-        self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
+        received = self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
+        for low_latency in (False, True):
+            self._flags_of(low_latency, received)
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
         device = runtime.device()
         self._sends = torch.zeros(3, dtype=torch.int32, device=device)  # the dispatch's T.count_call state
@@ -229,10 +228,12 @@ class Buffer:
         if self.released:
             raise RuntimeError(f"{self!r} is released: construct a new one")
 
-    def _flags_of(self, low_latency: bool, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``ranges`` and ``progress`` flags of dispatches of rows of ``row_bytes`` in a mode:
-        their shape is the plan's (blocks and groups: ``dispatch_plan``), so rows of another size
-        (a re-dispatch) may get their own, at first use."""
+    def _flags_of(self, low_latency: bool, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``ranges`` and ``progress`` flags of dispatches in a mode into the receive rows
+        ``received`` (``_received``): their shape is the plan's (blocks and groups:
+        ``dispatch_plan``, by the rows' bytes), so rows of another size (a re-dispatch) may get
+        their own, at first use."""
+        row_bytes = received.shape[-1] * received.element_size()
         blocks, _, _, groups = dispatch_plan(self.world, self.max_tokens, self.sms, low_latency, row_bytes)
         key = (low_latency, blocks, groups)
         if key not in self._flags:
@@ -344,7 +345,7 @@ class Buffer:
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, flags=self._flags_of(low_latency, hidden * x.element_size()),
+                received=received, flags=self._flags_of(low_latency, received),
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
         return plan
 
