@@ -15,8 +15,6 @@ passed ``finalize``'s barrier.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
@@ -50,44 +48,22 @@ def _ipc_handle(local: torch.Tensor) -> list:
 
 
 def _open_ipc_handle(fields: list) -> torch.Tensor:
-    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
-    _enable_peer_access(torch.cuda.current_device(), device)
+    """A peer's copy, opened in this process's current GPU's context.
+
+    Torch would open it in the context of the GPU the memory is on (its ``device`` field),
+    which maps it for kernels on that GPU only: with ranks sharing several GPUs (two ranks on
+    each of two GPUs, say) a kernel here storing to a peer on the other GPU faulted. Opened
+    here, CUDA enables peer access to the owner's GPU as it maps the copy
+    (``cudaIpcMemLazyEnablePeerAccess``, as torch passes), and the tensor names this GPU,
+    whose kernels are the ones that reach it.
+    """
+    _, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+    me = torch.cuda.current_device()
     storage = torch.UntypedStorage._new_shared_cuda(
-        device, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
+        me, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
         bytes.fromhex(event_handle) if event_handle else event_handle, event_sync,
     )  # fmt: skip
-    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
-
-
-@functools.cache  # once per pair of GPUs in a process
-def _enable_peer_access(me: int, device: int) -> None:
-    """Let kernels on GPU ``me``, this process's current one, reach memory on GPU ``device``
-    (``cuCtxEnablePeerAccess``).
-
-    Torch opens a legacy IPC handle in the context of the GPU the memory lives on, which
-    grants that GPU's context the mapping but not this GPU's: with ranks sharing several GPUs
-    (two ranks on each of two GPUs, say) a kernel here storing to a peer on the other GPU
-    faulted. Enabling access twice is harmless (``CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED``).
-
-    Args:
-        me: This process's current GPU.
-        device: The GPU (this process's index) whose memory kernels here must reach.
-    """
-    if device == me:
-        return
-    import ctypes
-
-    lib = ctypes.CDLL("libcuda.so.1")
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    torch.cuda.synchronize(me)  # the runtime has made this GPU's primary context current on this thread
-    err = lib.cuDeviceGet(ctypes.byref(dev), device) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    err = err or lib.cuCtxEnablePeerAccess(ctx, 0)
-    if err not in (0, _PEER_ACCESS_ALREADY_ENABLED):
-        raise RuntimeError(f"GPU {me} cannot map GPU {device}'s memory for its kernels: peer access "
-                           f"failed with CUresult {err}")
-
-
-_PEER_ACCESS_ALREADY_ENABLED = 704  # CUresult
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", me)).set_(storage)
 
 
 class CudaIpcBackend(CommBackend):

@@ -83,8 +83,8 @@ def test_ops_at_random_shapes_match_torch_on_gpus():
 @pytest.mark.skipif(GPUS < 2, reason="ranks sharing several GPUs: needs two")
 def test_ranks_sharing_two_gpus_reach_peers_on_both():
     # Two ranks on each of two GPUs: every rank has a peer on its own GPU and two on the
-    # other. Before cuda_ipc enabled peer access for the copies it opens, stores to the other
-    # GPU's ranks faulted (an illegal address at random_shapes.py's first TP GEMM, 2026-11-27).
+    # other. While cuda_ipc let torch open peers' handles in the owner GPU's context, stores to
+    # the other GPU's ranks faulted (an illegal address, 2x H200, 2026-11-27).
     proc = run(str(RANKS / "put_every_peer.py"), ranks=4, share=["--share-gpus"], timeout=280,
                env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
