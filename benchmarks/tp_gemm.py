@@ -13,6 +13,13 @@ TP shape, against cuBLAS on the same operands: what the fused kernels cost befor
 (see :func:`floor`)::
 
     tilescale run -n 1 benchmarks/tp_gemm.py --floor
+
+``--predicted`` (two ranks) checks the 2-GPU prediction the floor gave (docs/performance-log.md,
+"Default plan and the 2-GPU prediction"): at each predicted shape, the op's default plan
+(``plan=None``), its fused plan and NCCL + cuBLAS, interleaved, beside the predicted speed-up
+(see :func:`measure_predicted`)::
+
+    tilescale run -n 2 benchmarks/tp_gemm.py --predicted
 """
 
 import argparse
@@ -26,7 +33,7 @@ from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
-from tilescale.ops.tp_gemm import choose_tile, reduce_grid
+from tilescale.ops.tp_gemm import COPY_ENGINE_MIN_BYTES, choose_tile, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
@@ -233,16 +240,70 @@ FLOOR_SHAPES = [
 # Goals of issue 22 (one-rank job, fused / cuBLAS).
 FLOOR_GOAL, FLOOR_GEOMEAN_GOAL, DECODE_GRAPH_GOAL, DECODE_EAGER_GOAL = 1.03, 1.01, 1.05, 1.10
 
+# The 2-GPU prediction from the one-H100 floor of 2026-11-24 (docs/performance-log.md, "Default
+# plan and the 2-GPU prediction"): per floor shape, the predicted fused and NCCL + cuBLAS times
+# (us) and the plan ``_choose`` defaults to. Decode all-reduces were predicted as graph replays.
+PREDICTED_TP2 = {
+    ("ag", (8192, 8192, 14336)): (2733, 2957, "fused"), ("ag", (4096, 8192, 14336)): (1390, 1501, "fused"),
+    ("ag", (1024, 8192, 14336)): (350, 379, "fused"), ("ag", (8192, 4096, 6144)): (646, 784, "fused"),
+    ("ag", (16384, 8192, 3584)): (1367, 1967, "fused"), ("ag", (3000, 8192, 7392)): (536, 644, "fused"),
+    ("ag", (2048, 7168, 9216)): (420, 481, "fused"), ("ag", (1500, 4096, 7168)): (157, 164, "fused"),
+    ("rs", (8192, 14336, 8192)): (2691, 3025, "fused"), ("rs", (4096, 14336, 8192)): (1468, 1616, "fused"),
+    ("rs", (1024, 14336, 8192)): (340, 378, "fused"), ("rs", (4096, 7168, 8192)): (734, 871, "fused"),
+    ("rs", (16384, 3696, 8192)): (1601, 2154, "fused"), ("rs", (3000, 4608, 7168)): (299, 378, "fused"),
+    ("rs", (2048, 7168, 4096)): (174, 216, "fused"), ("rs", (1000, 1792, 4096)): (92, 72, "unfused"),
+    ("ar", (128, 14336, 8192)): (116, 176, "fused"), ("ar", (1024, 14336, 8192)): (379, 414, "fused"),
+    ("ar", (256, 14336, 8192)): (144, 170, "fused"), ("ar", (128, 7392, 8192)): (65, 124, "fused"),
+    ("ar", (200, 2304, 7168)): (54, 91, "fused"), ("ar", (256, 11008, 4096)): (88, 126, "fused"),
+    ("ar", (256, 3584, 4096)): (60, 93, "fused"),
+}
+
+
+def measure_predicted(op: str, shape: tuple[int, int, int], iters: int) -> dict:
+    """The op at ``shape`` as a user calls it (``plan=None``: the default ``_choose`` picks),
+    its fused plan and NCCL + cuBLAS, checked against NCCL + cuBLAS, then timed taking turns
+    (CUDA events, median); decode all-reduces (M <= 256) also as CUDA-graph replays, as they
+    were predicted. Beside them, the prediction (``PREDICTED_TP2``; None for shapes it lacks)."""
+    m, k, n = shape
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank() + m)
+    rows = m // ts.world_size() if op == "ag" else m
+    a = torch.randn(rows, k, device=ts.device(), generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    _, unfused, fused = _plans(op, a, weight)
+    call = {"ag": ts.ops.all_gather_gemm, "rs": ts.ops.gemm_reduce_scatter, "ar": ts.ops.gemm_all_reduce}[op]
+    plans = {"nccl_cublas": unfused, "default": lambda: call(a, weight), "fused": fused}
+    if op == "ag":  # the copy-engine producer beside the default SM pushers
+        plans["fused_copy_engine"] = lambda: fused(producer="copy_engine")
+    expected = unfused().clone()
+    tol = max(tolerance(op, shape, None), tolerance(op, shape, choose_tile(m, n, split_k=op != "ag")))
+    row = {"op": op, "M": m, "K": k, "N": n, "checks": [
+        check_close(f"{op} {shape} {name}", fn(), expected, rtol=tol, atol=tol) for name, fn in plans.items()]}
+    timed = {"": plans}
+    if op == "ar" and m <= 256 and ts.device().type == "cuda":
+        timed["graph_"] = {name: graphed(fn) for name, fn in plans.items()}
+    for prefix, fns in timed.items():
+        for name, timing in time_interleaved(fns, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
+            row[f"{prefix}{name}_us"] = timing.median_ms * 1e3
+        row[f"{prefix}speedup"] = row[f"{prefix}nccl_cublas_us"] / row[f"{prefix}default_us"]
+    predicted = PREDICTED_TP2.get((op, shape))
+    if predicted is not None:
+        fused_us, nccl_us, default = predicted
+        basis = "graph_" if "graph_speedup" in row else ""
+        row.update(predicted_fused_us=fused_us, predicted_nccl_cublas_us=nccl_us, predicted_default=default,
+                   predicted_speedup=nccl_us / min(fused_us, nccl_us), measured_basis=basis or "eager",
+                   measured_speedup=row[f"{basis}speedup"])
+    return row
+
 
 def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig) -> dict:
     """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
     where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
     128x64 ``NARROW``), the default plan again with that fixed tile (``fixed_tile``)."""
     if op == "ag":
-        plans = {"fused_copy_engine": lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused",
-                                                                                producer="copy_engine", tile=tile),
-                 "fused_sm_pushers": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm")}
-        default = plans["fused_copy_engine"]
+        plans = {"fused_sm_pushers": lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused",
+                                                                               producer="sm", tile=tile),
+                 "fused_copy_engine": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine")}
+        default = plans["fused_sm_pushers"]
     else:
         op_fn = ts.ops.gemm_reduce_scatter if op == "rs" else ts.ops.gemm_all_reduce
         default = plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
@@ -287,6 +348,12 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
     return row
 
 
+def _tp2_producer(m: int, k: int) -> str:
+    """The floor's plan label of the producer ``all_gather_gemm`` takes by default at TP 2 (bf16,
+    eager) for the whole product's ``m`` rows: ``copy_engine`` or ``sm_pushers``."""
+    return "copy_engine" if m // 2 * k * 2 >= COPY_ENGINE_MIN_BYTES else "sm_pushers"
+
+
 def floor_summary(rows: list[dict]) -> dict:
     """Worst and geometric-mean fused/cuBLAS over the shapes with >= 1024 rows, per plan, and
     the decode all-reduces against their goals."""
@@ -300,8 +367,9 @@ def floor_summary(rows: list[dict]) -> dict:
             summary[plan] = {"shapes": len(ratios), "worst": worst[0], "worst_shape": worst[1],
                              "geomean": math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios)),
                              "over_goal": [s for x, s in ratios if x > FLOOR_GOAL]}
-    # The default plan of each op (the copy-engine producer for the all-gather).
-    default = [r.get("fused_copy_engine_vs_cublas", r.get("fused_vs_cublas")) for r in rows if r["M"] >= 1024]
+    # The default plan of each op (for the all-gather, the producer it takes at TP 2).
+    default = [r.get(f"fused_{_tp2_producer(r['M'], r['K'])}_vs_cublas", r.get("fused_vs_cublas"))
+               for r in rows if r["M"] >= 1024]
     if default:  # none where --shapes picks decode shapes only
         summary["default_plans"] = {"worst": max(default), "goal_worst": FLOOR_GOAL, "goal_geomean": FLOOR_GEOMEAN_GOAL,
                                     "geomean": math.exp(sum(map(math.log, default)) / len(default))}
@@ -377,6 +445,21 @@ def run_floor(args: argparse.Namespace) -> None:
     plot_floor(report)
 
 
+def run_predicted(args: argparse.Namespace) -> None:
+    shapes = [(op, s) for op, ss in SMALL.items() for s in ss] if args.small else list(PREDICTED_TP2)
+    shapes = [(op, s) for op, s in shapes if op in args.ops.split(",")]
+    columns = ["op", "M", "K", "N", "nccl_cublas_us", "default_us", "fused_us", "fused_copy_engine_us", "speedup",
+               "graph_nccl_cublas_us",
+               "graph_default_us", "graph_fused_us", "graph_speedup", "predicted_default", "predicted_speedup",
+               "measured_speedup"]
+    report = Report(f"tp-gemm-predicted-x{ts.world_size()}", columns=columns)
+    for op, shape in progress(shapes, "tp_gemm predicted", fmt=str):
+        report.add(measure_predicted(op, shape, args.iters))
+        report.save()  # after every shape: a job cut off at its time limit keeps what it measured
+    report.print_table()
+    report.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU path)")
@@ -389,10 +472,15 @@ def main() -> None:
     parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
     parser.add_argument("--shapes", default="", help="--floor: only these shapes (op:MxKxN,...)")
     parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
+    parser.add_argument("--predicted", action="store_true", help="two ranks: check the 2-GPU prediction per shape")
     args = parser.parse_args()
     ts.init()
     if args.floor:
         run_floor(args)
+        ts.finalize()
+        return
+    if args.predicted:
+        run_predicted(args)
         ts.finalize()
         return
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}

@@ -295,11 +295,25 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert tp_gemm._fused_wins(2 * 8192 * 8192 * 14336, [1792, 1792], 4096 * 8192 * 2)
     # AG 1024 rows: 4 x 56 tiles per kernel leave most of a wave idle twice; 8 MB gather is cheaper.
     assert not tp_gemm._fused_wins(2 * 1024 * 8192 * 14336, [224, 224], 512 * 8192 * 2)
-    # RS 1000 x 1792 x 4096 on 2 ranks: a 20 us GEMM; eager, the fused call's host time decides.
-    assert not tp_gemm._fused_wins(2 * 1000 * 1792 * 4096, [2 * 4 * 16], 1000 * 4096)
+    # RS 1000 x 1792 x 4096 on 2 ranks: a 20 us GEMM; eager, both plans' host time decides, and the
+    # fused plan's one kernel has less of it (73 us against 88-101 us on 2x H200, 2026-11-27).
+    assert tp_gemm._fused_wins(2 * 1000 * 1792 * 4096, [2 * 4 * 16], 1000 * 4096)
+    # A tiny eager GEMM, both plans at their host floors: the fused one's is lower.
+    assert plan.FUSED_HOST_US < plan.UNFUSED_HOST_US
 
 
 @pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),
                                                         (40, 1024, 20)])
 def test_copy_engine_chunks_are_about_8_mb_and_at_least_two(m_tiles, k, expected):
     assert tp_gemm.chunk_tiles(m_tiles, k, 128, 2) == expected
+
+
+def test_copy_engines_move_only_large_rows_of_eager_calls_with_mapped_peers():
+    # Measured at 2 ranks (2026-11-27): the copy engines lost below ~32 MB per rank, won above 64 MB.
+    big, small = tp_gemm.COPY_ENGINE_MIN_BYTES, tp_gemm.COPY_ENGINE_MIN_BYTES - 1
+    assert tp_gemm.default_producer(big, capturing=False, mapped=True) == "copy_engine"
+    assert tp_gemm.default_producer(4096 * 8192 * 2, capturing=False, mapped=True) == "copy_engine"  # 64 MiB
+    assert tp_gemm.default_producer(small, capturing=False, mapped=True) == "sm"
+    assert tp_gemm.default_producer(750 * 4096 * 2, capturing=False, mapped=True) == "sm"  # 6 MB: 1.6x slower by copy
+    assert tp_gemm.default_producer(big, capturing=True, mapped=True) == "sm"  # host-counted flags: not capturable
+    assert tp_gemm.default_producer(big, capturing=False, mapped=False) == "sm"  # NVSHMEM calls: no mapped peers

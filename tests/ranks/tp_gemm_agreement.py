@@ -38,7 +38,8 @@ def main() -> None:
     # K = 128 on the CPU path's 4 "SMs": the reduce-scatter splits K (its GEMM kernel, then the
     # reduction kernel), the all-reduce too, in its one kernel.
     ops = {
-        "all_gather_gemm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused"),  # copy engines
+        "all_gather_gemm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused",
+                                                            producer="copy_engine"),
         "all_gather_gemm_sm": lambda m: ts.ops.all_gather_gemm(torch.ones(m, k), w, plan="fused", producer="sm"),
         "gemm_reduce_scatter": lambda m: ts.ops.gemm_reduce_scatter(torch.ones(2 * m, k), w, plan="fused"),
         "gemm_reduce_scatter_split_k": lambda m: ts.ops.gemm_reduce_scatter(torch.ones(2 * m, 2 * k), w_long,

@@ -39,7 +39,7 @@ Modules: ``plan`` (fused or not, the tile by the wave model, the GEMM grid), ``k
 ``all_gather`` and ``reduce`` (the ops' host side).
 """
 
-from tilescale.ops.tp_gemm.all_gather import PRODUCERS, all_gather_gemm
+from tilescale.ops.tp_gemm.all_gather import COPY_ENGINE_MIN_BYTES, PRODUCERS, all_gather_gemm, default_producer
 from tilescale.ops.tp_gemm.kernels import (
     ag_own_gemm_kernel,
     ag_peer_gemm_kernel,
@@ -67,8 +67,8 @@ from tilescale.ops.tp_gemm.plan import (
 )
 from tilescale.ops.tp_gemm.reduce import gemm_all_reduce, gemm_reduce_scatter
 
-__all__ = ["FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS", "TILE_RATES", "GemmGrid", "_choose", "_fused_wins",
-           "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm", "all_reduce_gemm_kernel", "announce_kernel",
-           "choose_tile", "chunk_tiles", "gather_segments_kernel", "gemm_all_reduce", "gemm_push_kernel",
-           "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits", "kernel_tiles", "reduce_grid",
-           "sum_received_kernel", "useful_share", "wave_efficiency"]
+__all__ = ["COPY_ENGINE_MIN_BYTES", "FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS", "TILE_RATES", "GemmGrid", "_choose",
+           "_fused_wins", "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm", "all_reduce_gemm_kernel",
+           "announce_kernel", "choose_tile", "chunk_tiles", "default_producer", "gather_segments_kernel",
+           "gemm_all_reduce", "gemm_push_kernel", "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits",
+           "kernel_tiles", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]

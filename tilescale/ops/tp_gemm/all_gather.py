@@ -155,6 +155,34 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
 
 
 PRODUCERS = ("copy_engine", "sm")
+# Each rank's rows from which the copy engines move them by default (eager, peers mapped). At
+# 2 ranks (2026-11-27, producers interleaved in one run) the copy engines lost where rows were
+# few: 1.6x the SM pushers' time at 6 MB per rank, 1.10-1.12x at 8 MB on 2x H200 and 2x H100,
+# 1.02-1.03x at 15 MB; at 25-34 MB it went either way (0.98-1.03x); at 67 and 134 MB they won
+# (0.99x, 0.95x on 2x H100): their fixed cost per ~8 MB chunk, host-issued copies and flag
+# writes, pays off only where the GEMM runs long enough to need every SM.
+COPY_ENGINE_MIN_BYTES = 48 << 20
+
+
+def default_producer(row_bytes: int, capturing: bool, mapped: bool) -> str:
+    """The producer an ``all_gather_gemm`` call takes when none is named.
+
+    Example::
+
+        default_producer(64 << 20, capturing=False, mapped=True)    # "copy_engine"
+        default_producer(8 << 20, capturing=False, mapped=True)     # "sm"
+
+    Args:
+        row_bytes: This rank's rows (``a_shard``) in bytes.
+        capturing: Whether the call is being captured in a CUDA graph (the copy engines' flag
+            values are counted on the host: not capturable).
+        mapped: Whether every peer's memory is mapped in this process (the copies need it).
+
+    Returns:
+        str: ``"copy_engine"`` for eager calls with mapped peers and at least
+        ``COPY_ENGINE_MIN_BYTES`` of rows, else ``"sm"``.
+    """
+    return "copy_engine" if mapped and not capturing and row_bytes >= COPY_ENGINE_MIN_BYTES else "sm"
 
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -168,10 +196,11 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
 
     ``a_shard``: this rank's rows (M_local, K), the same shape on every rank; ``weight``:
     this rank's (N_local, K). ``tile``: the fused kernel's GEMM tile (:func:`choose_tile`).
-    ``producer``: who moves the rows in the fused plan: ``"copy_engine"`` (copies and flag
-    writes on a side stream, the GEMM keeps every SM; the default, except inside a CUDA graph
-    capture) or ``"sm"`` (``push_blocks`` blocks of the GEMM kernel push the rows; counts its
-    calls on the device, so it is what a captured call runs). ``group``: the tensor-parallel
+    ``producer``: who moves the rows in the fused plan: ``"sm"`` (``push_blocks`` blocks of
+    the GEMM kernel push the rows; counts its calls on the device, so it can be captured in a
+    CUDA graph) or ``"copy_engine"`` (copies and flag writes on a side stream, the GEMM keeps
+    every SM; eager calls only). By default the copy engines move rows of at least
+    ``COPY_ENGINE_MIN_BYTES`` per rank in eager calls, the SM pushers the rest. ``group``: the tensor-parallel
     process group (None: the whole job); ``world`` is its size.
 
     Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
@@ -233,7 +262,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         return op_plans.put(key, launch)(a_shard, weight)
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
     mapped = kernel_lowering(group) in (None, ADDRESS)
-    producer = producer or ("sm" if capturing or not mapped else "copy_engine")
+    producer = producer or default_producer(m * k * a_shard.element_size(), capturing, mapped)
     if producer == "copy_engine":
         if capturing:
             raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "

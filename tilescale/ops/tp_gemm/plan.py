@@ -34,6 +34,10 @@ FUSED_US = 10.0
 # 1000 x 1792 x 4096 reduce-scatter took 77-83 us whatever their GPU time): below it a fused
 # call waits for the host, so _fused_wins counts at least this much outside a graph capture.
 FUSED_HOST_US = 80.0
+# The same for NCCL + cuBLAS eagerly (a GEMM, then a collective whose host side NCCL runs): on
+# 2x H200 (2026-11-27) 88 us for a reduce-scatter whose GEMM takes ~20 us (101 us through the
+# op's unfused plan), 107-184 us for the decode all-reduces; the fused reduce-scatter took 73 us.
+UNFUSED_HOST_US = 85.0
 # Device-to-device copy rate (bytes read + written; 3.0 TB/s on one H100, 4.3 on one H200,
 # /work/.library/device/KINDS.md): the gathering all-reduce's copy of the peers' segments.
 HBM_GBPS = 3000.0
@@ -222,12 +226,13 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     waves' idle share (:func:`wave_efficiency`) plus ``FUSED_US`` and what follows its last
     tiles (``tail_us``); the unfused plan waits for a collective of ``collective_bytes`` per
     rank after a GEMM at full rate. Eager (not capturing a CUDA graph) the fused call takes
-    at least ``FUSED_HOST_US``."""
+    at least ``FUSED_HOST_US`` and the unfused one at least ``UNFUSED_HOST_US``: their host time."""
     gemm_us = flops / (GEMM_TFLOPS * 1e6)
     fused = gemm_us / wave_efficiency(tiles, sm_count()) + FUSED_US + tail_us
+    unfused = gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
     if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        fused = max(fused, FUSED_HOST_US)
-    return fused < gemm_us + collective_bytes / (NCCL_GBPS * 1e3) + NCCL_US
+        fused, unfused = max(fused, FUSED_HOST_US), max(unfused, UNFUSED_HOST_US)
+    return fused < unfused
 
 
 def gemm_alone(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
