@@ -89,7 +89,21 @@ def test_reused_outputs_stay_new_while_anything_holds_them(hold):
         del taken
         assert _ids(out.take()) == taken_ids  # a set nothing holds does come back
     del holder
-    assert _ids(out.take()) == first_ids  # let go: the first set is free again
+    # Let go, the first set is free again: with the set returned last held, a call gets it.
+    again = out.take()
+    assert not set(_ids(again)) & set(first_ids)  # the set returned last comes first
+    assert _ids(out.take()) == first_ids
+
+
+def test_reused_outputs_give_back_a_dropped_set_while_another_is_kept():
+    # A caller that keeps one call's outputs (a handle for the backward pass) and drops the rest
+    # gets the set it dropped back, without checking the kept one first.
+    out = _outputs()
+    kept = out.take()
+    dropped_ids = _ids(out.take())
+    for _ in range(3):
+        assert _ids(out.take()) == dropped_ids
+    assert kept
 
 
 @pytest.mark.timeout(300)

@@ -145,9 +145,15 @@ class ReusedOutputs:
             A new list of the tensors ``make`` returns (the same objects as an earlier call's, or new ones).
         """
         current = _stream(self._kept[0][0][0]) if self._kept else None  # every set is on one device
-        for tensors, storage, stream, holders in self._kept:
+        # The set returned last first: a caller that drops each call's outputs gets it back after
+        # one check, whatever it keeps of older calls (a handle for the backward pass, say).
+        for kept in reversed(self._kept):
+            tensors, storage, stream, holders = kept
             if stream == current and _unheld(tensors, storage, holders):
                 if not _capturing(tensors[0]):
+                    if kept is not self._kept[-1]:
+                        self._kept.remove(kept)
+                        self._kept.append(kept)
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())
@@ -161,7 +167,7 @@ class ReusedOutputs:
 
 def _holders(tensors: tuple[torch.Tensor, ...], storage: int) -> tuple[int, ...]:
     """References to each of ``tensors`` (Python and C++), then to their storage."""
-    return (*(sys.getrefcount(t) + t._use_count() for t in tensors), torch._C._storage_Use_Count(storage))
+    return (*[sys.getrefcount(t) + t._use_count() for t in tensors], torch._C._storage_Use_Count(storage))
 
 
 def _unheld(tensors: tuple[torch.Tensor, ...], storage: int, holders: tuple[int, ...]) -> bool:
