@@ -147,13 +147,11 @@ class ReusedOutputs:
         current = _stream(self._kept[0][0][0]) if self._kept else None  # every set is on one device
         # The set returned last first: a caller that drops each call's outputs gets it back after
         # one check, whatever it keeps of older calls (a handle for the backward pass, say).
-        for kept in reversed(self._kept):
-            tensors, storage, stream, holders = kept
+        for i in reversed(range(len(self._kept))):
+            tensors, storage, stream, holders = self._kept[i]
             if stream == current and _unheld(tensors, storage, holders):
                 if not _capturing(tensors[0]):
-                    if kept is not self._kept[-1]:
-                        self._kept.remove(kept)
-                        self._kept.append(kept)
+                    self._kept.append(self._kept.pop(i))  # now the set returned last
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())

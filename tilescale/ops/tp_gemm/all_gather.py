@@ -199,9 +199,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     ``producer``: who moves the rows in the fused plan: ``"sm"`` (``push_blocks`` blocks of
     the GEMM kernel push the rows; counts its calls on the device, so it can be captured in a
     CUDA graph) or ``"copy_engine"`` (copies and flag writes on a side stream, the GEMM keeps
-    every SM; eager calls only). By default the copy engines move rows of at least
-    ``COPY_ENGINE_MIN_BYTES`` per rank in eager calls, the SM pushers the rest. ``group``: the tensor-parallel
-    process group (None: the whole job); ``world`` is its size.
+    every SM; eager calls only); None: :func:`default_producer`. ``group``: the
+    tensor-parallel process group (None: the whole job); ``world`` is its size.
 
     Fused calls whose ranks differ (shapes, dtype, tile, producer) raise
     ``ts.ShapeMismatchError`` on every rank; zero rows on every rank give an empty result.
@@ -214,7 +213,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
             arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
         push_blocks: Pushing blocks of the ``"sm"`` producer (default ``PUSH_BLOCKS``, 32).
-        producer: ``"copy_engine"``, ``"sm"`` or None (the default choice above).
+        producer: ``"copy_engine"``, ``"sm"`` or None (:func:`default_producer`).
         group: The tensor-parallel process group; None is the whole job.
 
     Returns:
