@@ -33,7 +33,7 @@ from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
-from tilescale.ops.tp_gemm import COPY_ENGINE_MIN_BYTES, choose_tile, reduce_grid
+from tilescale.ops.tp_gemm import choose_tile, default_producer, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
@@ -300,13 +300,13 @@ def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig
     where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
     128x64 ``NARROW``), the default plan again with that fixed tile (``fixed_tile``)."""
     if op == "ag":
-        plans = {"fused_sm_pushers": lambda tile=None: ts.ops.all_gather_gemm(a, weight, plan="fused",
-                                                                               producer="sm", tile=tile),
-                 "fused_copy_engine": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="copy_engine")}
-        default = plans["fused_sm_pushers"]
+        plans = {f"fused_{label}": lambda tile=None, producer=producer: ts.ops.all_gather_gemm(
+                     a, weight, plan="fused", producer=producer, tile=tile)
+                 for label, producer in _PRODUCER_LABELS.items()}
+        default = plans[f"fused_{_tp2_producer(*a.shape)}"]
     else:
         op_fn = ts.ops.gemm_reduce_scatter if op == "rs" else ts.ops.gemm_all_reduce
-        default = plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
+        plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
         default = plans["fused"]
     fixed = NARROW if tile == NARROW else WIDE
     if tile != fixed:
@@ -348,10 +348,15 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
     return row
 
 
+# The floor's plan labels of the all-gather's producers.
+_PRODUCER_LABELS = {"sm_pushers": "sm", "copy_engine": "copy_engine"}
+
+
 def _tp2_producer(m: int, k: int) -> str:
     """The floor's plan label of the producer ``all_gather_gemm`` takes by default at TP 2 (bf16,
-    eager) for the whole product's ``m`` rows: ``copy_engine`` or ``sm_pushers``."""
-    return "copy_engine" if m // 2 * k * 2 >= COPY_ENGINE_MIN_BYTES else "sm_pushers"
+    eager, peers mapped) for the whole product's ``m`` rows (``default_producer``)."""
+    producer = default_producer(m // 2 * k * 2, capturing=False, mapped=True)
+    return next(label for label, p in _PRODUCER_LABELS.items() if p == producer)
 
 
 def floor_summary(rows: list[dict]) -> dict:
