@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from tilescale import runtime
 from tilescale.launch.environment import detect
 
 T = TypeVar("T")
@@ -268,10 +269,14 @@ def check_close(
     Defaults for ``atol``/``rtol`` follow the less precise dtype of the two tensors
     (float32: 1e-5/1e-4, float16: 1e-3/1e-2, bfloat16: 1e-2/2e-2, float8: 0.1/0.1,
     integers: exact). NaN anywhere in ``got`` fails. Returns the errors for the report.
+    In a tilescale job a device-side failure (a wait that timed out, ranks that disagreed) is
+    raised first, as what it is: the kernels after it ran on, so ``got`` would only look wrong.
 
     >>> check_close("copy", torch.ones(4), torch.ones(4))["ok"]
     True
     """
+    if runtime.is_initialized():
+        runtime.synchronize()
     if got.shape != ref.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)} != reference shape {tuple(ref.shape)}")
     default_atol = max(_default_tolerance(got.dtype)[0], _default_tolerance(ref.dtype)[0])

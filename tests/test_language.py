@@ -30,8 +30,10 @@ from tilescale import runtime
 from tilescale.jit import _user_params
 from tilescale.language import build_options
 from tilescale.language.sync import PRELUDE
+from tilescale.ops._gemm import DEFAULT
 from tilescale.ops.collectives import all_gather_kernel, reduce_kernel
 from tilescale.ops.p2p import DEFAULT_PLAN, CopyPlan, transfer_kernel
+from tilescale.ops.tp_gemm import kernels as tp_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM_SCOPE_PTX = (
@@ -80,6 +82,25 @@ def right(r: int, p: int, w: int) -> int:  # push order: the right neighbour fir
 
 def own_first(r: int, p: int, w: int) -> int:  # pull order: self first, then the right neighbours
     return (r + p) % w
+
+
+def left(r: int, p: int, w: int) -> int:  # the left neighbour first, self last (all_gather_gemm's pushers)
+    return (r + w - 1 - p) % w
+
+
+def push_left():
+    """A put to every rank, the left neighbour first: ``(rank + world - 1 - p) % world``, which
+    TileLang 0.1.15 compiled into an index without the rank where it was not wrapped."""
+
+    @T.prim_func
+    def main(src: T.Tensor((1024,), "float32"), dst: T.Tensor((1024,), "float32")):
+        with T.Kernel(1, threads=128):
+            with T.Scale("device") as (rank, world):
+                for p in T.serial(world):
+                    T.copy(src, dst, dst_pe=(rank + world - 1 - p) % world)
+                T.barrier()
+
+    return main
 
 
 @dataclass(frozen=True)
@@ -141,13 +162,17 @@ KERNELS = {
         lambda w: handshake(1), {"flags__peers": "flags"}, False, SCALARS, 0, 1, 1,
         (("flags__peers", lambda r, p, w: (r + 1) % w),), writes=True, reads=False,
     ),
+    "push_left": Spec(
+        lambda w: push_left(), {"dst__peers": "dst"}, True, SCALARS, 1, 0, 0, (("dst__peers", left),),
+        writes=True, reads=False,
+    ),
     "put_fence_signal_wait_barrier": Spec(
         lambda w: put_fence_signal_wait_barrier(), {"dst__peers": "dst", "flags__peers": "flags"}, True, SCALARS,
         1, 2, 1, (("dst__peers", lambda r, p, w: (r + 1) % w), ("flags__peers", lambda r, p, w: (r + 1) % w)),
         writes=True, reads=False,
     ),
 }
-CASES = [(name, world) for name in KERNELS for world in (2, 4)]
+CASES = [(name, world) for name in KERNELS for world in (2, 3, 4, 8)]
 
 
 @functools.cache
@@ -169,7 +194,9 @@ def kernel_body(src: str) -> str:
 
 
 def table_loads(src: str) -> list[tuple[str, str]]:
-    """(peer table, index expression) of every ``X__peers[...]`` in the kernel body, in order."""
+    """(peer table, index expression) of every ``X__peers[...]`` in the kernel body, in order:
+    the index inside ``tilescale::peer_index(...)``, which every computed index goes through
+    (a closed form TVM makes of it otherwise can drop the rank), without its int64 casts."""
     body = kernel_body(src)
     loads = []
     for m in re.finditer(r"\b(\w+__peers)\[", body):
@@ -177,7 +204,11 @@ def table_loads(src: str) -> list[tuple[str, str]]:
         while depth:
             depth += {"[": 1, "]": -1}.get(body[i], 0)
             i += 1
-        loads.append((m.group(1), body[m.end():i - 1]))
+        index = body[m.end():i - 1]
+        if not re.fullmatch(r"\(*\d+\)*", index):  # a constant peer needs no wrapping
+            assert index.startswith("tilescale::peer_index(") and index.endswith(")"), index
+            index = index.removeprefix("tilescale::peer_index").replace("(int64_t)", "")
+        loads.append((m.group(1), index))
     return loads
 
 
@@ -267,8 +298,8 @@ def test_peers_come_from_the_table_in_staggered_order(name, world):
     assert [t for t, _ in loads] == [t for t, _ in spec.visits]
     for (table, index), (_, visit) in zip(loads, spec.visits, strict=True):
         if visit == "peer":  # put/get: the peer is an argument, bounds-checked before the load
-            assert index == "((int64_t)peer)"
-            assert f"(peer < {world}) && (0 <= peer)" in kernel_body(src)
+            assert index.strip("()") == "peer"
+            assert f"(tilescale::peer_index(peer) < {world})" in kernel_body(src)
             continue
         assert "ts_rank" in index, f"{table}[{index}] does not depend on the rank"
         loop_vars = set(re.findall(r"[A-Za-z_]\w*", index)) - {"ts_rank"}
@@ -285,6 +316,20 @@ def test_peers_come_from_the_table_in_staggered_order(name, world):
             assert sorted(order) == list(range(world))  # every rank exactly once
 
 
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_all_gather_gemm_pushers_put_to_every_peer(world):
+    # 4x H100: TileLang compiled the pushers' peer (rank + world - 1 - p) % world into an index
+    # without the rank, so every rank put to the same peers and rank 1 got no rows at all.
+    with build_options(world_size=world):
+        src = lower(tp_kernels.ag_own_gemm_kernel.__wrapped__(world, "bfloat16", 256, 256, 256, 256, 4, DEFAULT))
+    loads = table_loads(src)
+    assert [t for t, _ in loads] == ["gathered__peers", "flags__peers"]
+    for _, index in loads:
+        for r in range(world):
+            assert [evaluate(index, ts_rank=r, p=p) for p in range(world - 1)] == \
+                [left(r, p, world) for p in range(world - 1)], (index, r)
+
+
 @pytest.mark.parametrize(("name", "world"), CASES)
 def test_remote_accesses_go_through_pointers_loaded_from_the_table(name, world):
     spec = KERNELS[name]
@@ -298,7 +343,7 @@ def test_remote_accesses_go_through_pointers_loaded_from_the_table(name, world):
 def test_ring_shift_stores_its_tile_into_the_right_neighbour_with_a_bulk_copy():
     _, src = built("ring_shift", 4)
     body = kernel_body(src)
-    assert "int64_t v_ = B__peers[((ts_rank + 1) & 3)];" in body
+    assert "= B__peers[tilescale::peer_index(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
     store = re.search(r"tl::tma_store\(\(&\(\(\(bfloat16_t\*\)v\)\[.*\]\)\), \(&\(tile\[0\]\)\), (\d+)\);", body)
     assert store and int(store.group(1)) == 32 * 256 * 2  # one block's rows, bytes
     assert body.index("tl::tma_store_wait") < body.index("tilescale::grid_barrier(")
@@ -308,7 +353,7 @@ def test_signal_and_wait_arguments():
     _, src = built("handshake", 4)
     body = kernel_body(src)
     assert "if (ts_rank != 1) {" in body
-    assert "int64_t v_ = flags__peers[((ts_rank + 1) & 3)];" in body
+    assert "= flags__peers[tilescale::peer_index(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
     assert "tilescale::block_signal((&(((int*)v)[1])), 1, 0);" in body  # op "set"
     # The wait polls this rank's own flag (not through the table): "ge" is comparison 2.
     assert "tilescale::block_wait((&(flags[1])), 2, 1, ts_status, ts_rank, ts_timeout_ns);" in body

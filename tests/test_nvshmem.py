@@ -173,7 +173,8 @@ def test_remote_operations_lower_to_the_nvshmem_helpers():
     # group's ranks): no peer tables but the barrier's.
     assert "__peers" not in body and "ts_sync_peers" in body
     bf16_tile = 64 * 256 * 2
-    next_pe, prev_pe = r"ts_pes\[\(\(ts_rank \+ 1\) & 3\)\]", r"ts_pes\[\(\(ts_rank \+ 3\) & 3\)\]"
+    peer = r"ts_pes\[tilescale::peer_index\(\(\(\(\(int64_t\)ts_rank\) \+ \(int64_t\){}\) & \(int64_t\)3\)\)\]"
+    next_pe, prev_pe = peer.format(1), peer.format(3)
     expected = [
         rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[.*\]\)\), \(&\(tile\[0\]\)\), {bf16_tile}, {next_pe}\)",
         rf"{NVSHMEM_LOWERING.signal}\(\(&\(flags\[.*\]\)\), 1, 1, {next_pe}\)",
@@ -219,8 +220,8 @@ def test_registers_are_staged_through_shared_memory():
 def test_a_strided_box_is_one_call_per_row():
     with build_options(world_size=2, remote="nvshmem"):
         body = kernel_body(lower_cuda(strided_put()))
-    # 64 rows of 64 floats into rows of 128: 64 puts of 256 bytes.
-    assert re.search(r"for \(int (\w+) = 0; \1 < 64; \+\+\1\) \{\s*"
+    # 64 rows of 64 floats into rows of 128: 64 puts of 256 bytes (inside the peer's bounds check).
+    assert re.search(r"for \(int (\w+) = 0; \1 < 64; \+\+\1\) \{(?:\s*if \([^\n]*\) \{)*\s*"
                      rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[\(\1 \* 128\)\]\)\), \(&\(tile\[\(\1 \* 64\)\]\)\), 256, ",
                      body), body
 

@@ -52,6 +52,36 @@ TIMEOUT_PARAM = "ts_timeout_ns"
 SYNC_TABLE_PARAM = "ts_sync_peers"
 PES_PARAM = "ts_pes"
 PEER_TABLE_SUFFIX = "__peers"
+# An identity on a peer's rank that TVM's simplifier cannot see into (device.cuh).
+PEER_INDEX_EXTERN = "tilescale::peer_index"
+
+
+def peer_index(pe: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """``pe`` as the index of a per-rank table, kept as written.
+
+    TileLang 0.1.15 (TVM's simplifier) compiles a table index such as ``(rank + world - 1 - p)
+    % world``, ``p`` a loop variable, into a closed form without ``rank`` (for world 3, 4 and 8:
+    ``-(p <= 0 ? p : p - world)``, right on rank 1 only): every rank then put to the same
+    peers, one rank got nothing, and its waits timed out (an all-gather GEMM on 4x H100). The
+    CPU path runs the expression as written, so only the generated code shows it. Behind an
+    opaque call the index is computed as written; nvcc inlines the call.
+
+    Example::
+
+        table[peer_index((rank + world - 1 - p) % world)]
+
+    Args:
+        pe: A rank of the kernel's group (a constant or a kernel expression).
+
+    Returns:
+        tirx.PrimExpr: ``pe`` (constants as they are; the rest, let-bound variables included, through
+        the opaque call).
+    """
+    if isinstance(pe, int):
+        return tirx.const(pe, "int32")
+    if isinstance(pe, tirx.IntImm):
+        return pe
+    return tl.call_extern(str(pe.dtype), PEER_INDEX_EXTERN, pe)
 
 
 @dataclass
@@ -118,7 +148,7 @@ class BuildContext:
 
     def global_pe(self, pe: int | tirx.PrimExpr) -> tirx.PrimExpr:
         """The library's number of rank ``pe`` of the kernel's group: ``pes[pe]``."""
-        return tirx.BufferLoad(self.pe_table(), [tirx.const(pe, "int32") if isinstance(pe, int) else pe])
+        return tirx.BufferLoad(self.pe_table(), [peer_index(pe)])
 
     def sync_table(self) -> tirx.Buffer:
         """Addresses of the runtime's barrier workspace on every rank."""
