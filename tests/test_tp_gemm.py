@@ -300,6 +300,9 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert tp_gemm._fused_wins(2 * 1000 * 1792 * 4096, [2 * 4 * 16], 1000 * 4096)
     # A tiny eager GEMM, both plans at their host floors: the fused one's is lower.
     assert plan.FUSED_HOST_US < plan.UNFUSED_HOST_US
+    # The one-kernel decode all-reduce moves (world - 1) outputs per rank, NCCL 2 (world - 1) / world:
+    # the default at two ranks, not at four (0.78-0.93x NCCL + cuBLAS on 4x H100) or eight.
+    assert tp_gemm.one_kernel_wins(2) and not tp_gemm.one_kernel_wins(4) and not tp_gemm.one_kernel_wins(8)
 
 
 @pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),

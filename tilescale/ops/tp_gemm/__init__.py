@@ -61,6 +61,7 @@ from tilescale.ops.tp_gemm.plan import (
     chunk_tiles,
     k_splits,
     kernel_tiles,
+    one_kernel_wins,
     reduce_grid,
     useful_share,
     wave_efficiency,
@@ -71,4 +72,4 @@ __all__ = ["COPY_ENGINE_MIN_BYTES", "FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS"
            "_fused_wins", "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm", "all_reduce_gemm_kernel",
            "announce_kernel", "choose_tile", "chunk_tiles", "default_producer", "gather_segments_kernel",
            "gemm_all_reduce", "gemm_push_kernel", "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits",
-           "kernel_tiles", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]
+           "kernel_tiles", "one_kernel_wins", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]

@@ -37,6 +37,7 @@ from tilescale.ops.tp_gemm.plan import (
     _fused_wins,
     choose_tile,
     gemm_alone,
+    one_kernel_wins,
     reduce_grid,
 )
 
@@ -207,17 +208,18 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         scattered = reduce_grid(m, k, n, world, tile or choose_tile(m // world, n, split_k=True, kernels=(world,)))
         if scattered.splits == 1:  # each owner's tile holds the whole sum
             grid, gather = scattered, True
-    # On GPUs the one-kernel plan (decode) is fused: as graph replays its floor is 4-20 us over
-    # cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100), while NCCL's
-    # all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
+    # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL
+    # (one_kernel_wins: two ranks): as graph replays its floor is 4-20 us over cuBLAS at the
+    # decode shapes of benchmarks/tp_gemm.py --floor (one H100), while NCCL's all-reduce of
+    # those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
     # plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
     # rank) counting, besides its waves, its tail: the last wave's summed tiles to the peers
     # and the copy of the peers' segments into place.
     elem = a.element_size()
     tail_us = (min(grid.tiles, sm_count()) * grid.tile.block_M * grid.tile.block_N * elem * (world - 1)
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
-    wins = one_kernel or gather and world > 1 and _fused_wins(2 * m * k * n, [world * grid.tiles],
-                                                              2 * (world - 1) * m * n * elem / world, tail_us)
+    wins = one_kernel_wins(world) if one_kernel else gather and world > 1 and _fused_wins(
+        2 * m * k * n, [world * grid.tiles], 2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
         if world == 1:
             return op_plans.put(key, gemm_alone)(a, weight)
