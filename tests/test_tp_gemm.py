@@ -302,7 +302,10 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert plan.FUSED_HOST_US < plan.UNFUSED_HOST_US
     # The one-kernel decode all-reduce moves (world - 1) outputs per rank, NCCL 2 (world - 1) / world:
     # the default at two ranks, not at four (0.78-0.93x NCCL + cuBLAS on 4x H100) or eight.
-    assert tp_gemm.one_kernel_wins(2) and not tp_gemm.one_kernel_wins(4) and not tp_gemm.one_kernel_wins(8)
+    assert tp_gemm.one_kernel_wins(2, 128, False) and tp_gemm.one_kernel_wins(2, 128, True)
+    assert not tp_gemm.one_kernel_wins(4, 128, False) and not tp_gemm.one_kernel_wins(8, 64, True)
+    # Captured, above 128 rows NCCL + cuBLAS won at 2 ranks (0.85-0.99x at 200-256 rows, 2x H200); eagerly not.
+    assert tp_gemm.one_kernel_wins(2, 256, False) and not tp_gemm.one_kernel_wins(2, 200, True)
 
 
 @pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),

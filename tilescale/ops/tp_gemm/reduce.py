@@ -191,7 +191,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
-    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)  # calls reuse it
+    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Calls reuse it; a capture may take another plan than eager calls (one_kernel_wins).
+    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group, capturing)
     if launch is not None:
         return launch(a, weight)
     _check_pair(a, weight)
@@ -208,17 +210,17 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         scattered = reduce_grid(m, k, n, world, tile or choose_tile(m // world, n, split_k=True, kernels=(world,)))
         if scattered.splits == 1:  # each owner's tile holds the whole sum
             grid, gather = scattered, True
-    # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL
-    # (one_kernel_wins: two ranks): as graph replays its floor is 4-20 us over cuBLAS at the
-    # decode shapes of benchmarks/tp_gemm.py --floor (one H100), while NCCL's all-reduce of
-    # those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
+    # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL (two
+    # ranks) and, in a capture, up to 128 rows (one_kernel_wins): as graph replays its floor
+    # was 4-20 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100),
+    # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
     # plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
     # rank) counting, besides its waves, its tail: the last wave's summed tiles to the peers
     # and the copy of the peers' segments into place.
     elem = a.element_size()
     tail_us = (min(grid.tiles, sm_count()) * grid.tile.block_M * grid.tile.block_N * elem * (world - 1)
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
-    wins = one_kernel_wins(world) if one_kernel else gather and world > 1 and _fused_wins(
+    wins = one_kernel_wins(world, m, capturing) if one_kernel else gather and world > 1 and _fused_wins(
         2 * m * k * n, [world * grid.tiles], 2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
         if world == 1:
