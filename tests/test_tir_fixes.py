@@ -87,3 +87,18 @@ def test_coherent_reads_keeps_earlier_post_processing():
         assert lower_cuda(func).endswith("// marked")  # theirs alone again
     finally:
         register_cuda_postproc(lambda code, target: code)
+
+
+def test_tilelang_still_drops_the_rank_from_a_left_first_index():
+    """Why remote operations index peer tables through ``tilescale::peer_index``: plain
+    TileLang 0.1.15 compiles ``table[(rank + 3 - p) % 4]`` (p a loop variable) into an index
+    without ``rank``. When this fails, TileLang compiles it right and the wrapper can go."""
+
+    @TL.prim_func
+    def main(out: TL.Tensor((4,), "int32"), table: TL.Tensor((4,), "int32"), rank: TL.int32):
+        with TL.Kernel(1, threads=32):
+            for p in TL.serial(3):
+                out[p] = table[(rank + 3 - p) % 4]
+
+    (store,) = [line.strip() for line in body(lower_cuda(main)).splitlines() if "out[p] =" in line]
+    assert store == "out[p] = table[(((p <= 0) ? p : (p - 4)) * -1)];"
