@@ -195,7 +195,7 @@ def kernel_body(src: str) -> str:
 
 def table_loads(src: str) -> list[tuple[str, str]]:
     """(peer table, index expression) of every ``X__peers[...]`` in the kernel body, in order:
-    the index inside ``tilescale::peer_index(...)``, which every computed index goes through
+    the index inside ``static_cast<int>(...)``, which every computed index goes through
     (a closed form TVM makes of it otherwise can drop the rank), without its int64 casts."""
     body = kernel_body(src)
     loads = []
@@ -206,8 +206,8 @@ def table_loads(src: str) -> list[tuple[str, str]]:
             i += 1
         index = body[m.end():i - 1]
         if not re.fullmatch(r"\(*\d+\)*", index):  # a constant peer needs no wrapping
-            assert index.startswith("tilescale::peer_index(") and index.endswith(")"), index
-            index = index.removeprefix("tilescale::peer_index").replace("(int64_t)", "")
+            assert index.startswith("static_cast<int>(") and index.endswith(")"), index
+            index = index.removeprefix("static_cast<int>").replace("(int64_t)", "")
         loads.append((m.group(1), index))
     return loads
 
@@ -299,7 +299,7 @@ def test_peers_come_from_the_table_in_staggered_order(name, world):
     for (table, index), (_, visit) in zip(loads, spec.visits, strict=True):
         if visit == "peer":  # put/get: the peer is an argument, bounds-checked before the load
             assert index.strip("()") == "peer"
-            assert f"(tilescale::peer_index(peer) < {world})" in kernel_body(src)
+            assert f"(static_cast<int>(peer) < {world})" in kernel_body(src)
             continue
         assert "ts_rank" in index, f"{table}[{index}] does not depend on the rank"
         loop_vars = set(re.findall(r"[A-Za-z_]\w*", index)) - {"ts_rank"}
@@ -343,7 +343,7 @@ def test_remote_accesses_go_through_pointers_loaded_from_the_table(name, world):
 def test_ring_shift_stores_its_tile_into_the_right_neighbour_with_a_bulk_copy():
     _, src = built("ring_shift", 4)
     body = kernel_body(src)
-    assert "= B__peers[tilescale::peer_index(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
+    assert "= B__peers[static_cast<int>(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
     store = re.search(r"tl::tma_store\(\(&\(\(\(bfloat16_t\*\)v\)\[.*\]\)\), \(&\(tile\[0\]\)\), (\d+)\);", body)
     assert store and int(store.group(1)) == 32 * 256 * 2  # one block's rows, bytes
     assert body.index("tl::tma_store_wait") < body.index("tilescale::grid_barrier(")
@@ -353,7 +353,7 @@ def test_signal_and_wait_arguments():
     _, src = built("handshake", 4)
     body = kernel_body(src)
     assert "if (ts_rank != 1) {" in body
-    assert "= flags__peers[tilescale::peer_index(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
+    assert "= flags__peers[static_cast<int>(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)3))];" in body
     assert "tilescale::block_signal((&(((int*)v)[1])), 1, 0);" in body  # op "set"
     # The wait polls this rank's own flag (not through the table): "ge" is comparison 2.
     assert "tilescale::block_wait((&(flags[1])), 2, 1, ts_status, ts_rank, ts_timeout_ns);" in body

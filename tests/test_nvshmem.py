@@ -173,7 +173,7 @@ def test_remote_operations_lower_to_the_nvshmem_helpers():
     # group's ranks): no peer tables but the barrier's.
     assert "__peers" not in body and "ts_sync_peers" in body
     bf16_tile = 64 * 256 * 2
-    peer = r"ts_pes\[tilescale::peer_index\(\(\(\(\(int64_t\)ts_rank\) \+ \(int64_t\){}\) & \(int64_t\)3\)\)\]"
+    peer = r"ts_pes\[static_cast<int>\(\(\(\(\(int64_t\)ts_rank\) \+ \(int64_t\){}\) & \(int64_t\)3\)\)\]"
     next_pe, prev_pe = peer.format(1), peer.format(3)
     expected = [
         rf"{NVSHMEM_LOWERING.put}\(\(&\(dst\[.*\]\)\), \(&\(tile\[0\]\)\), {bf16_tile}, {next_pe}\)",

@@ -7,7 +7,7 @@ from tilelang.engine import register_cuda_postproc
 from tilescale.language import build_options
 from tilescale.ops import moe, tp_gemm
 from tilescale.ops._gemm import WIDE
-from tilescale.tir_fixes import coherent_reads, guard_unit_loops
+from tilescale.tir_fixes import coherent_reads, guard_unit_loops, keep_index_arithmetic
 
 
 def strided(extent):
@@ -90,9 +90,10 @@ def test_coherent_reads_keeps_earlier_post_processing():
 
 
 def test_tilelang_still_drops_the_rank_from_a_left_first_index():
-    """Why remote operations index peer tables through ``tilescale::peer_index``: plain
-    TileLang 0.1.15 compiles ``table[(rank + 3 - p) % 4]`` (p a loop variable) into an index
-    without ``rank``. When this fails, TileLang compiles it right and the wrapper can go."""
+    """Why tilescale keeps such index arithmetic as written (``as_written``, a cast TVM cannot
+    see into, and ``keep_index_arithmetic``): plain TileLang 0.1.15 compiles ``table[(rank + 3 -
+    p) % 4]`` (p a loop variable) into an index without ``rank``. When this fails, TileLang
+    compiles it right and both can go."""
 
     @TL.prim_func
     def main(out: TL.Tensor((4,), "int32"), table: TL.Tensor((4,), "int32"), rank: TL.int32):
@@ -102,3 +103,29 @@ def test_tilelang_still_drops_the_rank_from_a_left_first_index():
 
     (store,) = [line.strip() for line in body(lower_cuda(main)).splitlines() if "out[p] =" in line]
     assert store == "out[p] = table[(((p <= 0) ? p : (p - 4)) * -1)];"
+
+
+def subtracted_indices():
+    """A store and loads whose indices divide or take the modulo of ``rank - p``, and one of ``p + rank``."""
+
+    @TL.prim_func
+    def main(out: TL.Tensor((8,), "int32"), table: TL.Tensor((8,), "int32"), rank: TL.int32):
+        with TL.Kernel(1, threads=32):
+            for p in TL.serial(3):
+                out[(rank - p) % 4] = table[(rank - p) // 4 + 4] + table[(rank + 3 - p) % 4] + table[(p + rank) % 4]
+
+    return main
+
+
+def test_index_arithmetic_with_a_subtracted_variable_keeps_the_rank():
+    src = body(lower_cuda(keep_index_arithmetic(subtracted_indices())))
+    store = next(line.strip() for line in src.splitlines() if line.strip().startswith("out["))
+    assert store.startswith("out[static_cast<int>(((((int64_t)rank) - ((int64_t)p)) & (int64_t)3))] =")
+    assert "table[(((int64_t)static_cast<int>(((((int64_t)rank) - ((int64_t)p)) >> (int64_t)2))) + (int64_t)4)]" in src
+    assert "table[static_cast<int>((((((int64_t)rank) + (int64_t)3) - ((int64_t)p)) & (int64_t)3))]" in src
+    assert "table[((p + rank) & 3)]" in src  # nothing subtracted: left to TileLang
+
+
+def test_kernels_without_subtracted_index_arithmetic_are_left_alone():
+    func = strided(lambda r, B: (13 - r) // 6)  # a loop extent, not an index
+    assert keep_index_arithmetic(func).same_as(func)

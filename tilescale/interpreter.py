@@ -53,7 +53,7 @@ from tvm import tirx
 from tilescale import comm, runtime
 from tilescale.errors import WaitTimeoutError
 from tilescale.language.cluster import BARRIER_EXTERN, MAP_EXTERN
-from tilescale.language.scale import PEER_INDEX_EXTERN, STATUS_PARAM
+from tilescale.language.scale import AS_WRITTEN_CASTS, STATUS_PARAM
 from tilescale.language.sync import ADDRESS_HELPERS, COUNT_CALL_EXTERN
 from tilescale.protocol import (
     ARRIVALS_WORD,
@@ -868,7 +868,7 @@ class _Block:
             return 0
         if name == "tl.block_rank_in_cluster":
             return self.cta_rank
-        if name == "tirx.call_extern" and args[0].value == PEER_INDEX_EXTERN:
+        if name == "tirx.call_extern" and args[0].value in AS_WRITTEN_CASTS.values():  # as_written
             return self.eval(args[1])
         if name == "tirx.call_extern" and args[0].value == MAP_EXTERN:
             return self.cluster_address(args[1], args[2])

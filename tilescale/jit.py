@@ -59,7 +59,7 @@ from tilescale.language.scale import (
 )
 from tilescale.plans import PlanCache
 from tilescale.symmetric import check_group, lookup, peer_table
-from tilescale.tir_fixes import coherent_reads, guard_unit_loops
+from tilescale.tir_fixes import coherent_reads, guard_unit_loops, keep_index_arithmetic
 
 
 def _grid_blocks(func: tirx.PrimFunc) -> int | None:
@@ -119,7 +119,7 @@ class DistributedKernel:
     """
 
     def __init__(self, func: tirx.PrimFunc, out_idx: list[int] | int | None = None, **compile_kwargs: Any):
-        func = guard_unit_loops(func)
+        func = keep_index_arithmetic(guard_unit_loops(func))
         attrs = func.attrs if func.attrs is not None else {}
         self.hidden: dict[str, str] = {str(k): str(v) for k, v in dict(attrs.get("tilescale.hidden", {})).items()}
         world = attrs.get("tilescale.world_size")

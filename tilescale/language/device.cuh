@@ -11,10 +11,6 @@ __device__ __forceinline__ bool is_leader() {
   return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
 }
 
-// A peer's rank as a table index, unchanged: TVM's simplifier cannot see into the call, so
-// it keeps the index as written (tilescale.language.scale.peer_index says why).
-__device__ __forceinline__ int peer_index(int pe) { return pe; }
-
 __device__ __forceinline__ long long block_id() {
   return blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
 }

@@ -34,7 +34,7 @@ import tvm
 from tvm import tirx
 
 from tilescale.language.cluster import peer_tile
-from tilescale.language.scale import current_context, peer_index
+from tilescale.language.scale import as_written, current_context
 
 
 def check_remote(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> None:
@@ -86,7 +86,7 @@ def remote_buffer(buf: tirx.Buffer, pe: int | tirx.PrimExpr, what: str) -> tirx.
     check_remote(buf, pe, what)
     table = current_context().peer_table(buf)
     strides = list(buf.strides) if len(buf.strides) else None
-    return tl.make_tensor_from_addr(table[peer_index(pe)], list(buf.shape), str(buf.dtype), strides=strides)
+    return tl.make_tensor_from_addr(table[as_written(pe)], list(buf.shape), str(buf.dtype), strides=strides)
 
 
 def _rebased(region: Any, view: Callable[[tirx.Buffer], tirx.Buffer], what: str, noun: str) -> Any:

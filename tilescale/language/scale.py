@@ -52,36 +52,39 @@ TIMEOUT_PARAM = "ts_timeout_ns"
 SYNC_TABLE_PARAM = "ts_sync_peers"
 PES_PARAM = "ts_pes"
 PEER_TABLE_SUFFIX = "__peers"
-# An identity on a peer's rank that TVM's simplifier cannot see into (device.cuh).
-PEER_INDEX_EXTERN = "tilescale::peer_index"
+# as_written's opaque identity per dtype: a C++ cast, which TVM's simplifier cannot see into
+# and every device compiler takes without a helper.
+AS_WRITTEN_CASTS = {"int32": "static_cast<int>", "int64": "static_cast<int64_t>"}
 
 
-def peer_index(pe: int | tirx.PrimExpr) -> tirx.PrimExpr:
-    """``pe`` as the index of a per-rank table, kept as written.
+def as_written(value: int | tirx.PrimExpr) -> tirx.PrimExpr:
+    """``value`` kept as written: TileLang does not rewrite it into a closed form.
 
-    TileLang 0.1.15 (TVM's simplifier) compiles a table index such as ``(rank + world - 1 - p)
-    % world``, ``p`` a loop variable, into a closed form without ``rank`` (for world 3, 4 and 8:
-    ``-(p <= 0 ? p : p - world)``, right on rank 1 only): every rank then put to the same
-    peers, one rank got nothing, and its waits timed out (an all-gather GEMM on 4x H100). The
-    CPU path runs the expression as written, so only the generated code shows it. Behind an
-    opaque call the index is computed as written; nvcc inlines the call.
+    TileLang 0.1.15 (TVM's simplifier) compiles an index such as ``table[(rank + world - 1 - p) %
+    world]``, ``p`` a loop variable, into a closed form without ``rank`` (for world 3, 4 and 8:
+    ``-(p <= 0 ? p : p - world)``, right on rank 1 only), and ``(rank - p) // 4`` wrong as well:
+    every rank of an all-gather GEMM put to the same peers, and one got nothing (4x H100). The
+    CPU path runs the expression as written, so only the generated code shows it. Behind a
+    cast (``static_cast<int>(...)``), which TVM treats as an opaque call, it is computed as
+    written. Remote operations index the
+    peer tables through it, and ``ts.jit`` wraps such index arithmetic of every kernel it builds
+    (:func:`tilescale.tir_fixes.keep_index_arithmetic`).
 
     Example::
 
-        table[peer_index((rank + world - 1 - p) % world)]
+        table[as_written((rank + world - 1 - p) % world)]
 
     Args:
-        pe: A rank of the kernel's group (a constant or a kernel expression).
+        value: An int32 or int64 expression (a constant is returned as it is).
 
     Returns:
-        tirx.PrimExpr: ``pe`` (constants as they are; the rest, let-bound variables included, through
-        the opaque call).
+        tirx.PrimExpr: ``value``, through the cast unless it is a constant.
     """
-    if isinstance(pe, int):
-        return tirx.const(pe, "int32")
-    if isinstance(pe, tirx.IntImm):
-        return pe
-    return tl.call_extern(str(pe.dtype), PEER_INDEX_EXTERN, pe)
+    if isinstance(value, int):
+        return tirx.const(value, "int32")
+    if isinstance(value, tirx.IntImm):
+        return value
+    return tl.call_extern(str(value.dtype), AS_WRITTEN_CASTS[str(value.dtype)], value)
 
 
 @dataclass
@@ -148,7 +151,7 @@ class BuildContext:
 
     def global_pe(self, pe: int | tirx.PrimExpr) -> tirx.PrimExpr:
         """The library's number of rank ``pe`` of the kernel's group: ``pes[pe]``."""
-        return tirx.BufferLoad(self.pe_table(), [peer_index(pe)])
+        return tirx.BufferLoad(self.pe_table(), [as_written(pe)])
 
     def sync_table(self) -> tirx.Buffer:
         """Addresses of the runtime's barrier workspace on every rank."""
