@@ -100,7 +100,7 @@ def _subtracts_a_variable(dividend: tirx.PrimExpr) -> bool:
 
 
 def _kept(index: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``index`` with each division or modulo by a subtracted variable behind ``as_written``."""
+    """``index`` with each division or modulo whose dividend subtracts a variable behind ``as_written``."""
 
     def rewrite(node: tirx.PrimExpr) -> tirx.PrimExpr | None:
         if isinstance(node, (tirx.FloorMod, tirx.FloorDiv)) and _subtracts_a_variable(node.a):

@@ -66,9 +66,8 @@ def as_written(value: int | tirx.PrimExpr) -> tirx.PrimExpr:
     every rank of an all-gather GEMM put to the same peers, and one got nothing (4x H100). The
     CPU path runs the expression as written, so only the generated code shows it. Behind a
     cast (``static_cast<int>(...)``), which TVM treats as an opaque call, it is computed as
-    written. Remote operations index the
-    peer tables through it, and ``ts.jit`` wraps such index arithmetic of every kernel it builds
-    (:func:`tilescale.tir_fixes.keep_index_arithmetic`).
+    written. Remote operations index the peer tables through it, and ``ts.jit`` wraps such
+    index arithmetic of every kernel it builds (:func:`tilescale.tir_fixes.keep_index_arithmetic`).
 
     Example::
 

@@ -213,8 +213,8 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL (two
     # ranks) and, in a capture, up to 128 rows (one_kernel_wins): as graph replays its floor
     # was 4-20 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100),
-    # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The gathering
-    # plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
+    # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The
+    # gathering plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
     # rank) counting, besides its waves, its tail: the last wave's summed tiles to the peers
     # and the copy of the peers' segments into place.
     elem = a.element_size()
