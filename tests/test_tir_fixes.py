@@ -126,6 +126,20 @@ def test_index_arithmetic_with_a_subtracted_variable_keeps_the_rank():
     assert "table[((p + rank) & 3)]" in src  # nothing subtracted: left to TileLang
 
 
+def test_a_let_bound_index_keeps_the_rank():
+    # As all_gather_gemm's pushers wrote it: the peer bound first, then used as the index.
+    @TL.prim_func
+    def main(out: TL.Tensor((8,), "int32"), table: TL.Tensor((8,), "int32"), rank: TL.int32):
+        with TL.Kernel(1, threads=32):
+            for p in TL.serial(3):
+                peer = (rank + 3 - p) % 4
+                out[p] = table[peer]
+
+    src = body(lower_cuda(keep_index_arithmetic(main)))
+    assert "int peer = static_cast<int>((((rank + 3) - p) & 3));" in src
+    assert "(p <= 0)" not in src  # the closed form without the rank
+
+
 def test_kernels_without_subtracted_index_arithmetic_are_left_alone():
     func = strided(lambda r, B: (13 - r) // 6)  # a loop extent, not an index
     assert keep_index_arithmetic(func).same_as(func)

@@ -25,7 +25,8 @@ Index arithmetic with a subtracted variable. An index such as ``flags[(rank - p)
 ``x[(rank - p) // 4]``, ``p`` a loop variable, is compiled into a closed form that drops
 ``rank`` (found on 4x H100, where an all-gather GEMM's pushers put every rank's rows to the
 same peers). :func:`keep_index_arithmetic` puts each such division or modulo of an index
-behind a cast (:func:`tilescale.language.scale.as_written`), which TileLang cannot rewrite.
+(or of a let-bound value, which TileLang inlines into indices) behind a cast
+(:func:`tilescale.language.scale.as_written`), which TileLang cannot rewrite.
 """
 
 from __future__ import annotations
@@ -113,14 +114,21 @@ def _kept(index: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def keep_index_arithmetic(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with every buffer index's ``a // b`` and ``a % b``, where ``a`` subtracts a
-    variable (``rank - p``), computed as written (:func:`tilescale.language.scale.as_written`).
+    variable (``rank - p``), computed as written (:func:`tilescale.language.scale.as_written`);
+    also in the values of let bindings, which TileLang inlines into the indices that use them.
 
     Example::
 
         flags[(rank - p) % 4]              # becomes: flags[as_written((rank - p) % 4)]
+        peer = (rank + 3 - p) % 4          # becomes: peer = as_written((rank + 3 - p) % 4)
     """
 
     def rewrite(node: tirx.Stmt | tirx.PrimExpr) -> tirx.Stmt | tirx.PrimExpr | None:
+        if isinstance(node, (tirx.Bind, tirx.Let)):
+            value = _kept(node.value)
+            if value.same_as(node.value):
+                return None
+            return tirx.Bind(node.var, value) if isinstance(node, tirx.Bind) else tirx.Let(node.var, value, node.body)
         indices = [_kept(i) for i in node.indices]
         if all(new.same_as(old) for new, old in zip(indices, node.indices, strict=True)):
             return None
@@ -128,7 +136,8 @@ def keep_index_arithmetic(func: tirx.PrimFunc) -> tirx.PrimFunc:
             return tirx.BufferLoad(node.buffer, indices, node.predicate)
         return tirx.BufferStore(node.buffer, node.value, indices, node.predicate)
 
-    body = tirx.stmt_functor.ir_transform(func.body, None, rewrite, ["tirx.BufferLoad", "tirx.BufferStore"])
+    body = tirx.stmt_functor.ir_transform(func.body, None, rewrite,
+                                          ["tirx.BufferLoad", "tirx.BufferStore", "tirx.Bind", "tirx.Let"])
     return func if body.same_as(func.body) else func.with_body(body)
 
 
