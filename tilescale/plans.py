@@ -150,13 +150,13 @@ class ReusedOutputs:
         for i in reversed(range(len(self._kept))):
             tensors, storage, stream, holders = self._kept[i]
             if stream == current and _unheld(tensors, storage, holders):
-                if not _capturing(tensors[0]):
+                if not capturing(tensors[0]):
                     self._kept.append(self._kept.pop(i))  # now the set returned last
                     return list(tensors)  # a new list: a caller keeping it holds the tensors
                 break
         tensors = tuple(self._make())
         too_large = self._keep_bytes is not None and tensors[0].untyped_storage().nbytes() > self._keep_bytes
-        if _capturing(tensors[0]) or too_large:
+        if capturing(tensors[0]) or too_large:
             return list(tensors)
         storage = tensors[0].untyped_storage()._cdata  # the address only: a storage object would count as a holder
         self._kept = [*self._kept[1 - self.KEPT:], (tensors, storage, _stream(tensors[0]), _holders(tensors, storage))]
@@ -179,5 +179,11 @@ def _stream(t: torch.Tensor) -> int:
     return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0
 
 
-def _capturing(t: torch.Tensor) -> bool:
+def capturing(t: torch.Tensor) -> bool:
+    """Whether work on ``t``'s device is being captured into a CUDA graph (nothing runs now).
+
+    Example::
+
+        if capturing(x): ...          # a plan that a CUDA graph can replay
+    """
     return t.is_cuda and torch.cuda.is_current_stream_capturing()

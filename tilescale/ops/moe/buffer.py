@@ -34,7 +34,7 @@ from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
-from tilescale.plans import ReusedOutputs
+from tilescale.plans import ReusedOutputs, capturing
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -304,8 +304,8 @@ class Buffer:
         sent = pack(x) if self.fp8 else x
         ids = expert_ids(topk_idx, self.num_experts)
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
-        capturing = _capturing(values)
-        routes = self._route(ids, tokens, plan, topk_idx if not capturing else None)
+        in_capture = capturing(values)
+        routes = self._route(ids, tokens, plan, topk_idx if not in_capture else None)
         idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
             _padded(sent, 0), idx, weights, routes, plan)
@@ -314,7 +314,7 @@ class Buffer:
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
                                 position=position, counts=counts, offsets=offsets, row_expert=row_expert,
                                 source_row=source_row, group=self.group, buffer=self)
-        if not capturing:
+        if not in_capture:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
 
@@ -442,7 +442,7 @@ class Buffer:
             ValueError: wrong shapes, or an earlier dispatch found expert ids out of range.
             RuntimeError: the buffer is released.
         """
-        if not _capturing(expert_out):
+        if not capturing(expert_out):
             raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
         self._check_live()
         check_input(expert_out, "expert_out")
@@ -520,7 +520,3 @@ def _padded(t: torch.Tensor, value: float) -> torch.Tensor:
     """``t`` contiguous, or for no rows one row of ``value``: the kernels' inputs hold at least one row."""
     return t.contiguous() if t.shape[0] else torch.full((1, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
 
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether work on ``t``'s device is being captured into a CUDA graph (nothing runs now)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()

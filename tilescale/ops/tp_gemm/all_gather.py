@@ -31,6 +31,7 @@ from tilescale.ops.tp_gemm.plan import (
     chunk_tiles,
     gemm_alone,
 )
+from tilescale.plans import capturing
 from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
@@ -228,9 +229,9 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         RuntimeError: ``producer="copy_engine"`` inside a CUDA graph capture.
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
-    capturing = a_shard.is_cuda and torch.cuda.is_current_stream_capturing()
+    in_capture = capturing(a_shard)
     # Calls reuse it; a capture may take another producer than eager calls.
-    key, launch = _cached_plan("all_gather_gemm", a_shard, weight, plan, tile, group, push_blocks, producer, capturing)
+    key, launch = _cached_plan("all_gather_gemm", a_shard, weight, plan, tile, group, push_blocks, producer, in_capture)
     if launch is not None:
         return launch(a_shard, weight)
     _check_pair(a_shard, weight)
@@ -261,9 +262,9 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         return op_plans.put(key, launch)(a_shard, weight)
     # The copies need the peers' buffers mapped here (one node, no NVSHMEM calls).
     mapped = kernel_lowering(group) in (None, ADDRESS)
-    producer = producer or default_producer(m * k * a_shard.element_size(), capturing, mapped)
+    producer = producer or default_producer(m * k * a_shard.element_size(), in_capture, mapped)
     if producer == "copy_engine":
-        if capturing:
+        if in_capture:
             raise RuntimeError("all_gather_gemm(producer='copy_engine') cannot be captured in a CUDA graph: its flag "
                                "values are counted on the host; capture producer='sm' (the default in a capture)")
         if not mapped:

@@ -40,6 +40,7 @@ from tilescale.ops.tp_gemm.plan import (
     one_kernel_wins,
     reduce_grid,
 )
+from tilescale.plans import capturing
 
 Launch = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -191,9 +192,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
-    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+    in_capture = capturing(a)
     # Calls reuse it; a capture may take another plan than eager calls (one_kernel_wins).
-    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group, capturing)
+    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group, in_capture)
     if launch is not None:
         return launch(a, weight)
     _check_pair(a, weight)
@@ -220,7 +221,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     elem = a.element_size()
     tail_us = (min(grid.tiles, sm_count()) * grid.tile.block_M * grid.tile.block_N * elem * (world - 1)
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
-    wins = one_kernel_wins(world, m, capturing) if one_kernel else gather and world > 1 and _fused_wins(
+    wins = one_kernel_wins(world, m, in_capture) if one_kernel else gather and world > 1 and _fused_wins(
         2 * m * k * n, [world * grid.tiles], 2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
         if world == 1:
