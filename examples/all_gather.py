@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 def main() -> None:
@@ -25,12 +25,12 @@ def main() -> None:
     ts.ops.all_gather(x, out=out)
     ref = torch.empty_like(out)
     dist.all_gather_into_tensor(ref, x)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert_close(out, ref, rtol=0, atol=0)
 
     ragged = torch.randn(1000, 37, device=ts.device(), dtype=torch.float16)  # not a multiple of any tile
     ragged_ref = torch.empty(world * 1000, 37, device=ts.device(), dtype=torch.float16)
     dist.all_gather_into_tensor(ragged_ref, ragged)
-    torch.testing.assert_close(ts.ops.all_gather(ragged), ragged_ref, rtol=0, atol=0)
+    assert_close(ts.ops.all_gather(ragged), ragged_ref, rtol=0, atol=0)
 
     t_ts = do_bench(lambda: ts.ops.all_gather(x, out=out))
     t_nccl = do_bench(lambda: dist.all_gather_into_tensor(ref, x))

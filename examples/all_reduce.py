@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 def main() -> None:
@@ -26,11 +26,11 @@ def main() -> None:
         ref = x.float()
         dist.all_reduce(ref)
         ts.ops.all_reduce(x)
-        torch.testing.assert_close(x.float(), ref, rtol=1e-2, atol=1e-2)
+        assert_close(x.float(), ref, rtol=1e-2, atol=1e-2)
         plain = torch.randn(numel, device=ts.device(), dtype=torch.bfloat16)  # not symmetric: staged
         ref = plain.float()
         dist.all_reduce(ref)
-        torch.testing.assert_close(ts.ops.all_reduce(plain).float(), ref, rtol=1e-2, atol=1e-2)
+        assert_close(ts.ops.all_reduce(plain).float(), ref, rtol=1e-2, atol=1e-2)
         nccl_buf = x.clone()
         t_ts = do_bench(lambda x=x: ts.ops.all_reduce(x), iters=50)
         t_nccl = do_bench(lambda b=nccl_buf: dist.all_reduce(b), iters=50)

@@ -20,7 +20,7 @@ import torch
 
 import tilescale as ts
 import tilescale.language as T
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 @ts.jit
@@ -85,7 +85,7 @@ def main() -> None:
         kernel = gemm(M, N, K, block, block, cluster=c)
         C = torch.empty(M, N, device=ts.device(), dtype=torch.bfloat16)
         kernel(A, B, C)
-        torch.testing.assert_close(C.float(), ref, rtol=2e-2, atol=2e-2)
+        assert_close(C.float(), ref, rtol=2e-2, atol=2e-2)
         results.append((c, do_bench(lambda: kernel(A, B, C)), operand_bytes(M, N, K, block, block, c)))  # noqa: B023
     t_torch = do_bench(lambda: A @ B)
     for c, ms, nbytes in results:

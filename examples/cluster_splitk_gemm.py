@@ -21,7 +21,7 @@ import torch
 
 import tilescale as ts
 import tilescale.language as T
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 @ts.jit
@@ -87,9 +87,9 @@ def main() -> None:
         dsmem = splitk_gemm(M, N, K, block_N, splits, "dsmem")
         through_global = splitk_gemm(M, N, K, block_N, splits, "global")
         dsmem(A, B, C)
-        torch.testing.assert_close(C.float(), ref, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(global_splitk(through_global, A, B, workspace).float(), ref, rtol=2e-2,
-                                   atol=2e-2)
+        assert_close(C.float(), ref, rtol=2e-2, atol=2e-2)
+        assert_close(global_splitk(through_global, A, B, workspace).float(), ref, rtol=2e-2,
+                     atol=2e-2)
         t_dsmem = do_bench(lambda: dsmem(A, B, C))  # noqa: B023 - timed before the loop moves on
         t_global = do_bench(lambda: global_splitk(through_global, A, B, workspace))  # noqa: B023
         t_torch = do_bench(lambda: A @ B)  # noqa: B023

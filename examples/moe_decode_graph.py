@@ -18,7 +18,7 @@ import torch
 
 import tilescale as ts
 from tilescale.nn.moe import moe_weights
-from tilescale.testing import do_bench, reference_moe
+from tilescale.testing import assert_close, do_bench, reference_moe
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     with torch.no_grad():  # inference: no autograd state, as in a serving decode step
         y = moe(x)
         expected = reference_moe(x.float().cpu(), *moe_weights(hidden, ffn, num_experts, 5), topk)
-        torch.testing.assert_close(y.float().cpu(), expected, rtol=5e-2, atol=5e-2)
+        assert_close(y.float().cpu(), expected, rtol=5e-2, atol=5e-2)
         if not gpu:
             print(f"rank {rank}: low-latency MoE layer correct ({tokens} tokens); CUDA graphs need a GPU")
             ts.finalize()
@@ -43,7 +43,7 @@ def main() -> None:
         for _ in range(3):  # new tokens each step, read from x by the replay
             x.copy_(torch.randn(tokens, hidden, generator=g))
             graph.replay()
-            torch.testing.assert_close(y_graph, moe(x), rtol=1e-2, atol=1e-2)
+            assert_close(y_graph, moe(x), rtol=1e-2, atol=1e-2)
         eager_ms = do_bench(lambda: moe(x))
         graph_ms = do_bench(graph.replay)
     print(f"rank {rank}: MoE decode step correct ({tokens} tokens/rank, {num_experts} experts, top-{topk}): "

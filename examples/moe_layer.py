@@ -12,7 +12,7 @@ import torch
 
 import tilescale as ts
 from tilescale.nn.moe import moe_weights
-from tilescale.testing import do_bench, reference_moe
+from tilescale.testing import assert_close, do_bench, reference_moe
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     with torch.no_grad():  # inference here; tests/ranks/moe_backward_check.py checks the gradients
         y = moe(x)
     expected = reference_moe(x.float().cpu(), *moe_weights(hidden, ffn, num_experts, 7), topk)
-    torch.testing.assert_close(y.float().cpu(), expected, rtol=5e-2, atol=5e-2)
+    assert_close(y.float().cpu(), expected, rtol=5e-2, atol=5e-2)
     with torch.no_grad():
         ms = do_bench(lambda: moe(x), iters=5)
     print(f"rank {rank}: MoE layer correct ({tokens} tokens, {num_experts} experts, top-{topk}); {ms:.3f} ms")

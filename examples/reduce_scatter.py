@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     got = ts.ops.reduce_scatter(x)
     ref = torch.empty(rows // world, cols, device=ts.device(), dtype=torch.float32)
     dist.reduce_scatter_tensor(ref, x.float())
-    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+    assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
 
     nccl_out = torch.empty(rows // world, cols, device=ts.device(), dtype=torch.bfloat16)
     t_ts = do_bench(lambda: ts.ops.reduce_scatter(x))

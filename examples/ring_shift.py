@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tilescale as ts
 import tilescale.language as T
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 @ts.jit
@@ -43,7 +43,7 @@ def main() -> None:
 
     everyone = [torch.empty_like(A) for _ in range(world)]
     dist.all_gather(everyone, A)
-    torch.testing.assert_close(B, everyone[(rank - 1) % world], rtol=0, atol=0)
+    assert_close(B, everyone[(rank - 1) % world], rtol=0, atol=0)
 
     ms = do_bench(lambda: kernel(A, B))
     print(f"rank {rank}: ring shift correct; {A.nbytes / 2**20:.0f} MiB in {ms:.3f} ms "

@@ -13,7 +13,7 @@ the whole batch, and the losses and weights must agree.
 import torch
 
 import tilescale as ts
-from tilescale.testing import do_bench
+from tilescale.testing import assert_close, do_bench
 
 
 def main(steps: int = 5, lr: float = 0.05) -> None:
@@ -56,7 +56,7 @@ def main(steps: int = 5, lr: float = 0.05) -> None:
             print(f"step {step}: loss {total.item():.5f} (reference {ref_loss.item():.5f})")
 
     up_shard = ref_up.detach().chunk(world, 0)[rank]
-    torch.testing.assert_close(mlp.up.weight.float().cpu(), up_shard, rtol=tol, atol=tol)
+    assert_close(mlp.up.weight.float().cpu(), up_shard, rtol=tol, atol=tol)
     ms = do_bench(lambda: mlp(x_rows), iters=10)
     print(f"rank {rank}: TP MLP training correct: matches the single-process reference; forward {ms:.3f} ms")
     ts.finalize()

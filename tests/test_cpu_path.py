@@ -275,3 +275,39 @@ def test_count_call_counts_each_launch_once(tmp_path):
     """))
     proc = run_python(script, timeout=100, cwd=tmp_path, env={"TILESCALE_WAIT_TIMEOUT_S": "1"})
     assert "COUNT-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_assert_close_raises_a_recorded_device_failure_first(tmp_path):
+    """``ts.testing.assert_close`` raises a failure a kernel of this rank recorded (on GPUs a
+    timed-out kernel's call returns, its outputs undefined, and the record waits in host
+    memory for the next launch) instead of comparing; with none recorded it compares as torch.
+    The record is written as ``tilescale::report_failure`` writes it."""
+    script = tmp_path / "close.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale.protocol import COMPARISONS, WAIT
+        from tilescale.testing import assert_close
+
+        ts.init(device="cpu")
+        out = torch.ones(4)
+        flag = torch.zeros(2, dtype=torch.int32)
+        # rank 0, block 3 waited for flag[1] >= 8 and saw 5
+        ts.current().wait_status.copy_(torch.tensor([1, 0, 3, flag.data_ptr() + 4, COMPARISONS["ge"], 8, 5, WAIT]))
+        try:
+            assert_close(out, torch.ones(4))  # equal outputs: the recorded timeout still wins
+            raise AssertionError("assert_close compared the outputs of a timed-out kernel")
+        except ts.WaitTimeoutError as err:
+            assert "block 3" in str(err) and ">= 8 (observed 5)" in str(err), err
+        ts.current().wait_status.zero_()
+        assert_close(out, torch.ones(4))
+        try:
+            assert_close(out, torch.zeros(4))
+            raise RuntimeError("no mismatch reported")
+        except AssertionError as err:
+            assert "not close" in str(err), err
+        print("CLOSE-OK")
+    """))
+    proc = run_python(script, timeout=100, cwd=tmp_path)
+    assert "CLOSE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

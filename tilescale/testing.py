@@ -1,5 +1,5 @@
-"""Helpers for examples and tests: time a distributed op the way the examples report it, and
-reference implementations to check layers against."""
+"""Helpers for examples and tests: compare a distributed op's output with a reference, time
+an op the way the examples report it, and reference implementations to check layers against."""
 
 from __future__ import annotations
 
@@ -7,10 +7,39 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tilescale.runtime import barrier, device
+from tilescale.runtime import barrier, device, synchronize
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs: Any) -> None:
+    """``torch.testing.assert_close``, once this rank's queued GPU work has finished and no
+    device-side wait of it failed.
+
+    A kernel whose wait timed out (a peer never signalled) or whose ranks disagreed runs to
+    its end with undefined outputs, and on GPUs the host hears of it only at the next
+    tilescale launch, ``ts.synchronize()`` or ``ts.barrier()``. Comparing such an output first
+    would report wrong numbers; this raises the failure itself.
+
+    Example::
+
+        y = ts.ops.gemm_reduce_scatter(a, w)
+        assert_close(y, reference, rtol=2e-2, atol=3e-1)
+
+    Args:
+        actual: What a tilescale op returned.
+        expected: The reference.
+        **kwargs: ``torch.testing.assert_close``'s (``rtol``, ``atol``, ...).
+
+    Raises:
+        ts.WaitTimeoutError: a device-side wait of this rank timed out.
+        ts.ShapeMismatchError: ranks called a kernel with different shapes.
+        AssertionError: the tensors differ beyond the tolerance.
+    """
+    synchronize()
+    torch.testing.assert_close(actual, expected, **kwargs)
 
 
 def do_bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> float:

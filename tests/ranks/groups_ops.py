@@ -16,6 +16,7 @@ import torch.distributed as dist
 import tilescale as ts
 import tilescale.language as T
 from tilescale.ops._gemm import TileConfig
+from tilescale.testing import assert_close
 
 SMALL = TileConfig(64, 64, 64, 2, 128, "FullRow")  # few tiles: the CPU path interprets every block
 
@@ -176,17 +177,17 @@ def check_tp_gemms(g: dist.ProcessGroup, gen: torch.Generator) -> None:
     a = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
     ref = reference_all_gather(a, g).float() @ w.float().T
-    torch.testing.assert_close(ts.ops.all_gather_gemm(a, w, plan="fused", tile=SMALL, group=g).float(), ref,
-                               rtol=2e-2, atol=2e-1)
+    assert_close(ts.ops.all_gather_gemm(a, w, plan="fused", tile=SMALL, group=g).float(), ref,
+                 rtol=2e-2, atol=2e-1)
     a2 = torch.randn(size * m, k, generator=gen).bfloat16()
     part = a2.float() @ w.float().T
     rs = torch.empty(m, n)
     dist.reduce_scatter_tensor(rs, part, group=g)
-    torch.testing.assert_close(ts.ops.gemm_reduce_scatter(a2, w, plan="fused", tile=SMALL, group=g).float(), rs,
-                               rtol=2e-2, atol=3e-1)
+    assert_close(ts.ops.gemm_reduce_scatter(a2, w, plan="fused", tile=SMALL, group=g).float(), rs,
+                 rtol=2e-2, atol=3e-1)
     dist.all_reduce(part, group=g)
-    torch.testing.assert_close(ts.ops.gemm_all_reduce(a2, w, plan="fused", tile=SMALL, group=g).float(), part,
-                               rtol=2e-2, atol=3e-1)
+    assert_close(ts.ops.gemm_all_reduce(a2, w, plan="fused", tile=SMALL, group=g).float(), part,
+                 rtol=2e-2, atol=3e-1)
 
 
 def check_moe(g: dist.ProcessGroup, gen: torch.Generator) -> None:
@@ -204,7 +205,7 @@ def check_moe(g: dist.ProcessGroup, gen: torch.Generator) -> None:
     mine = range(state.rank * 2, state.rank * 2 + 2)
     assert counts.tolist() == [int((all_idx == e).sum()) for e in mine], (counts, all_idx)
     y = ts.ops.moe_combine(recv_x, recv_w, handle)
-    torch.testing.assert_close(y, x * w.sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    assert_close(y, x * w.sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
 def main() -> None:

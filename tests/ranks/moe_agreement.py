@@ -15,6 +15,7 @@ import torch
 from expect import expect_mismatch
 
 import tilescale as ts
+from tilescale.testing import assert_close
 
 HIDDEN, TOPK, EXPERTS = 32, 2, 4
 
@@ -56,7 +57,7 @@ def main() -> None:
     recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, ids, torch.ones(8, 2), EXPERTS)
     assert counts.tolist() == ([0, 16] if rank == 0 else [16, 0]), counts
     y = ts.ops.moe_combine(recv_x, recv_w, handle)
-    torch.testing.assert_close(y, 2 * x)
+    assert_close(y, 2 * x)
     print(f"IDS-OK rank={rank}", flush=True)
 
     # Zero tokens on every rank: empty results, and combine gives (0, hidden).

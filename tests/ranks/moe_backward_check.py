@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import tilescale as ts
 from tilescale.nn.moe import moe_weights
-from tilescale.testing import moe_dispatch_in_place, reference_moe
+from tilescale.testing import assert_close, moe_dispatch_in_place, reference_moe
 
 ts.init()
 torch.set_default_device(ts.device())
@@ -28,7 +28,7 @@ def check(counts: list[int], max_tokens: int | None) -> None:
     # rows) where experts get few rows, else grouped: both paths, forced, against autograd's.
     for in_place in (True, False):
         with moe_dispatch_in_place(in_place), torch.no_grad():
-            torch.testing.assert_close(moe(x), y.detach(), rtol=1e-5, atol=1e-5)
+            assert_close(moe(x), y.detach(), rtol=1e-5, atol=1e-5)
 
     # Reference: every rank's tokens through the whole MoE (all experts) in one process.
     everyone = [None] * world

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
-from tilescale.testing import moe_dispatch_in_place
+from tilescale.testing import assert_close, moe_dispatch_in_place
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
@@ -56,9 +56,9 @@ def combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
         got = recv_x[start:start + n].float().sum(1).sort().values
         sent = torch.cat([xs[(idx == rank * per_rank + e).any(1)]
                           for xs, idx in zip(everyone_x, everyone_idx, strict=True)])
-        torch.testing.assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
+        assert_close(got, sent.float().sum(1).sort().values, rtol=0, atol=0)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
-    torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
+    assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
 
 
 # Dispatches back to back through one buffer, nothing between them that waits for the other
@@ -152,7 +152,7 @@ if ts.device().type == "cuda":  # a dispatch + combine step captured once, repla
         for _ in range(3):  # each replay alternates the buffer sets on the device
             x.copy_(torch.randn(tokens, hidden))
             graph.replay()
-            torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+            assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
         mode = ("low-latency" if low_latency else "normal") + (", in place" if in_place else "")
         print(f"rank {rank}: CUDA graph ({mode}), 3 replays: MOE-OK", flush=True)
 
@@ -211,7 +211,7 @@ got = ts.ops.grouped_gemm(rows_x, w_small, tile_expert, index=index)
 kept = (index >= 0) & (tile_expert >= 0)
 want = torch.einsum("rk,rnk->rn", rows_x[index.clamp(min=0).long()].float(),
                     w_small[tile_expert.clamp(min=0).long()].float())
-torch.testing.assert_close(got[kept].float(), want[kept], rtol=2e-2, atol=2e-2)
+assert_close(got[kept].float(), want[kept], rtol=2e-2, atol=2e-2)
 
 # Grouped FP8 rows whose K makes TMA boxes (a multiple of 512): values and scales arrive by TMA
 # and are scaled in the pipeline; the result is the bf16 GEMM of the dequantised rows.
@@ -220,7 +220,7 @@ values8, scales8 = moe.quantize_fp8(rows8)
 w8 = (torch.randn(2, 40, 512, generator=g) / 16).to(torch.bfloat16)
 got = ts.ops.grouped_gemm(values8, w8, tile_expert, scales=scales8)
 want = ts.ops.grouped_gemm(moe.dequantize_fp8(values8, scales8), w8, tile_expert)
-torch.testing.assert_close(got[tile_expert >= 0].float(), want[tile_expert >= 0].float(), rtol=1e-2, atol=1e-2)
+assert_close(got[tile_expert >= 0].float(), want[tile_expert >= 0].float(), rtol=1e-2, atol=1e-2)
 print(f"rank {rank}: grouped FP8 GEMM by TMA: MOE-OK", flush=True)
 
 # In place: the received rows stay where they land. The layout (experts, counts, weights) is
@@ -245,13 +245,13 @@ for low_latency in (False, True):
         assert torch.equal(h.source_row >= 0, valid) and torch.equal(recv[h.source_row[valid].long()], ref_x[valid])
         bases.append({int(b) for b in (h.source_row[valid] - ref.source_row[valid]).unique()})
         out = ts.ops.grouped_gemm(recv, w, h.row_expert, index=h.source_row)
-        torch.testing.assert_close(out[valid].float(), out_ref[valid].float(), rtol=1e-2, atol=1e-2)
+        assert_close(out[valid].float(), out_ref[valid].float(), rtol=1e-2, atol=1e-2)
         y = ts.ops.moe_combine(out, recv_w, h)
-        torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=1e-2)
+        assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=1e-2)
         (values, scales), _, _, h8 = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
                                                          low_latency=low_latency, max_tokens=16, in_place=True)
         out8 = ts.ops.grouped_gemm(values, w, h8.row_expert, scales=scales, index=h8.source_row)
-        torch.testing.assert_close(out8[valid].float(), out8_ref[valid].float(), rtol=1e-2, atol=1e-2)
+        assert_close(out8[valid].float(), out8_ref[valid].float(), rtol=1e-2, atol=1e-2)
     if bool(valid.any()):  # each call's rows in one set, consecutive calls in the two sets
         assert len(bases[0]) == len(bases[1]) == 1 and bases[0] | bases[1] == {0, world * 16}, bases
     try:  # the first call's rows after the second dispatch through the same buffer: refused
@@ -294,7 +294,7 @@ for step, tokens in enumerate((24, 0 if rank == 0 else 3, 11 + rank)):
     topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
     recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=step == 1)
     y = buf.combine(recv_x, recv_w, handle)  # identity experts
-    torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
     assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
 # Calls of one shape reuse the first one's plan (kernels, output sizes) and the buffer's
 # memory; each call's results are right for its own routing (a token naming one expert twice
@@ -310,7 +310,7 @@ for step in range(3):
     expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
     y = buf.combine(expert_out, recv_w, handle)
     want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
-    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
     if step == 0:
         key = (24, hidden, torch.bfloat16, True, torch.int64, False)  # tokens, hidden, dtype, low_latency, id dtype,
         # in place
@@ -346,7 +346,7 @@ for _ in range(3):  # consecutive calls reuse the one set
     topk_w, topk_idx = torch.rand(11 + rank, num_experts).topk(2, dim=1)
     recv_x, recv_w, counts, handle = one_set.dispatch(x, topk_idx, topk_w)
     y = one_set.combine(recv_x, recv_w, handle)  # identity experts
-    torch.testing.assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
 try:
     one_set.dispatch(x, topk_idx, topk_w, in_place=True)
     raise AssertionError(f"rank {rank}: an in-place dispatch through one set of receive rows")

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+from tilescale.testing import assert_close
 
 ts.init()
 torch.set_default_device(ts.device())  # the same program checks the GPU path
@@ -16,7 +17,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = torch.randn(numel, generator=gen).to(dtype)
         ref = torch.empty(world * numel, dtype=dtype)
         dist.all_gather_into_tensor(ref, x)
-        torch.testing.assert_close(ts.ops.all_gather(x), ref, rtol=0, atol=0)
+        assert_close(ts.ops.all_gather(x), ref, rtol=0, atol=0)
 
         for algorithm in ("one_shot", "two_shot"):
             for symmetric in (False, True):
@@ -25,15 +26,15 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 expect = x.float()
                 dist.all_reduce(expect)
                 ts.ops.all_reduce(y, algorithm=algorithm)
-                torch.testing.assert_close(y.float(), expect, **({"rtol": 1e-6, "atol": 1e-5} if dtype ==
+                assert_close(y.float(), expect, **({"rtol": 1e-6, "atol": 1e-5} if dtype ==
                                                                  torch.float32 else tol))
                 checked += 1
 
         rows = torch.randn(world * numel, generator=gen).to(dtype)
         expect = torch.empty(numel, dtype=torch.float32)
         dist.reduce_scatter_tensor(expect, rows.float())
-        torch.testing.assert_close(ts.ops.reduce_scatter(rows).float(), expect,
-                                   **({"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else tol))
+        assert_close(ts.ops.reduce_scatter(rows).float(), expect,
+                     **({"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else tol))
 
         dst = ts.zeros((numel,), dtype=dtype)
         ts.barrier()
@@ -41,10 +42,10 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         ts.barrier()
         everyone = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(everyone, x)
-        torch.testing.assert_close(dst, everyone[(rank - 1) % world], rtol=0, atol=0)
+        assert_close(dst, everyone[(rank - 1) % world], rtol=0, atol=0)
         got = torch.empty_like(x)
         ts.ops.get(dst, got, (rank + 1) % world)  # the right neighbour holds my x
-        torch.testing.assert_close(got, x, rtol=0, atol=0)
+        assert_close(got, x, rtol=0, atol=0)
         ts.barrier()
         checked += 4
 for bad, err in ((lambda: ts.ops.put(torch.ones(4), ts.zeros((4,)), world), IndexError),

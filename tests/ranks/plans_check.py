@@ -15,6 +15,7 @@ import tilescale as ts
 from tilescale.ops import collectives, p2p
 from tilescale.ops._common import op_plans, sm_count
 from tilescale.ops.tp_gemm import all_gather, reduce
+from tilescale.testing import assert_close
 
 jit_module = sys.modules["tilescale.jit"]
 grouped_module = sys.modules["tilescale.ops.grouped_gemm"]
@@ -72,7 +73,7 @@ def tp_gemms_reuse_their_plans(rank: int) -> None:
             before = builds["tp_gemm"]
             data = a_all[:, :rows] + len(op_plans)  # other values on every call
             y = call(data[rank])
-            torch.testing.assert_close(y, reference(data), rtol=1e-4, atol=1e-4)
+            assert_close(y, reference(data), rtol=1e-4, atol=1e-4)
             assert builds["tp_gemm"] == before + new_plan, (name, rows, builds)
     # Layers (seed 0: every rank drew the same full weight and bias, see layer_params).
     weight, bias = layer_params(48, 32)
@@ -84,9 +85,9 @@ def tp_gemms_reuse_their_plans(rank: int) -> None:
         with torch.no_grad():
             y = column(x_all[rank])  # this rank's rows in, every rank's rows of its output columns out
         want = (torch.cat(list(x_all)) @ weight.T + bias).chunk(2, -1)[rank]
-        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        assert_close(y, want, rtol=1e-4, atol=1e-4)
         y = row(x_all[0].chunk(2, -1)[rank])  # the replicated input's columns of this rank (recording gradients)
-        torch.testing.assert_close(y, x_all[0] @ weight.T + bias, rtol=1e-4, atol=1e-4)
+        assert_close(y, x_all[0] @ weight.T + bias, rtol=1e-4, atol=1e-4)
         assert builds["tp_gemm"] == before + 2 * new_plan, (shape, builds)
 
 
@@ -100,7 +101,7 @@ def grouped_gemm_reuses_its_plans() -> None:
         row_expert = (torch.arange(rows) >= 128).to(torch.int32)  # one 128-row tile per expert
         before = builds["grouped_gemm"]
         y = ts.ops.grouped_gemm(x, w, row_expert)
-        torch.testing.assert_close(y, torch.einsum("rk,rnk->rn", x, w[row_expert.long()]), rtol=1e-4, atol=1e-4)
+        assert_close(y, torch.einsum("rk,rnk->rn", x, w[row_expert.long()]), rtol=1e-4, atol=1e-4)
         assert builds["grouped_gemm"] == before + new_plan, (rows, builds)
     strided = torch.randn(128, 64, generator=g)[:, :32]
     msg = expect(ValueError, lambda: ts.ops.grouped_gemm(strided, w, torch.zeros(128, dtype=torch.int32)),

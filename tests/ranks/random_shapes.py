@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+from tilescale.testing import assert_close
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--seed", type=int, default=0)
@@ -56,14 +57,14 @@ def tp_case(n: int) -> None:
     summed = part.clone()
     dist.all_reduce(summed)
     for plan in ("fused", None):
-        torch.testing.assert_close(ts.ops.all_gather_gemm(a, w, plan=plan).float(), full.float() @ w.float().T, **tol)
-        torch.testing.assert_close(ts.ops.gemm_reduce_scatter(rows, w, plan=plan).float(), scattered, **tol)
-        torch.testing.assert_close(ts.ops.gemm_all_reduce(rows, w, plan=plan).float(), summed, **tol)
+        assert_close(ts.ops.all_gather_gemm(a, w, plan=plan).float(), full.float() @ w.float().T, **tol)
+        assert_close(ts.ops.gemm_reduce_scatter(rows, w, plan=plan).float(), scattered, **tol)
+        assert_close(ts.ops.gemm_all_reduce(rows, w, plan=plan).float(), summed, **tol)
         # A decode batch: one rank's rows, all-reduced (the one-kernel plan up to 256 rows).
         decode = rows[:m]
         expected = decode.float() @ w.float().T
         dist.all_reduce(expected)
-        torch.testing.assert_close(ts.ops.gemm_all_reduce(decode, w, plan=plan).float(), expected, **tol)
+        assert_close(ts.ops.gemm_all_reduce(decode, w, plan=plan).float(), expected, **tol)
     print(f"CASE-OK {n} tp m={m} k={k} n={cols} {dtype}", flush=True)
 
 
@@ -92,7 +93,7 @@ def moe_case(n: int) -> None:
     y = ts.ops.moe_combine(expert_out, recv_w, handle)
     source = ts.ops.moe.dequantize_fp8(*sent) if fp8 else x
     reference = (source.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
-    torch.testing.assert_close(y.float(), reference, rtol=3e-2, atol=2e-2 * experts)
+    assert_close(y.float(), reference, rtol=3e-2, atol=2e-2 * experts)
     print(f"CASE-OK {n} moe tokens={counts} max={max_tokens} hidden={hidden} top-{topk} of {experts} "
           f"{'fp8' if fp8 else 'bf16'}{' low-latency' if low_latency else ''}{' in-place' if in_place else ''}",
           flush=True)
