@@ -84,9 +84,9 @@ def check_input(t: torch.Tensor, name: str, contiguous: bool = True) -> None:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dev = runtime.device()
-    if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
-        raise ValueError(f"{name} is on {t.device}, but this rank computes on {dev}")
+    dev, on = runtime.device(), t.device  # t.device makes a new object: read once
+    if on != dev and (on.type != dev.type or dev.index is not None):
+        raise ValueError(f"{name} is on {on}, but this rank computes on {dev}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 

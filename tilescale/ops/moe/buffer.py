@@ -306,7 +306,7 @@ class Buffer:
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
         in_capture = capturing(values)
         routes = self._route(ids, tokens, plan, topk_idx if not in_capture else None)
-        idx, weights = routes["ids"], _padded(topk_weights.to(torch.float32), 0)
+        idx, weights = routes["ids"], _padded(topk_weights.float(), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
             _padded(sent, 0), idx, weights, routes, plan)
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
@@ -462,7 +462,7 @@ class Buffer:
                                capacity=self.max_tokens, group=self.group),
                 back, signature("moe_combine", back, f"topk={self.topk}"))
         kernel, back, sig = plan
-        kernel(expert_out, recv_weights.to(torch.float32).contiguous(), handle.position, handle.recv_counts,
+        kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
                handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
         return out if tokens else out[:0]
 
