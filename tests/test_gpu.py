@@ -1,4 +1,5 @@
-"""Examples, ops and failure paths on real GPUs, two ranks (skipped without a CUDA device).
+"""Examples, ops and failure paths on real GPUs, two ranks (skipped without a CUDA device),
+and with four GPUs the rank programs with four ranks.
 
 With one GPU the two ranks share it (``tilescale run --share-gpus``): the GPU runs their
 kernels by turns, which checks every cross-rank protocol for correctness, not speed.
@@ -68,6 +69,18 @@ def test_non_symmetric_argument_is_refused():
                           ("moe_backward_check", "MOE-GRAD-OK", 4)])
 def test_rank_programs_of_the_cpu_suite_pass_on_gpus(program, marker, count):
     proc = run(str(RANKS / f"{program}.py"), timeout=550)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(marker) >= count
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(GPUS < 4, reason="a rank per GPU at four ranks: needs four")
+@pytest.mark.parametrize(("program", "marker", "count"), [("tp_gemm_check", " ok", 44), ("moe_check", "MOE-OK", 76)])
+def test_rank_programs_with_four_ranks_on_four_gpus(program, marker, count):
+    # At two ranks a rank's one peer is both its neighbours; at four an all-gather GEMM put
+    # every rank's rows to the wrong peers (a TileLang index miscompile, 4x H100, 2026-11-27)
+    # that no two-rank run could show. Counts: every case on every rank, as on 4x H100 that day.
+    proc = run(str(RANKS / f"{program}.py"), ranks=4, share=[], timeout=1100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(marker) >= count
 
