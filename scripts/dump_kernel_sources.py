@@ -76,7 +76,7 @@ def kernels() -> dict:
         "moe_combine": (find("combine_kernel"), (2, 64, 256, 4, 1024, "bfloat16", 132), None),
         "ag_gemm": (find("ag_own_gemm_kernel"), (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
         "ag_gemm_wide": (find("ag_own_gemm_kernel"), (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
-        "ag_peer_gemm": (find("ag_peer_gemm_kernel"), (2, "bfloat16", 256, 512, 512, 1, DEFAULT, "state"), None),
+        "ag_peer_gemm": (find("ag_peer_gemm_kernel"), (2, "bfloat16", 256, 256, 512, 512, 1, DEFAULT, "state"), None),
         "announce": (find("announce_kernel"), (2,), None),
         "sum_received": (find("sum_received_kernel"), (2, 2, "bfloat16", 4096, 4096, 132), None),
         "gemm_rs_in_gemm": (find("gemm_reduce_scatter_kernel"), (2, "bfloat16", 512, 512, 512, DEFAULT, 1), NO_WS),

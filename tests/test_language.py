@@ -451,6 +451,31 @@ def test_many_symmetric_arguments_keep_their_order():
     assert "fl__peers[1]" in src and "Y__peers[0]" in src
 
 
+def test_the_rank_passed_to_a_macro_keeps_its_parameter_name():
+    """TileLang names a macro's parameter after the variable it is bound to, renaming the
+    kernel's rank variable; the jit binds hidden parameters by name, so the built kernel must
+    still call it ``ts_rank`` (before: a parameter ``r`` the jit could not bind)."""
+
+    @T.macro
+    def store_rank(out, r):
+        out[r] = r
+
+    def kernel():
+        @T.prim_func
+        def main(out: T.Tensor((4,), "int32")):
+            with T.Kernel(1, threads=32):
+                with T.Scale("device") as (rank, _):
+                    store_rank(out, rank)
+
+        return main
+
+    with build_options(world_size=4):
+        func = kernel()
+    assert list(hidden_of(func)) == ["ts_rank"]
+    assert param_names(func) == ["out", "ts_rank"]
+    assert "out[ts_rank] = ts_rank;" in lower(func)
+
+
 # --- 2. single-GPU programs are TileLang programs -------------------------------------------------
 
 

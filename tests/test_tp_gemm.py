@@ -42,10 +42,10 @@ KERNELS = {
                                                                            WIDE),
     "all_gather_gemm_own_only": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024,
                                                                                2048, 0, WIDE),
-    "all_gather_gemm_peers": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 1,
+    "all_gather_gemm_peers": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 1,
                                                                              DEFAULT, "state"),
-    "all_gather_gemm_peers_epoch": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 4,
-                                                                                   WIDE, "epoch"),
+    "all_gather_gemm_peers_epoch": lambda: tp_gemm.ag_peer_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024,
+                                                                                   2048, 4, WIDE, "epoch"),
     "gemm_reduce_scatter_in_gemm": lambda: tp_gemm.gemm_reduce_scatter_kernel.__wrapped__(2, "bfloat16", 4096, 1024,
                                                                                           2048, WIDE, 8),
     "gemm_reduce_scatter": lambda: tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 4096, 1024, 2048, 2, DEFAULT, 1),
@@ -83,10 +83,10 @@ def test_gemm_kernels_lower_to_wgmma_with_signals():
     peers = lower("all_gather_gemm_peers")
     # Each peer-segment tile waits for its own row tile's flag, segment from the register (TVM's
     # simplifier once folded the segment arithmetic into a closed form wrong for even ranks).
-    assert "wgmma" in peers and "block_wait((&(flags[((segment * 32) + by)])), 2, state[1]," in peers
+    assert "wgmma" in peers and "block_wait((&(flags[((c_segment * 32) + by)])), 2, state[1]," in peers
     assert "int by = ((tile[0] & 511) >> 4);" in peers
     epoch = lower("all_gather_gemm_peers_epoch")  # copy-engine plan: chunks of 4 row tiles, the call's epoch
-    assert "block_wait((&(flags[((segment * 8) + (by >> 2))])), 2, epoch," in epoch
+    assert "block_wait((&(flags[((c_segment * 8) + (by >> 2))])), 2, epoch," in epoch
     rs = lower("gemm_reduce_scatter")
     assert "wgmma" in rs and "recv__peers[" in rs and "tilescale::grid_barrier(" not in rs
     # Warp-specialised: the consumer warps run the epilogue and signal per warp.
@@ -213,6 +213,10 @@ def test_the_wide_tile_reaches_both_fused_kernels():
         assert "kFloat32, 64, 256, 16" in src and "kFloat32, 64, 64, 16" not in src
     assert "tilescale::block_wait(" in peers and "tilescale::warp_signal(" in rs
     assert "tma_store" in ag and "tma_store" in peers  # the shared-memory epilogue
+    # The output is (world, rows, N): each segment's TMA box is clipped at its own end (4000
+    # rows here, 32 tiles of 128), so ragged segments need no padded output and no copy after.
+    assert "(by * 128), ts_rank);" in ag.split("tma_store(C_desc, ")[1]
+    assert "(by * 128), c_segment);" in peers.split("tma_store(C_desc, ")[1]
     assert "tl::rasterization2DRow<8>()" in rs  # the reduce-scatter GEMM's panel order
 
 

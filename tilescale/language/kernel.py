@@ -91,10 +91,15 @@ def _with_hidden_params(func: tirx.PrimFunc, ctx: BuildContext) -> tirx.PrimFunc
             params.append(var)
             buffer_map[var] = table
             hidden[table.name] = ""
+    body, renamed = func.body, {}
     for name, var in ctx.scalars.items():
-        params.append(var)
+        if var.name != name:  # a macro parameter it was passed to renamed it; the jit binds it by name
+            renamed[var] = tirx.Var(name, var.dtype)
+        params.append(renamed.get(var, var))
         hidden[name] = ""
-    out = tirx.PrimFunc(params, func.body, func.ret_type, buffer_map, func.attrs)
+    if renamed:
+        body = tirx.stmt_functor.substitute(body, renamed)
+    out = tirx.PrimFunc(params, body, func.ret_type, buffer_map, func.attrs)
     out = out.with_attr("tilescale.hidden", hidden).with_attr("tilescale.world_size", ctx.world)
     # Symmetric arguments that device calls reach by this rank's address (no peer table): the
     # jit still checks them, and takes the kernel's group from them.

@@ -123,11 +123,13 @@ def tile_coords(tile, m_tiles: int, n_tiles: int, panel: int = 0):
 
 
 @T.macro
-def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT):
+def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT, c_segment=None):
     """C[c_row:+BM, c_col:+BN] = A[a_row:+BM, :] @ W[w_row:+BN, :].T, accumulated in fp32.
 
     ``cfg`` gives the tile and K step, the warp policy and the epilogue; ``stages`` the
-    pipeline depth (the kernels pass ``STAGES``).
+    pipeline depth (the kernels pass ``STAGES``). ``c_segment``: for an output of segments
+    (``C`` of shape (segments, rows, N)), the segment the tile goes to, at ``(c_row, c_col)``
+    within it; rows past the segment's end are clipped, as rows past a 2-D ``C``'s end are.
 
     Args:
         A: The (M, K) operand; rows from ``a_row``.
@@ -141,6 +143,7 @@ def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT
         dtype: TileLang dtype of the operands and output.
         stages: Pipeline depth of the K loop.
         cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
+        c_segment: The output segment where ``C`` is 3-D (default None: ``C`` is 2-D).
     """
     a = T.alloc_shared((cfg.block_M, cfg.block_K), dtype)
     w = T.alloc_shared((cfg.block_N, cfg.block_K), dtype)
@@ -150,13 +153,16 @@ def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT
         T.copy(A[a_row, k * cfg.block_K], a)
         T.copy(W[w_row, k * cfg.block_K], w)
         T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
-    store_tile(acc, C, c_row, c_col, dtype, cfg)
+    store_tile(acc, C, c_row, c_col, dtype, cfg, c_segment)
 
 
 @T.macro
-def store_tile(acc, C, c_row, c_col, dtype, cfg=DEFAULT):
+def store_tile(acc, C, c_row, c_col, dtype, cfg=DEFAULT, c_segment=None):
     """The fp32 tile ``acc`` into ``C[c_row:+BM, c_col:+BN]`` as ``dtype``: from registers, or
-    staged in shared memory first where ``cfg.epilogue`` is ``"shared"``.
+    staged in shared memory first where ``cfg.epilogue`` is ``"shared"``. With ``c_segment``,
+    into ``C[c_segment, c_row:+BM, c_col:+BN]`` of a 3-D ``C``: each segment's rows are
+    bounded by its own end (a per-dimension bound of the store, TMA's box clipping), so a
+    segment whose rows are not whole tiles needs no padding in the output.
 
     Args:
         acc: The (block_M, block_N) fp32 accumulator fragment.
@@ -165,10 +171,16 @@ def store_tile(acc, C, c_row, c_col, dtype, cfg=DEFAULT):
         c_col: First output column.
         dtype: TileLang dtype of ``C``.
         cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
+        c_segment: The output segment where ``C`` is 3-D (default None: ``C`` is 2-D).
     """
     if cfg.epilogue == "shared":
         out = T.alloc_shared((cfg.block_M, cfg.block_N), dtype)
         T.copy(acc, out)
-        T.copy(out, C[c_row, c_col])
-    else:
+        if c_segment is None:
+            T.copy(out, C[c_row, c_col])
+        else:
+            T.copy(out, C[c_segment, c_row, c_col])
+    elif c_segment is None:
         T.copy(acc, C[c_row, c_col])
+    else:
+        T.copy(acc, C[c_segment, c_row, c_col])

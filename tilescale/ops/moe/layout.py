@@ -64,14 +64,12 @@ class Segments:
 
 
 def _rank():
-    """This rank, inside a kernel's ``T.Scale("device")``. Use it inline: bound to a name in a
-    macro, TileLang would rename the kernel's rank parameter, which ``ts.jit`` binds by name."""
+    """This rank, inside a kernel's ``T.Scale("device")``: the macros reach it without a parameter."""
     return current_context().rank
 
 
 def _first_expert(per_rank: int):
-    """This rank's first expert, inline like :func:`_rank` (with one expert per rank it *is* the
-    rank variable: named in a macro, it renamed the kernel's rank parameter)."""
+    """This rank's first expert, inside a kernel's ``T.Scale("device")``."""
     return _rank() * per_rank
 
 

@@ -36,7 +36,7 @@ from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
 
-# A plan's per-call part: (a_shard, weight, out) -> None, the rows of ``out`` filled.
+# A plan's per-call part: (a_shard, weight, out) -> None, ``out`` (world, M_local, N_local) filled.
 GatherLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -78,7 +78,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     chunks = -(-(padded // bm) // per_copy)
     ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
                           world * chunks)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, per_copy, tile, "epoch", group=group)
+    peers = ag_peer_gemm_kernel(world, dtype, m, padded, k, n, per_copy, tile, "epoch", group=group)
     announce = announce_kernel(world, group=group)
     on_gpu = ex.stream is not None
     if on_gpu:
@@ -144,7 +144,7 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
                    world * padded // bm)
     peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(call_board(state))  # peer tables
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
-    peers = ag_peer_gemm_kernel(world, dtype, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
+    peers = ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
@@ -280,8 +280,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(world * padded, n, dtype=a_shard.dtype, device=a_shard.device)
-        gather(a_shard, weight, out)
-        return out if padded == m else out.view(world, padded, n)[:, :m].reshape(world * m, n)
+        out = torch.empty(world * m, n, dtype=a_shard.dtype, device=a_shard.device)
+        gather(a_shard, weight, out.view(world, m, n))  # each segment's tiles clipped at its end: no copy
+        return out
 
     return op_plans.put(key, launch)(a_shard, weight)

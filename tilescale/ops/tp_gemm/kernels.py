@@ -21,9 +21,11 @@ from tilescale.ops._gemm import THREADS, TileConfig, gemm_tile, tile_coords
 @jit
 def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, push_blocks: int,
                        tile_cfg: TileConfig):
-    """The all-gather GEMM's first kernel: this rank's own segment of ``C``, read straight from
-    ``x`` (no copy of it, no wait), and, in blocks ``0..push_blocks-1``, the pushers that put
-    this rank's rows into every peer's gather buffer (``push_blocks == 0``: the copy engines do).
+    """The all-gather GEMM's first kernel: this rank's own segment of ``C`` (``C[rank]``, of
+    shape (world, rows, N): a segment's last row tile is clipped at its end, so the output
+    needs no padding), read straight from ``x`` (no copy of it, no wait), and, in blocks
+    ``0..push_blocks-1``, the pushers that put this rank's rows into every peer's gather
+    buffer (``push_blocks == 0``: the copy engines do).
 
     Pushers and tiles are one kernel so that the pushers are resident: blocks are dispatched
     in index order, so the first blocks run before the GEMM blocks take the SMs. Peers in
@@ -82,14 +84,14 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
                     tile = T.alloc_local((1,), "int32")  # in a register, as ag_peer_gemm_kernel's
                     tile[0] = b - push_blocks
                     by, bx = tile_coords(tile[0], m_tiles, n_tiles, tile_cfg.panel)
-                    gemm_tile(x, by * bm, W, bx * bn, C, rank * padded_rows + by * bm, bx * bn, K, dtype,
-                              tile_cfg.stages, tile_cfg)
+                    gemm_tile(x, by * bm, W, bx * bn, C, by * bm, bx * bn, K, dtype, tile_cfg.stages, tile_cfg,
+                              c_segment=rank)
 
     if push_blocks:
 
         @T.prim_func
         def main(x: T.Tensor((rows, K), dtype), gathered: T.Tensor((2 * world * padded_rows, K), dtype),
-                 W: T.Tensor((N, K), dtype), C: T.Tensor((world * padded_rows, N), dtype),
+                 W: T.Tensor((N, K), dtype), C: T.Tensor((world, rows, N), dtype),
                  flags: T.Tensor((world * m_tiles,), "int32"), state: T.Tensor((3,), "int32"),
                  board: T.Tensor((2 * world,), "int64"), ident: T.int64):
             own_kernel(x, gathered, W, C, flags, state, board, ident)
@@ -97,8 +99,7 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
         return main
 
     @T.prim_func
-    def gemm_only(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype),
-                  C: T.Tensor((world * padded_rows, N), dtype)):
+    def gemm_only(x: T.Tensor((rows, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((world, rows, N), dtype)):
         own_kernel(x, None, W, C, None, None, None, None)
 
     return gemm_only
@@ -116,10 +117,11 @@ def _peer_tile(tile, rank, world, m_tiles: int, n_tiles: int, panel: int):
 
 
 @jit
-def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, chunk_tiles: int,
+def ag_peer_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: int, N: int, chunk_tiles: int,
                         tile_cfg: TileConfig, target: str):
-    """The all-gather GEMM's second kernel: the peers' segments of ``C = gathered @ W.T``, each
-    output tile waiting until the chunk of rows it reads has arrived.
+    """The all-gather GEMM's second kernel: the peers' segments of ``C = gathered @ W.T``
+    (``C`` of shape (world, rows, N), as :func:`ag_own_gemm_kernel`'s), each output tile
+    waiting until the chunk of rows it reads has arrived.
 
     Rows arrive in chunks of ``chunk_tiles`` row tiles, each with a flag (``flags[segment *
     chunks + chunk]``). ``target="state"``: the flags count pusher arrivals and the tile
@@ -135,7 +137,8 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
     Args:
         world: Ranks of the group the kernel is built for.
         dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
-        padded_rows: A segment's rows padded to whole row tiles.
+        rows: A segment's rows (M_local).
+        padded_rows: ``rows`` padded to whole row tiles (a segment's rows in ``gathered``).
         K: Input features.
         N: This rank's output columns.
         chunk_tiles: Row tiles per arrival flag (:func:`chunk_tiles`).
@@ -159,15 +162,15 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
                 segment, by, bx = _peer_tile(tile[0], rank, world, m_tiles, n_tiles, tile_cfg.panel)
                 T.wait(flags[segment * chunks + by // chunk_tiles], "ge", epoch if state is None else state[1],
                        agree=(board, ident))
-                row = segment * padded_rows + by * bm
                 first = 0 if state is None else _buffer_of(state[0]) * world * padded_rows
-                gemm_tile(gathered, first + row, W, bx * bn, C, row, bx * bn, K, dtype, tile_cfg.stages, tile_cfg)
+                gemm_tile(gathered, first + segment * padded_rows + by * bm, W, bx * bn, C, by * bm, bx * bn, K, dtype,
+                          tile_cfg.stages, tile_cfg, c_segment=segment)
 
     if target == "state":
 
         @T.prim_func
         def counted(gathered: T.Tensor((2 * world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
-                    C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                    C: T.Tensor((world, rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
                     state: T.Tensor((3,), "int32"), board: T.Tensor((2 * world,), "int64"), ident: T.int64):
             peer_tiles(gathered, W, C, flags, state, None, board, ident)
 
@@ -175,7 +178,7 @@ def ag_peer_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int
 
     @T.prim_func
     def epoch_set(gathered: T.Tensor((world * padded_rows, K), dtype), W: T.Tensor((N, K), dtype),
-                  C: T.Tensor((world * padded_rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
+                  C: T.Tensor((world, rows, N), dtype), flags: T.Tensor((world * chunks,), "int32"),
                   epoch: T.int32, board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         peer_tiles(gathered, W, C, flags, None, epoch, board, ident)
 
