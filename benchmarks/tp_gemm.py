@@ -417,15 +417,21 @@ def plot_floor(report: Report) -> None:
     fig.savefig(report.path.with_suffix(".png"), dpi=120)
 
 
+def selected(shapes: list[tuple[str, tuple[int, int, int]]], wanted: str) -> list[tuple[str, tuple[int, int, int]]]:
+    """The (op, shape) pairs of ``shapes`` that ``wanted`` names (``op:MxKxN,...``; empty: all)."""
+    if not wanted:  # e.g. ag:1500x4096x7168,rs:3000x4608x7168
+        return shapes
+    names = wanted.split(",")
+    picked = [(op, s) for op, s in shapes if f"{op}:{'x'.join(map(str, s))}" in names]
+    if len(picked) != len(names):
+        raise SystemExit(f"--shapes: not all of {names} are among this mode's shapes (op:MxKxN)")
+    return picked
+
+
 def run_floor(args: argparse.Namespace) -> None:
     if ts.world_size() != 1:
         raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/tp_gemm.py --floor")
-    shapes = FLOOR_SHAPES
-    if args.shapes:  # e.g. ag:1500x4096x7168,rs:3000x4608x7168
-        wanted = args.shapes.split(",")
-        shapes = [(op, s) for op, s in shapes if f"{op}:{'x'.join(map(str, s))}" in wanted]
-        if len(shapes) != len(wanted):
-            raise SystemExit(f"--shapes: not all of {wanted} are floor shapes (op:MxKxN, FLOOR_SHAPES)")
+    shapes = selected(FLOOR_SHAPES, args.shapes)
     if args.part:  # i/n: every n-th shape from the i-th, e.g. to build kernels in parallel processes
         i, n = map(int, args.part.split("/"))
         shapes = shapes[i::n]
@@ -452,7 +458,7 @@ def run_floor(args: argparse.Namespace) -> None:
 
 def run_predicted(args: argparse.Namespace) -> None:
     shapes = [(op, s) for op, ss in SMALL.items() for s in ss] if args.small else list(PREDICTED_TP2)
-    shapes = [(op, s) for op, s in shapes if op in args.ops.split(",")]
+    shapes = selected([(op, s) for op, s in shapes if op in args.ops.split(",")], args.shapes)
     columns = ["op", "M", "K", "N", "nccl_cublas_us", "default_us", "fused_us", "fused_copy_engine_us", "speedup",
                "graph_nccl_cublas_us",
                "graph_default_us", "graph_fused_us", "graph_speedup", "predicted_default", "predicted_speedup",
@@ -475,7 +481,7 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="time every plan as a CUDA-graph replay (GPUs)")
     parser.add_argument("--floor", action="store_true", help="one-rank job: every fused plan vs cuBLAS (see floor)")
     parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
-    parser.add_argument("--shapes", default="", help="--floor: only these shapes (op:MxKxN,...)")
+    parser.add_argument("--shapes", default="", help="--floor, --predicted: only these shapes (op:MxKxN,...)")
     parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
     parser.add_argument("--predicted", action="store_true", help="two ranks: check the 2-GPU prediction per shape")
     args = parser.parse_args()
