@@ -64,8 +64,8 @@ def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeo
         f"rank {record['rank']}, block {record['block']}: {what} timed out{after} waiting for "
         f"{flag} {COMPARISON_TEXT[record['comparison']]} {record['expected']} (observed {record['observed']}). "
         "A peer never signalled: did a rank skip a signal, crash, run a different kernel sequence, or get "
-        "here later than this bound (a first call compiles its kernels: on a loaded host raise "
-        "TILESCALE_WAIT_TIMEOUT_S)?"
+        "here later than this bound (the first call of a kernel of your own, or of a MoE op, compiles its "
+        "kernels with no host barrier before: on a loaded host raise TILESCALE_WAIT_TIMEOUT_S)?"
     )
 
 

@@ -65,9 +65,11 @@ def main() -> None:
     expect_mismatch("operation", lambda: ts.ops.all_reduce(torch.ones(8)) if rank == 0 else
                     ts.ops.all_gather(torch.ones(8)))
 
-    # After the disagreements, agreeing calls give the right sums.
+    # After the disagreements, agreeing calls give the right sums. A call whose plan both ranks
+    # made before: the disagreeing calls left each rank plans the other lacks, and a plan's
+    # first call waits on the host for the peers to build theirs (ops._common.launch_together).
     x = torch.full((16,), 1.0 + rank)
-    ts.ops.all_reduce(x)
+    ts.ops.all_reduce(x, algorithm="one_shot")
     assert torch.equal(x, torch.full((16,), 3.0)), x
 
     # Integers reduce in integer arithmetic: exact where fp32 would round.

@@ -7,6 +7,7 @@ Workspaces and shape checks belong to a process group: they live in its state
 from __future__ import annotations
 
 import functools
+import os
 
 import tilelang  # noqa: F401 - makes TileLang's TVM importable as tvm
 import torch
@@ -304,3 +305,37 @@ def check_same_across_ranks(state: GroupState, what: str, value: list, every_cal
         where = "" if state.whole_job else f" of the {state.describe()}"
         raise ValueError(f"{what}: shapes differ across ranks{where} ({detail})")
     state.verified.add(key)
+
+
+def build_timeout_s() -> float:
+    """How long a rank waits for its peers to build a new plan's kernels (``TILESCALE_BUILD_TIMEOUT_S``,
+    default 600: a cold compile of several kernels, many jobs compiling on one host)."""
+    return float(os.environ.get("TILESCALE_BUILD_TIMEOUT_S", "600"))
+
+
+def launch_together(state: GroupState, what: str) -> None:
+    """A host barrier of the group once a new plan's kernels are built, before their first launch.
+
+    Compiling a plan's kernels can take a rank a minute longer than its peers (a cold cache,
+    many jobs compiling on one host). Without this, the peers' kernels would wait on the device
+    for it past the wait bound (``TILESCALE_WAIT_TIMEOUT_S``) and fail with WaitTimeoutError
+    though nothing is wrong; with it they wait on the host, where the bound is the build's
+    (:func:`build_timeout_s`) and a peer that exits is named at once. Only at a plan's first
+    call, and only in ops that every rank of the group calls alike (not one-sided puts).
+
+    Example::
+
+        launch = make_plan(...)                    # compiles the kernels
+        launch_together(state, "all_gather_gemm")  # every rank has them
+        launch(...)
+
+    Args:
+        state: The group's state.
+        what: The op's name, for the barrier's tag (and a timeout's message).
+
+    Raises:
+        TimeoutError: a peer did not finish building within :func:`build_timeout_s`, naming it.
+        PeerExitedError: a peer exited while this rank waited.
+    """
+    if state.size > 1:
+        state.comm.barrier(state.comm.next_tag(f"{what}: kernels built"), timeout_s=build_timeout_s())

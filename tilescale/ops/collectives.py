@@ -33,6 +33,7 @@ from tilescale import runtime
 from tilescale.jit import jit
 from tilescale.ops._common import (
     check_input,
+    launch_together,
     layout_key,
     op_plans,
     poison_value,
@@ -214,6 +215,7 @@ def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None,
         kernel(x.view(1, n), rows, sig, group=group)
         return out if out is not None else result.clone()
 
+    launch_together(state, "all_gather")
     return launch
 
 
@@ -260,6 +262,7 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None) -> Ca
         kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
         return out
 
+    launch_together(state, "reduce_scatter")
     return launch
 
 
@@ -327,4 +330,5 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
         x.copy_(staged)
         return x
 
+    launch_together(state, "all_reduce")
     return launch

@@ -14,6 +14,7 @@ from tilescale.ops._common import (
     call_board,
     call_identity,
     check_same_across_ranks,
+    launch_together,
     op_plans,
     signature,
     tl_dtype,
@@ -278,6 +279,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         gather = _copy_engine_gather(state, a_shard, weight, tile, sig)
     else:
         gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
+    launch_together(state, "all_gather_gemm")
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world * m, n, dtype=a_shard.dtype, device=a_shard.device)

@@ -11,6 +11,7 @@ from tilescale.groups import GroupState
 from tilescale.ops._common import (
     call_identity,
     check_same_across_ranks,
+    launch_together,
     op_plans,
     signature,
     sm_count,
@@ -70,6 +71,13 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
         return out
 
     return launch
+
+
+def _fused_plan(state: GroupState, key: tuple, op: str, launch: Launch) -> Launch:
+    """``launch``, a fused plan whose kernels are built, stored as ``key``'s plan once every rank
+    of the group has built its own (:func:`launch_together`)."""
+    launch_together(state, op)
+    return op_plans.put(key, launch)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -137,7 +145,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     # alike on every rank), so a peer whose call differs is not written out of bounds.
     sig = signature("gemm_reduce_scatter", a, f"N={n}", tile, f"splits={splits}")
     if splits > 1:  # K parts are separate partial tiles: the reduction kernel sums them
-        return op_plans.put(key, _gemm_then_reduce(state, a, weight, world, grid, sig))(a, weight)
+        two_kernels = _gemm_then_reduce(state, a, weight, world, grid, sig)
+        return _fused_plan(state, key, "gemm_reduce_scatter", two_kernels)(a, weight)
     ex = _exchange(state, ("rs-in-gemm", padded, n, a.dtype, tiles, tile.threads), (world * padded, n), a.dtype,
                    world * tiles)
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
@@ -149,7 +158,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
 
-    return op_plans.put(key, launch)(a, weight)
+    return _fused_plan(state, key, "gemm_reduce_scatter", launch)(a, weight)
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -236,9 +245,9 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     sig = signature("gemm_all_reduce", a, f"N={n}", grid.tile, f"splits={grid.splits}",
                     "one kernel" if one_kernel else "gather" if gather else "two kernels")
     if gather:
-        return op_plans.put(key, _gemm_scatter_gather(state, a, weight, grid, sig))(a, weight)
+        return _fused_plan(state, key, "gemm_all_reduce", _gemm_scatter_gather(state, a, weight, grid, sig))(a, weight)
     if not one_kernel:
-        return op_plans.put(key, _gemm_then_reduce(state, a, weight, 1, grid, sig))(a, weight)
+        return _fused_plan(state, key, "gemm_all_reduce", _gemm_then_reduce(state, a, weight, 1, grid, sig))(a, weight)
     tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
     ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
@@ -251,7 +260,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
 
-    return op_plans.put(key, launch)(a, weight)
+    return _fused_plan(state, key, "gemm_all_reduce", launch)(a, weight)
 
 
 def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tensor, grid: GemmGrid,

@@ -1,0 +1,61 @@
+"""Rank program (2+ ranks): one rank builds every kernel much slower than its peers.
+
+Rank 1 sleeps ``TILESCALE_TEST_BUILD_DELAY_S`` before building each kernel (as a rank compiling
+on a busy host, or with a cold cache while its peers' is warm), longer than the job's wait
+bound (the test sets ``TILESCALE_WAIT_TIMEOUT_S`` below it). The collective ops must still
+give the right result on every rank: their first call of a shape waits on the host until
+every rank has built its kernels, so no device-side wait runs while a peer is still
+compiling. Marker per op and rank: ``SKEW-OK <op> rank=<r>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+import torch
+
+import tilescale as ts
+from tilescale.testing import assert_close
+
+DELAY_S = float(os.environ.get("TILESCALE_TEST_BUILD_DELAY_S", "3"))
+
+
+def main() -> None:
+    ts.init()
+    rank, world = ts.rank(), ts.world_size()
+    if rank == 1:
+        jit_module = importlib.import_module("tilescale.jit")  # ts.jit is the decorator
+        build = jit_module._build
+
+        def slow_build(*args, **kwargs):
+            time.sleep(DELAY_S)
+            return build(*args, **kwargs)
+
+        jit_module._build = slow_build
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(24, 64, generator=g) for _ in range(world)]  # rank r's rows, made alike on every rank
+    w = torch.randn(40, 64, generator=g)
+    partial = [torch.randn(48, 64, generator=g) for _ in range(world)]  # rank r's (M, K_local)
+    full = torch.cat(rows)
+    summed = sum(p @ w.T for p in partial)
+    x = torch.arange(96, dtype=torch.float32) + rank
+    checks = {
+        "all_gather": (lambda: ts.ops.all_gather(x), torch.cat([torch.arange(96.0) + r for r in range(world)])),
+        "all_reduce": (lambda: ts.ops.all_reduce(x.clone()), sum(torch.arange(96.0) + r for r in range(world))),
+        "reduce_scatter": (lambda: ts.ops.reduce_scatter(x), sum(torch.arange(96.0) + r for r in range(world))
+                           .view(world, -1)[rank]),
+        "all_gather_gemm": (lambda: ts.ops.all_gather_gemm(rows[rank], w, plan="fused"), full @ w.T),
+        "gemm_reduce_scatter": (lambda: ts.ops.gemm_reduce_scatter(partial[rank], w, plan="fused"),
+                                summed.view(world, -1, 40)[rank]),
+        "gemm_all_reduce": (lambda: ts.ops.gemm_all_reduce(partial[rank], w, plan="fused"), summed),
+    }
+    for name, (call, expected) in checks.items():
+        assert_close(call(), expected, rtol=1e-4, atol=1e-3)
+        print(f"SKEW-OK {name} rank={rank}", flush=True)
+    ts.finalize()
+
+
+if __name__ == "__main__":
+    main()
