@@ -56,6 +56,14 @@ def test_wait_timeout_is_reported_on_both_ranks():
     assert "[rank 1] rank 1: WaitTimeoutError: rank 1, block 0: T.barrier() timed out" in proc.stdout
 
 
+@pytest.mark.timeout(900)
+def test_a_rank_building_kernels_slower_than_the_wait_bound_is_waited_for_on_the_host():
+    proc = run(str(RANKS / "build_skew.py"), timeout=800,
+               env={"TILESCALE_WAIT_TIMEOUT_S": "2", "TILESCALE_TEST_BUILD_DELAY_S": "5"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("SKEW-OK ") == 12, proc.stdout[-3000:]
+
+
 @pytest.mark.timeout(300)
 def test_non_symmetric_argument_is_refused():
     proc = run(str(RANKS / "non_symmetric_arg.py"))
