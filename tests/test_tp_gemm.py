@@ -312,6 +312,36 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert tp_gemm.one_kernel_wins(2, 256, False) and not tp_gemm.one_kernel_wins(2, 200, True)
 
 
+def test_pushers_hold_their_sms_until_the_rows_are_out():
+    # 384 tiles of 65 us on 132 SMs: 3 waves with every SM; 32 pushers holding an SM for 45 us
+    # push the last 20 tiles into a fourth round (they start at 175 us).
+    assert tp_gemm.own_kernel_us(384, 65.0, 132, 0, 0.0) == pytest.approx(195.0)
+    assert tp_gemm.own_kernel_us(384, 65.0, 132, 32, 45.0) == pytest.approx(240.0)
+    # 4 pushers idle 4 SMs for 170 us: 128 SMs still finish the 384 tiles in 3 waves.
+    assert tp_gemm.own_kernel_us(384, 65.0, 132, 4, 170.0) == pytest.approx(195.0)
+    # The kernel is not done before its pushers: rows that take longer than the tiles.
+    assert tp_gemm.own_kernel_us(100, 10.0, 132, 4, 400.0) == pytest.approx(400.0)
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "world", "tile", "expected"), [
+    # 2x H100, graph replays (2026-11-28): 4 pushers 391 us, 8-32 439-444 us (a fourth wave)
+    (1024, 7168, 9216, 2, "WIDE_192", 4),
+    # 256 tiles, 2 waves with 8 spare SMs: 4 and 8 pushers fit (339-340 us), 16 and 32 not (369-374)
+    (512, 8192, 14336, 2, "WIDE_224", 8),
+    # 33.5 MB to send: 4 pushers leave the rows late (705 us), 8-32 did not (625-632 us)
+    (4096, 4096, 6144, 2, "WIDE", 32),
+    # 396 tiles, 3 whole waves: every pusher costs a fourth, the most send soonest (578-585 us, 32 best)
+    (1500, 8192, 7392, 2, "WIDE_224", 32),
+    # three peers' rows: the few pushers that fit at 2 ranks send them too slowly
+    (1024, 7168, 9216, 4, "WIDE_192", 32),
+])
+def test_choose_push_blocks_leaves_the_gemm_its_waves(rows, k, n, world, tile, expected, monkeypatch):
+    from tilescale.ops import _gemm
+
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
+    assert tp_gemm.choose_push_blocks(rows, k, n, world, getattr(_gemm, tile), 2) == expected
+
+
 @pytest.mark.parametrize(("m_tiles", "k", "expected"), [(64, 8192, 4), (8, 8192, 4), (2, 1024, 1), (1, 64, 1),
                                                         (40, 1024, 20)])
 def test_copy_engine_chunks_are_about_8_mb_and_at_least_two(m_tiles, k, expected):

@@ -52,24 +52,27 @@ from tilescale.ops.tp_gemm.kernels import (
 )
 from tilescale.ops.tp_gemm.plan import (
     FUSED_MIN_ROWS,
-    PUSH_BLOCKS,
+    PUSH_CHOICES,
     TILE_RATES,
     GemmGrid,
     _choose,
     _fused_wins,
+    choose_push_blocks,
     choose_tile,
     chunk_tiles,
     k_splits,
     kernel_tiles,
     one_kernel_wins,
+    own_kernel_us,
     reduce_grid,
     useful_share,
     wave_efficiency,
 )
 from tilescale.ops.tp_gemm.reduce import gemm_all_reduce, gemm_reduce_scatter
 
-__all__ = ["COPY_ENGINE_MIN_BYTES", "FUSED_MIN_ROWS", "PRODUCERS", "PUSH_BLOCKS", "TILE_RATES", "GemmGrid", "_choose",
-           "_fused_wins", "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm", "all_reduce_gemm_kernel",
-           "announce_kernel", "choose_tile", "chunk_tiles", "default_producer", "gather_segments_kernel",
-           "gemm_all_reduce", "gemm_push_kernel", "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits",
-           "kernel_tiles", "one_kernel_wins", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]
+__all__ = ["COPY_ENGINE_MIN_BYTES", "FUSED_MIN_ROWS", "PRODUCERS", "PUSH_CHOICES", "TILE_RATES", "GemmGrid",
+           "_choose", "_fused_wins", "ag_own_gemm_kernel", "ag_peer_gemm_kernel", "all_gather_gemm",
+           "all_reduce_gemm_kernel", "announce_kernel", "choose_push_blocks", "choose_tile", "chunk_tiles",
+           "default_producer", "gather_segments_kernel", "gemm_all_reduce", "gemm_push_kernel",
+           "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits", "kernel_tiles", "one_kernel_wins",
+           "own_kernel_us", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]

@@ -23,11 +23,11 @@ from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange, _gather_exchange, _StreamWrites
 from tilescale.ops.tp_gemm.kernels import ag_own_gemm_kernel, ag_peer_gemm_kernel, announce_kernel
 from tilescale.ops.tp_gemm.plan import (
-    PUSH_BLOCKS,
     _cached_plan,
     _check_pair,
     _choose,
     _fused_wins,
+    choose_push_blocks,
     choose_tile,
     chunk_tiles,
     gemm_alone,
@@ -188,7 +188,7 @@ def default_producer(row_bytes: int, capturing: bool, mapped: bool) -> str:
 
 
 def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
-                    tile: TileConfig | None = None, push_blocks: int = PUSH_BLOCKS,
+                    tile: TileConfig | None = None, push_blocks: int | None = None,
                     producer: str | None = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``all_gather(a_shard) @ weight.T`` with the gather overlapped with the GEMM.
 
@@ -214,7 +214,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
             ``TILESCALE_TP_PLAN``, else unfused for a group of one rank (the GEMM alone), by the link
             arithmetic on GPUs and from ``FUSED_MIN_ROWS`` output rows on the CPU path.
         tile: The fused kernels' GEMM tile; None picks one with :func:`choose_tile`.
-        push_blocks: Pushing blocks of the ``"sm"`` producer (default ``PUSH_BLOCKS``, 32).
+        push_blocks: Pushing blocks of the ``"sm"`` producer; None picks them per shape
+            (:func:`choose_push_blocks`: 4 to 32, so that they leave the GEMM its waves).
         producer: ``"copy_engine"``, ``"sm"`` or None (:func:`default_producer`).
         group: The tensor-parallel process group; None is the whole job.
 
@@ -236,7 +237,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     if launch is not None:
         return launch(a_shard, weight)
     _check_pair(a_shard, weight)
-    if push_blocks < 1:
+    if push_blocks is not None and push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")
     if producer not in (None, *PRODUCERS):
         raise ValueError(f"producer must be one of {PRODUCERS} or None, got {producer!r}")
@@ -271,6 +272,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         if not mapped:
             raise ValueError("all_gather_gemm(producer='copy_engine') needs every peer's memory mapped in this "
                              "process; with NVSHMEM calls between the ranks use producer='sm' (the default there)")
+    push_blocks = push_blocks or choose_push_blocks(m, k, n, world, tile, a_shard.element_size())
     sig = signature("all_gather_gemm", a_shard, f"N={n}", tile,
                     producer if producer == "copy_engine" else f"sm push_blocks={push_blocks}")
     if producer == "copy_engine":

@@ -4,6 +4,7 @@ link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEM
 K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`) and the call plan
 a call of the same key resolved before (:func:`_cached_plan`)."""
 
+import heapq
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,10 +18,13 @@ from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, layout_key, op_plans, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
 
-# Pusher blocks of the SM-pusher all-gather plan (the rest of its first kernel computes the own
-# rows): with the earlier one-kernel design on 2x H200, 32 beat 8 and 16 at three of the four
-# benchmark shapes (benchmarks/results/tp-gemm-nvidia-h200-x2-20261122-235927.json).
-PUSH_BLOCKS = 32
+# Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
+# the own rows; choose_push_blocks picks one per shape), and what they move: one block ~22 GB/s
+# to a peer while the GEMM runs (2x H100, 2026-11-28: 4 pushers moved 33.5 MB in ~385 us),
+# all of them at most what SM stores reach over NVLink (332-348 GB/s on 2x H200, DESIGN.md).
+PUSH_CHOICES = (4, 8, 16, 32)
+PUSH_BLOCK_GBPS = 20.0
+PUSH_LINK_GBPS = 330.0
 # The CPU path's default: fused from this many output rows on (GPUs decide by _fused_wins).
 FUSED_MIN_ROWS = 1024
 # The link arithmetic of the GPU default (_fused_wins): what the unfused plan's NCCL collective
@@ -178,6 +182,71 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
             return NARROW
         return TALL if NARROW.block_M < rows <= TALL.block_M else WIDE
     return DEFAULT
+
+
+def choose_push_blocks(rows: int, k: int, n: int, world: int, tile: TileConfig, elem_bytes: int) -> int:
+    """Pusher blocks of the all-gather GEMM's first kernel (``producer="sm"``): of
+    ``PUSH_CHOICES`` the one whose kernel ends first by :func:`own_kernel_us` (ties: the one
+    whose rows land first, then the fewest). Each pusher holds an SM until the rows are out, so
+    32 pushers cost a wave where the own tiles fill their waves nearly whole, and 4 leave the
+    rows late where they are many: on 2x H100 (2026-11-28, graph replays) 2048 x 7168 x 9216
+    took 391 us with 4 and 441 with 32, 8192 x 4096 x 6144 705 with 4 and 625-632 with 8-32.
+
+    Example::
+
+        choose_push_blocks(1024, 7168, 9216, 2, WIDE_192, 2)    # 4 on a 132-SM H100: 384 tiles, 3 waves
+
+    Args:
+        rows: This rank's rows (M_local).
+        k: Input features.
+        n: Output columns.
+        world: Ranks of the group (the pushers send to ``world - 1`` peers).
+        tile: The GEMM tile.
+        elem_bytes: Bytes per element of the rows.
+
+    Returns:
+        int: One of ``PUSH_CHOICES``.
+    """
+    sms = sm_count()
+    tiles = kernel_tiles(rows, n, tile)[0]
+    tile_us = 2 * tile.block_M * tile.block_N * k * sms / (GEMM_TFLOPS * 1e6 * dict(TILE_RATES).get(tile, 1.0))
+    row_bytes = (world - 1) * rows * k * elem_bytes
+
+    def push_us(blocks: int) -> float:
+        return row_bytes / (min(blocks * PUSH_BLOCK_GBPS, PUSH_LINK_GBPS) * 1e3)
+
+    return min(PUSH_CHOICES, key=lambda p: (own_kernel_us(tiles, tile_us, sms, p, push_us(p)), push_us(p), p))
+
+
+def own_kernel_us(tiles: int, tile_us: float, sms: int, blocks: int, push_us: float) -> float:
+    """When the all-gather GEMM's first kernel ends: ``tiles`` GEMM blocks of ``tile_us`` each,
+    dispatched in order to whichever SM frees first, after ``blocks`` pushers that hold an SM
+    each for ``push_us`` (one block per SM: the GEMM's shared memory), and not before the
+    pushers are done.
+
+    Example::
+
+        own_kernel_us(384, 65.0, 132, 32, 45.0)    # 240.0: 100 SMs free at once, 32 at 45 us
+
+    Args:
+        tiles: GEMM blocks of the kernel.
+        tile_us: One block's time.
+        sms: SMs of the GPU.
+        blocks: Pusher blocks, dispatched first.
+        push_us: How long the pushers take.
+
+    Returns:
+        float: The kernel's time in us.
+    """
+    held = min(blocks, sms)
+    free = [0.0] * (sms - held) + [push_us] * held
+    heapq.heapify(free)
+    end = push_us
+    for _ in range(tiles):
+        done = heapq.heappop(free) + tile_us
+        end = max(end, done)
+        heapq.heappush(free, done)
+    return end
 
 
 def useful_share(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...], sms: int) -> float:
