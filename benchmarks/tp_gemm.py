@@ -20,6 +20,12 @@ TP shape, against cuBLAS on the same operands: what the fused kernels cost befor
 (see :func:`measure_predicted`)::
 
     tilescale run -n 2 benchmarks/tp_gemm.py --predicted
+
+``--pushers`` (two or more ranks) times the all-gather GEMM with its SM pushers chosen per
+shape (``choose_push_blocks``) against each count it chooses from, forced (see
+:func:`measure_pushers`)::
+
+    tilescale run -n 2 benchmarks/tp_gemm.py --pushers
 """
 
 import argparse
@@ -33,7 +39,7 @@ from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
-from tilescale.ops.tp_gemm import choose_tile, default_producer, reduce_grid
+from tilescale.ops.tp_gemm import PUSH_CHOICES, choose_push_blocks, choose_tile, default_producer, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
@@ -295,6 +301,48 @@ def measure_predicted(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     return row
 
 
+# --pushers: the all-gathers of the 2-GPU prediction and two more whose pushers the chooser
+# sets to 16 and 8 (M: all ranks' rows).
+PUSHER_SHAPES = [*(s for op, s in PREDICTED_TP2 if op == "ag"), (2048, 4096, 14336), (6144, 5120, 13824)]
+
+
+def measure_pushers(shape: tuple[int, int, int], iters: int) -> dict:
+    """The all-gather GEMM at ``shape`` with the SM pushers (``producer="sm"``) as the op picks
+    them (``chosen``: :func:`choose_push_blocks`) and with each count of ``PUSH_CHOICES``
+    forced (``push4``, ...), beside NCCL + cuBLAS: every plan checked against NCCL + cuBLAS,
+    then timed taking turns (CUDA events, median), eagerly and, on GPUs, as CUDA-graph replays
+    (``graph_`` columns), which leave the kernels' own time."""
+    m, k, n = shape
+    world = ts.world_size()
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank() + m)
+    a = torch.randn(m // world, k, device=ts.device(), generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    _, unfused, _ = _plans("ag", a, weight)
+    tile = choose_tile(m // world, n, kernels=(1, world - 1))
+    plans = {"nccl_cublas": unfused,
+             "chosen": lambda: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm"),
+             **{f"push{b}": lambda b=b: ts.ops.all_gather_gemm(a, weight, plan="fused", producer="sm", push_blocks=b)
+                for b in PUSH_CHOICES}}
+    expected = unfused().clone()
+    tol = tolerance("ag", shape, tile)
+    row = {"op": "ag", "M": m, "K": k, "N": n, "tile": tile_label(tile),
+           "pushers": choose_push_blocks(m // world, k, n, world, tile, a.element_size()),
+           "checks": [check_close(f"ag {shape} {name}", fn(), expected, rtol=tol, atol=tol)
+                      for name, fn in plans.items() if name != "nccl_cublas"]}
+    timed = {"": plans}
+    if ts.device().type == "cuda":
+        timed["graph_"] = {name: graphed(fn) for name, fn in plans.items()}
+    for prefix, fns in timed.items():
+        for name, timing in time_interleaved(fns, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
+            row[f"{prefix}{name}_us"] = timing.median_ms * 1e3
+        fixed = min(PUSH_CHOICES, key=lambda b: row[f"{prefix}push{b}_us"])
+        row[f"{prefix}best_fixed"] = fixed
+        row[f"{prefix}chosen_vs_best"] = row[f"{prefix}chosen_us"] / row[f"{prefix}push{fixed}_us"]
+        row[f"{prefix}chosen_vs_push32"] = row[f"{prefix}chosen_us"] / row[f"{prefix}push32_us"]
+        row[f"{prefix}speedup"] = row[f"{prefix}nccl_cublas_us"] / row[f"{prefix}chosen_us"]
+    return row
+
+
 def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig) -> dict:
     """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
     where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
@@ -471,6 +519,23 @@ def run_predicted(args: argparse.Namespace) -> None:
     report.save()
 
 
+def run_pushers(args: argparse.Namespace) -> None:
+    if ts.world_size() < 2:
+        raise SystemExit("--pushers needs peers to push to: tilescale run -n 2 benchmarks/tp_gemm.py --pushers")
+    shapes = [s for _, s in selected([("ag", s) for s in (SMALL["ag"] if args.small else PUSHER_SHAPES)],
+                                     args.shapes)]
+    columns = ["op", "M", "K", "N", "tile", "pushers", "nccl_cublas_us", "chosen_us",
+               *(f"push{b}_us" for b in PUSH_CHOICES), "chosen_vs_best", "chosen_vs_push32", "speedup",
+               "graph_nccl_cublas_us", "graph_chosen_us", *(f"graph_push{b}_us" for b in PUSH_CHOICES),
+               "graph_chosen_vs_best", "graph_chosen_vs_push32", "graph_speedup"]
+    report = Report(f"tp-gemm-pushers-x{ts.world_size()}", columns=columns)
+    for shape in progress(shapes, "tp_gemm pushers", fmt=str):
+        report.add(measure_pushers(shape, args.iters))
+        report.save()  # after every shape: a job cut off at its time limit keeps what it measured
+    report.print_table()
+    report.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU path)")
@@ -481,9 +546,11 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="time every plan as a CUDA-graph replay (GPUs)")
     parser.add_argument("--floor", action="store_true", help="one-rank job: every fused plan vs cuBLAS (see floor)")
     parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
-    parser.add_argument("--shapes", default="", help="--floor, --predicted: only these shapes (op:MxKxN,...)")
+    parser.add_argument("--shapes", default="", help="--floor, --predicted, --pushers: only these (op:MxKxN,...)")
     parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
     parser.add_argument("--predicted", action="store_true", help="two ranks: check the 2-GPU prediction per shape")
+    parser.add_argument("--pushers", action="store_true", help="two or more ranks: the all-gather's pushers, "
+                        "chosen per shape against each count forced")
     args = parser.parse_args()
     ts.init()
     if args.floor:
@@ -492,6 +559,10 @@ def main() -> None:
         return
     if args.predicted:
         run_predicted(args)
+        ts.finalize()
+        return
+    if args.pushers:
+        run_pushers(args)
         ts.finalize()
         return
     shapes = SMALL if args.small else {"ag": AG_SHAPES, "rs": RS_SHAPES, "ar": AR_SHAPES}
