@@ -27,10 +27,12 @@ def test_dispatch_combine_match_reference(n):
     assert proc.stdout.count("BUFFER-OK") == n  # reused for any count that fits, refused past it, released
     assert proc.stdout.count("INPLACE-OK") == 2 * n  # in place: gathered GEMMs (bf16, FP8), combine, two sets
     assert proc.stdout.count("FP8-LAYER-OK") == n  # ExpertParallelMoE(fp8_dispatch=True) against bf16
+    assert proc.stdout.count("MASKED-OK") == 2 * n  # -1 ids name no expert (DeepEP's masked entries), both modes
     # an out-of-range expert id is a ValueError naming the rank and the ids
     experts = max(4, 8 // n) * n  # as moe_check.py spreads them
     for r in range(n):
-        assert f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {experts}); got" in proc.stdout
+        assert (f"rank {r}: ValueError: moe_dispatch: rank {r}: expert ids must be in [0, {experts}) or -1 (no "
+                f"expert); got") in proc.stdout
     if n > 1:  # ranks that disagree on the mode
         assert proc.stdout.count("MODE-MISMATCH moe_dispatch: shapes differ across ranks") == n
         assert "'low_latency=True'" in proc.stdout and "'low_latency=False'" in proc.stdout
@@ -132,7 +134,8 @@ LAYOUT_CHECK = textwrap.dedent("""
         g = torch.Generator(device=ts.device()).manual_seed(7 + rank)
         idx = torch.randint(0, experts_here, (tokens, topk), generator=g)  # ids may repeat within a token
         idx[::97, 1] = idx[::97, 0]
-        idx[3, 2], idx[tokens - 1, 0], idx[5, 1] = -1, experts_here, 2**32 + 1  # int64 ids, read as passed
+        # int64 ids, read as passed: three out of range (-5 too), and -1, which names no expert (no error)
+        idx[3, 2], idx[4, 0], idx[tokens - 1, 0], idx[5, 1] = -1, -5, experts_here, 2**32 + 1
         route = moe.router(world, tokens, topk, experts_here, "int64")
         dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
         send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
@@ -146,7 +149,7 @@ LAYOUT_CHECK = textwrap.dedent("""
         for e in range(experts_here):
             hits = (flat == e).nonzero()[:, 0]
             order[hits] = torch.arange(len(hits))
-        assert torch.equal(expert_slot.flatten().long(), order), tokens  # -1 for ids out of range
+        assert torch.equal(expert_slot.flatten().long(), order), tokens  # -1 for ids out of range and -1
         assert torch.equal(expert_counts.long(), torch.bincount(flat[valid], minlength=experts_here))
         assert int(bad[0]) == 3
         per = experts_here // world

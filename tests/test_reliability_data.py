@@ -117,7 +117,8 @@ def moe_job():
 
 
 @pytest.mark.parametrize(("case", "kind", "message"), [
-    ("int64-wraps", "ValueError", r"expert ids must be in \[0, 4\); got 0\.\.4294967297 \(1 out of range"),
+    ("int64-wraps", "ValueError",
+     r"expert ids must be in \[0, 4\) or -1 \(no expert\); got 0\.\.4294967297 \(1 out of range"),
     ("int64-negative", "ValueError", r"got -1099511627776\.\.3 \(1 out of range"),
     ("int32-too-large", "ValueError", r"got 4\.\.4 \(16 out of range"),
     ("float", "TypeError", r"topk_idx must hold integer expert ids, got torch\.float32"),

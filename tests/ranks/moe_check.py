@@ -108,6 +108,19 @@ for case, (tokens, topk, low_latency, max_tokens, *row) in enumerate(cases):
           flush=True)
 
 
+# Entries of id -1 name no expert (DeepEP's masked entries: dropped or padding tokens): not
+# sent for, not an error; a token with no other entry goes nowhere and combines to zeros.
+for low_latency in (False, True):
+    g = torch.Generator(device=ts.device()).manual_seed(500 + rank)
+    x = torch.randn(15, hidden, generator=g).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(15, num_experts, generator=g).topk(4, dim=1)
+    topk_idx[::3, 1] = -1
+    topk_idx[4] = -1  # every entry masked
+    recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
+    combine_and_check(f"masked, low_latency={low_latency}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
+    print(f"rank {rank}: masked entries, low_latency={low_latency}: MASKED-OK", flush=True)
+
+
 # A step whose handle dies with it (a layer's forward) gives its small outputs back to the
 # next dispatch of its sizes (tilescale.plans.ReusedOutputs): no allocation, and right results;
 # a handle still held keeps its own, unchanged by the calls after it.

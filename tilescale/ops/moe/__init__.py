@@ -14,7 +14,7 @@ The modules, by role:
   (token, k) entry's order among its expert's entries (``router``: each chunk of tokens
   counted by its own block, then earlier chunks' counts added); the one check of
   expert ids (``expert_ids``, and the device's count of ids out of range, raised on the host
-  once ready).
+  once ready; -1 names no expert, as DeepEP's masked entries).
 * ``dispatch``: the dispatch kernel, sending and receiving at once; ``layout``: the grouped
   layout it leaves (one flat ``(rows, hidden)`` tensor in which local expert ``l`` owns rows
   ``offsets[l]:offsets[l] + counts[l]``, segments padded to 128-row tiles), or in place

@@ -55,7 +55,9 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
             ``recv_x`` is then such a pair too (views of one byte tensor, grouped alike), which
             ``ts.ops.grouped_gemm(..., scales=)`` takes; combine stays bf16.
         topk_idx: (tokens, topk) integer expert ids (TypeError otherwise); experts are split
-            evenly over the group's ranks.
+            evenly over the group's ranks. -1 names no expert (DeepEP's masked entry: not sent
+            for, weight unused; a token of only -1 combines to zeros); other ids outside
+            ``[0, num_experts)`` raise ValueError.
         topk_weights: (tokens, topk) routing weights.
         num_experts: experts over the whole group.
         low_latency: announce every row to its receiver as soon as it is out, instead of

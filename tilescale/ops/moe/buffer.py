@@ -68,8 +68,8 @@ class DispatchHandle:
     """
 
     tokens: int  # this rank's tokens (0 allowed)
-    topk_idx: torch.Tensor  # (max(tokens, 1), topk) int32 expert ids this rank dispatched (-1: out of range, or
-    # the padding row of no tokens)
+    topk_idx: torch.Tensor  # (max(tokens, 1), topk) int32 expert ids this rank dispatched (-1: no expert, out
+    # of range, or the padding row of no tokens)
     topk_w: torch.Tensor  # (max(tokens, 1), topk) float32 their routing weights
     expert_slot: torch.Tensor  # (max(tokens, 1), topk) order of entry (t, k) among this rank's entries of its expert
     dest: torch.Tensor  # (world * max(tokens, 1),) destination of pair (rank r, token t) at r * tokens + t, or -1
@@ -268,7 +268,7 @@ class Buffer:
         Args:
             x: this rank's (tokens, hidden) rows, tokens <= ``max_tokens`` (0 allowed); for an
                 FP8 buffer a ``(values, scales)`` pair (``quantize_fp8``) or rows to quantise.
-            topk_idx: (tokens, topk) integer expert ids.
+            topk_idx: (tokens, topk) integer expert ids; -1: no expert (``ts.ops.moe_dispatch``).
             topk_weights: (tokens, topk) routing weights.
             low_latency: announce every row on its own (decode batches); the same on every rank.
             in_place: return the receive rows as they landed, with the grouped layout as an

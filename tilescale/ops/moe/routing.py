@@ -59,9 +59,10 @@ def chunk_counts_shape(world: int, tokens: int, num_experts: int) -> tuple[int, 
 
 
 def _id(idx, t, k, num_experts):
-    """Entry (t, k)'s expert id as int32, ids of a wider type clamped to [-1, num_experts]
-    first, which keeps every bad id bad: no cast wraps one into range (2**32 + 1 is not 1)."""
-    return T.Cast("int32", T.max(T.min(idx[t, k], num_experts), -1))
+    """Entry (t, k)'s expert id as int32, clamped to [-2, num_experts] first (ids of a wider
+    type too), which keeps every bad id bad (no cast wraps one into range: 2**32 + 1 is not 1)
+    and -1, an entry that names no expert, apart from them."""
+    return T.Cast("int32", T.max(T.min(idx[t, k], num_experts), -2))
 
 
 def _valid(e, num_experts):
@@ -69,8 +70,9 @@ def _valid(e, num_experts):
 
 
 def _bad(e, num_experts):
-    """A clamped id out of range (-1 or num_experts; a padding token's num_experts + 1 is neither)."""
-    return T.Or(e == -1, e == num_experts)
+    """A clamped id out of range (-2 or num_experts): not -1 (no expert, as DeepEP's masked
+    entries), nor a padding token's num_experts + 1."""
+    return T.Or(e == -2, e == num_experts)
 
 
 def _entries(own, i, topk, lo, hi):
@@ -123,7 +125,8 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
     ids outside [0, num_experts), which are routed nowhere), ``ids`` (the int32 ids the
     dispatch sends, -1 for those); totals: ``send_counts[r]``, ``expert_counts[e]``, ``bad[0]``
     (ids out of range, also stored at host address ``bad_host`` where it is not 0: a pinned,
-    device-mapped word the host watches). ``topk_idx`` is read as passed (``id_dtype``: int32
+    device-mapped word the host watches). An id of -1 names no expert (DeepEP's masked entry):
+    routed nowhere like a bad id, but not counted as one. ``topk_idx`` is read as passed (``id_dtype``: int32
     or int64), so the caller's ids need no conversion kernel. Every element of every output is
     written (the caller allocates them unfilled).
 
@@ -160,8 +163,8 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
                 for i, k in T.Parallel(chunk, topk):
                     if c * chunk + i < tokens:
                         ids[c * chunk + i, k] = T.if_then_else(_valid(own[i, k], num_experts), own[i, k], -1)
-                    if c * chunk + i < tokens and _bad(own[i, k], num_experts):
-                        expert_slot[c * chunk + i, k] = -1
+                    if c * chunk + i < tokens and T.Or(own[i, k] < 0, own[i, k] >= num_experts):
+                        expert_slot[c * chunk + i, k] = -1  # bad or no expert: no entry anywhere
             T.fill(hits, 0)
             # Each entry marks its bins for its token: 1 for its rank, its expert's entries in
             # the token for its expert; entries of one token mark a bin alike.
@@ -172,7 +175,8 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
                 if _valid(e, num_experts) and lo <= world + e and world + e < lo + GROUP_BINS:
                     hits[world + e - lo, i] = _entries(own, i, topk, e, e + 1)
                 if _bad(e, num_experts) and lo <= world + num_experts and world + num_experts < lo + GROUP_BINS:
-                    hits[world + num_experts - lo, i] = topk - _entries(own, i, topk, 0, num_experts)
+                    hits[world + num_experts - lo, i] = (_entries(own, i, topk, -2, -1)
+                                                         + _entries(own, i, topk, num_experts, num_experts + 1))
             T.cumsum(src=hits, dim=1)  # inclusive, along the chunk's tokens
             for b in T.Parallel(GROUP_BINS):
                 if lo + b < bins:
@@ -363,5 +367,5 @@ def raise_bad_ids() -> None:
             _spare.append((check.host, check.bad))
         if found:
             low, high = int(check.idx.min()), int(check.idx.max())
-            raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {check.num_experts}); "
-                             f"got {low}..{high} ({found} out of range, not sent)")
+            raise ValueError(f"moe_dispatch: rank {runtime.rank()}: expert ids must be in [0, {check.num_experts}) "
+                             f"or -1 (no expert); got {low}..{high} ({found} out of range, not sent)")
