@@ -68,6 +68,13 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
             assert tuple(rows.shape) == (tokens, moe.fp8.packed_width(hidden))
             assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
             assert torch.equal(moe.dequantize_fp8(values, scales), moe.dequantize_fp8(want_values, want_scales))
+            # DeepEP's round_scale: each scale rounded up to a power of two, the values divided by it
+            values, scales = moe.quantize_fp8(x, round_scale=True)
+            pow2 = torch.exp2(torch.ceil(torch.log2(want_scales)))
+            assert torch.equal(scales, pow2) and bool((torch.frexp(scales).mantissa == 0.5).all()), (tokens, hidden)
+            assert bool((scales >= want_scales).all() and (scales < 2 * want_scales).all())
+            want_values = (blocks / pow2[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
+            assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), (tokens, hidden, dtype)
         empty, empty_scales = moe.quantize_fp8(torch.empty(0, 256, dtype=torch.bfloat16))
         assert empty.shape == (0, 256) and empty_scales.shape == (0, 2)
         print("QUANTIZE-OK")
@@ -449,6 +456,10 @@ def test_quantize_kernel_lowers_and_compiles(tmp_path):
     src = lower_cuda(moe.fp8.quantize_fp8_kernel.__wrapped__(7168, "bfloat16"))
     assert "__nv_fp8" in src or "fp8_e4" in src  # the e4m3 cast on the device
     proc = nvcc(src, tmp_path / "quantize.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounded = lower_cuda(moe.fp8.quantize_fp8_kernel.__wrapped__(7168, "bfloat16", True))
+    assert "exp2" in rounded and "ceil" in rounded and "log2" in rounded and "exp2" not in src
+    proc = nvcc(rounded, tmp_path / "quantize_rounded.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

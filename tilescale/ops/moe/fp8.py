@@ -34,14 +34,15 @@ _FP8 = "float8_e4m3fn"
 
 
 @jit
-def quantize_fp8_kernel(hidden: int, dtype: str):
+def quantize_fp8_kernel(hidden: int, dtype: str, round_scale: bool = False):
     """Rows of ``x`` to packed FP8 rows in one pass: per row and 128-channel group, the scale
-    ``max(amax, 1e-4) / 448`` and the values ``x / scale`` rounded to e4m3 (float32, IEEE
-    division, round to nearest even).
+    ``max(amax, 1e-4) / 448`` (``round_scale``: rounded up to a power of two) and the values
+    ``x / scale`` rounded to e4m3 (float32, IEEE division, round to nearest even).
 
     Args:
         hidden: Channels of a row, a multiple of 128 (the rows: any number, a dynamic size).
         dtype: TileLang dtype of ``x``.
+        round_scale: Scales as powers of two (``2 ** ceil(log2(scale))``).
 
     Returns:
         The kernel's ``T.prim_func`` (``x``, then the packed rows viewed as e4m3 values and as
@@ -63,6 +64,9 @@ def quantize_fp8_kernel(hidden: int, dtype: str):
             T.reduce_absmax(tile, scale, dim=1)
             for i in T.Parallel(QUANT_ROWS):
                 scale[i] = T.max(scale[i], T.float32(1e-4)) / T.float32(E4M3_MAX)
+            if round_scale:
+                for i in T.Parallel(QUANT_ROWS):
+                    scale[i] = T.exp2(T.ceil(T.log2(scale[i])))
             for i, c in T.Parallel(QUANT_ROWS, BLOCK):
                 if by * QUANT_ROWS + i < tokens:
                     values[by * QUANT_ROWS + i, g * BLOCK + c] = T.cast(tile[i, c] / scale[i], _FP8)
@@ -73,14 +77,17 @@ def quantize_fp8_kernel(hidden: int, dtype: str):
     return main
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` as e4m3 values with one float32 scale per 128 channels.
 
-    One pass, one kernel (:func:`quantize_fp8_kernel`, compiled once per hidden size and
-    dtype), computing in float32 with IEEE division what this torch expression states::
+    One pass, one kernel (:func:`quantize_fp8_kernel`, compiled once per hidden size, dtype
+    and ``round_scale``), computing in float32 with IEEE division what this torch expression
+    states::
 
         blocks = x.float().view(tokens, hidden // 128, 128)
         scales = blocks.abs().amax(-1).clamp(min=1e-4) / 448     # a block of zeros: a tiny scale, values 0
+        if round_scale:                                          # DeepEP's round_scale (UE8M0-ready scales)
+            scales = torch.exp2(torch.ceil(torch.log2(scales)))
         values = (blocks / scales[..., None]).view(tokens, hidden).to(torch.float8_e4m3fn)
 
     (The same bits as that expression on the CPU, and on a GPU with 448 as a tensor; given
@@ -89,6 +96,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         x: (tokens, hidden) floating rows on this rank's device, hidden a multiple of 128.
+        round_scale: Round each scale up to a power of two (DeepEP's ``round_scale``: scales an
+            8-bit exponent holds, as DeepGEMM's UE8M0 kernels take them). A block's largest value
+            then maps into (224, 448] instead of to 448: e4m3's relative precision is the same,
+            its range one power of two shorter at the small end.
 
     Returns:
         ``(values, scales)``: (tokens, hidden) ``torch.float8_e4m3fn`` and (tokens, hidden //
@@ -104,7 +115,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x, "x")
     rows = torch.empty(tokens, packed_width(hidden), dtype=torch.uint8, device=x.device)
     if tokens:
-        quantize_fp8_kernel(hidden, tl_dtype(x))(x, *kernel_views(rows))
+        quantize_fp8_kernel(hidden, tl_dtype(x), round_scale)(x, *kernel_views(rows))
     return unpack(rows, hidden)
 
 
