@@ -118,6 +118,15 @@ for low_latency in (False, True):
     topk_idx[4] = -1  # every entry masked
     recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency)
     combine_and_check(f"masked, low_latency={low_latency}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
+    # in place: the rows as they landed, gathered through the index into the grouped order
+    recv, recv_w, _, h = ts.ops.moe_dispatch(x, topk_idx, topk_w, num_experts, low_latency=low_latency, in_place=True)
+    assert torch.equal(h.position, handle.position) and torch.equal(h.row_expert, handle.row_expert)
+    rows = h.source_row.long()
+    grouped = torch.where((rows >= 0)[:, None], recv[rows.clamp(min=0)].float(), 0.0)
+    scale = (rank * per_rank + torch.arange(per_rank) + 1).float()
+    y = ts.ops.moe_combine((grouped * scale[h.row_expert.long()][:, None]).to(torch.bfloat16), recv_w, h)
+    assert_close(y.float(), (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1),
+                 rtol=3e-2, atol=3e-2)
     print(f"rank {rank}: masked entries, low_latency={low_latency}: MASKED-OK", flush=True)
 
 
