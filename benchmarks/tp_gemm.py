@@ -265,16 +265,31 @@ PREDICTED_TP2 = {
 }
 
 
+def _rank_operands(op: str, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's bf16 ``a`` (an all-gather's row shard, else all M rows) and ``weight`` for ``op``
+    at ``shape``, drawn from a generator seeded by the rank and M."""
+    m, k, n = shape
+    g = torch.Generator(device=ts.device()).manual_seed(ts.rank() + m)
+    rows = m // ts.world_size() if op == "ag" else m
+    a = torch.randn(rows, k, device=ts.device(), generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    return a, weight
+
+
+def _time_plans(row: dict, fns: dict, iters: int, prefix: str = "") -> None:
+    """``fns`` timed taking turns on every rank (CUDA events, median), into ``row`` as
+    ``{prefix}{name}_us``."""
+    for name, timing in time_interleaved(fns, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
+        row[f"{prefix}{name}_us"] = timing.median_ms * 1e3
+
+
 def measure_predicted(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     """The op at ``shape`` as a user calls it (``plan=None``: the default ``_choose`` picks),
     its fused plan and NCCL + cuBLAS, checked against NCCL + cuBLAS, then timed taking turns
     (CUDA events, median); decode all-reduces (M <= 256) also as CUDA-graph replays, as they
     were predicted. Beside them, the prediction (``PREDICTED_TP2``; None for shapes it lacks)."""
     m, k, n = shape
-    g = torch.Generator(device=ts.device()).manual_seed(ts.rank() + m)
-    rows = m // ts.world_size() if op == "ag" else m
-    a = torch.randn(rows, k, device=ts.device(), generator=g).to(torch.bfloat16)
-    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    a, weight = _rank_operands(op, shape)
     _, unfused, fused = _plans(op, a, weight)
     call = {"ag": ts.ops.all_gather_gemm, "rs": ts.ops.gemm_reduce_scatter, "ar": ts.ops.gemm_all_reduce}[op]
     plans = {"nccl_cublas": unfused, "default": lambda: call(a, weight), "fused": fused}
@@ -288,8 +303,7 @@ def measure_predicted(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     if op == "ar" and m <= 256 and ts.device().type == "cuda":
         timed["graph_"] = {name: graphed(fn) for name, fn in plans.items()}
     for prefix, fns in timed.items():
-        for name, timing in time_interleaved(fns, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
-            row[f"{prefix}{name}_us"] = timing.median_ms * 1e3
+        _time_plans(row, fns, iters, prefix)
         row[f"{prefix}speedup"] = row[f"{prefix}nccl_cublas_us"] / row[f"{prefix}default_us"]
     predicted = PREDICTED_TP2.get((op, shape))
     if predicted is not None:
@@ -314,9 +328,7 @@ def measure_pushers(shape: tuple[int, int, int], iters: int) -> dict:
     (``graph_`` columns), which leave the kernels' own time."""
     m, k, n = shape
     world = ts.world_size()
-    g = torch.Generator(device=ts.device()).manual_seed(ts.rank() + m)
-    a = torch.randn(m // world, k, device=ts.device(), generator=g).to(torch.bfloat16)
-    weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
+    a, weight = _rank_operands("ag", shape)
     _, unfused, _ = _plans("ag", a, weight)
     tile = choose_tile(m // world, n, kernels=(1, world - 1))
     plans = {"nccl_cublas": unfused,
@@ -333,8 +345,7 @@ def measure_pushers(shape: tuple[int, int, int], iters: int) -> dict:
     if ts.device().type == "cuda":
         timed["graph_"] = {name: graphed(fn) for name, fn in plans.items()}
     for prefix, fns in timed.items():
-        for name, timing in time_interleaved(fns, rounds=min(5, iters), iters=iters, barrier=dist.barrier).items():
-            row[f"{prefix}{name}_us"] = timing.median_ms * 1e3
+        _time_plans(row, fns, iters, prefix)
         fixed = min(PUSH_CHOICES, key=lambda b: row[f"{prefix}push{b}_us"])
         row[f"{prefix}best_fixed"] = fixed
         row[f"{prefix}chosen_vs_best"] = row[f"{prefix}chosen_us"] / row[f"{prefix}push{fixed}_us"]
