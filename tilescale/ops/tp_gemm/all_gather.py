@@ -14,7 +14,6 @@ from tilescale.ops._common import (
     call_board,
     call_identity,
     check_same_across_ranks,
-    launch_together,
     op_plans,
     signature,
     tl_dtype,
@@ -26,6 +25,7 @@ from tilescale.ops.tp_gemm.plan import (
     _cached_plan,
     _check_pair,
     _choose,
+    _fused_plan,
     _fused_wins,
     choose_push_blocks,
     choose_tile,
@@ -281,11 +281,10 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         gather = _copy_engine_gather(state, a_shard, weight, tile, sig)
     else:
         gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
-    launch_together(state, "all_gather_gemm")
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world * m, n, dtype=a_shard.dtype, device=a_shard.device)
         gather(a_shard, weight, out.view(world, m, n))  # each segment's tiles clipped at its end: no copy
         return out
 
-    return op_plans.put(key, launch)(a_shard, weight)
+    return _fused_plan(state, key, "all_gather_gemm", launch)(a_shard, weight)

@@ -1,8 +1,9 @@
 """What a TP GEMM call runs: its plan (``"fused"`` or ``"unfused"``: :func:`_choose`, by the
 link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEMM grid
 (:class:`GemmGrid`: the tile :func:`choose_tile` picks by the wave model, rows padded, tiles,
-K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`) and the call plan
-a call of the same key resolved before (:func:`_cached_plan`)."""
+K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`), the pushers of the
+SM-pusher all-gather (:func:`choose_push_blocks`), and the call plan a call of the same key
+resolved before (:func:`_cached_plan`; a fused one stored once every rank built it: :func:`_fused_plan`)."""
 
 import heapq
 import os
@@ -13,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from tilescale import runtime
+from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
-from tilescale.ops._common import check_input, layout_key, op_plans, sm_count, tl_dtype
+from tilescale.ops._common import check_input, launch_together, layout_key, op_plans, sm_count, tl_dtype
 from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
 
 # Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
@@ -109,6 +111,13 @@ def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | Non
     """
     key = (op, layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"), *options)
     return key, op_plans.get(key)
+
+
+def _fused_plan(state: GroupState, key: tuple, op: str, launch: Callable) -> Callable:
+    """``launch``, a fused plan whose kernels are built, stored as ``key``'s plan once every rank
+    of the group has built its own (:func:`launch_together`)."""
+    launch_together(state, op)
+    return op_plans.put(key, launch)
 
 
 def _check_pair(a: torch.Tensor, weight: torch.Tensor) -> None:

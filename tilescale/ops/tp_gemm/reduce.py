@@ -11,7 +11,6 @@ from tilescale.groups import GroupState
 from tilescale.ops._common import (
     call_identity,
     check_same_across_ranks,
-    launch_together,
     op_plans,
     signature,
     sm_count,
@@ -35,6 +34,7 @@ from tilescale.ops.tp_gemm.plan import (
     _cached_plan,
     _check_pair,
     _choose,
+    _fused_plan,
     _fused_wins,
     choose_tile,
     gemm_alone,
@@ -71,13 +71,6 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
         return out
 
     return launch
-
-
-def _fused_plan(state: GroupState, key: tuple, op: str, launch: Launch) -> Launch:
-    """``launch``, a fused plan whose kernels are built, stored as ``key``'s plan once every rank
-    of the group has built its own (:func:`launch_together`)."""
-    launch_together(state, op)
-    return op_plans.put(key, launch)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
