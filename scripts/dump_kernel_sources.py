@@ -69,8 +69,9 @@ def kernels() -> dict:
         "put": (find("transfer_kernel"), ("bfloat16", 8, plan, 132, False), None),
         "get": (find("transfer_kernel"), ("bfloat16", 8, plan, 132, True), None),
         "moe_route": (find("route_kernel"), (2, 64, 4, 8), None),  # one block per bin (trees before 2026-11-26)
-        "moe_route_count": (find("route_count_kernel"), (2, 200, 4, 8), None),
-        "moe_route_finish": (find("route_finish_kernel"), (2, 200, 4, 8), None),
+        # 200 tokens' class (32-token chunks, 128 at most); trees before 2026-11-28 took the count itself
+        "moe_route_count": (find("route_count_kernel"), (2, 32, 128, 4, 8), None),
+        "moe_route_finish": (find("route_finish_kernel"), (2, 32, 4, 8), None),
         "moe_dispatch": (find("dispatch_kernel"), (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False), None),
         "moe_dispatch_low_latency": (find("dispatch_kernel"), (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
         "moe_combine": (find("combine_kernel"), (2, 64, 256, 4, 1024, "bfloat16", 132), None),

@@ -144,7 +144,7 @@ LAYOUT_CHECK = textwrap.dedent("""
         # int64 ids, read as passed: three out of range (-5 too), and -1, which names no expert (no error)
         idx[3, 2], idx[4, 0], idx[tokens - 1, 0], idx[5, 1] = -1, -5, experts_here, 2**32 + 1
         route = moe.router(world, tokens, topk, experts_here, "int64")
-        dest, slot = torch.empty(world * tokens, **i32), torch.empty(world * tokens, **i32)
+        dest, slot = torch.empty(world, tokens, **i32), torch.empty(world, tokens, **i32)
         send_counts, expert_slot = torch.empty(world, **i32), torch.empty(tokens, topk, **i32)
         expert_counts, bad = torch.empty(experts_here, **i32), torch.empty(1, **i32)
         ids = torch.empty(tokens, topk, **i32)
@@ -163,8 +163,8 @@ LAYOUT_CHECK = textwrap.dedent("""
         for d in range(world):
             goes = ((idx >= d * per) & (idx < (d + 1) * per)).any(1)
             want = torch.where(goes, goes.int().cumsum(0) - 1, -1)
-            assert torch.equal(slot[d * tokens:(d + 1) * tokens].long(), want), (tokens, d)
-            assert torch.equal(dest[d * tokens:(d + 1) * tokens].long(), torch.where(goes, d, -1)), (tokens, d)
+            assert torch.equal(slot[d].long(), want), (tokens, d)
+            assert torch.equal(dest[d].long(), torch.where(goes, d, -1)), (tokens, d)
             assert int(send_counts[d]) == int(goes.sum())
     print(f"rank {rank}: ROUTE-OK", flush=True)
 
@@ -393,8 +393,9 @@ def test_kernels_build_for_real_models(model):
     per, tokens = experts // W, 512
     rows = W * tokens * min(topk, per) + per * 128
     with build_options(world_size=W):
-        kernels = [moe.route_count_kernel.__wrapped__(W, tokens, topk, experts),
-                   moe.route_finish_kernel.__wrapped__(W, tokens, topk, experts),
+        chunk, max_chunks = moe.route_class(tokens)
+        kernels = [moe.route_count_kernel.__wrapped__(W, chunk, max_chunks, topk, experts),
+                   moe.route_finish_kernel.__wrapped__(W, chunk, topk, experts),
                    moe.dispatch_kernel.__wrapped__(W, tokens, hidden, topk, per, rows, "bfloat16", 132, False),
                    moe.combine_kernel.__wrapped__(W, tokens, hidden, topk, rows, "bfloat16", 132)]
         if hidden % 128 == 0:
@@ -494,16 +495,16 @@ def test_grouped_fp8_gemm_loads_values_and_scales_by_tma_and_compiles(K, tmp_pat
 @needs_nvcc
 @pytest.mark.parametrize(("tokens", "id_dtype"), [(TOKENS, "int32"), (128, "int64")])
 def test_route_kernels_lower_and_compile(tokens, id_dtype, tmp_path):
-    chunks = moe.route_chunks(tokens)[1]
+    chunk, chunks = moe.route_class(tokens)
     with build_options(world_size=W):
-        funcs = [moe.route_count_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK, id_dtype)]
+        funcs = [moe.route_count_kernel.__wrapped__(W, chunk, chunks, TOPK, W * PER_RANK, id_dtype)]
         if chunks > 1:  # a decode batch: one chunk, one kernel
-            funcs.append(moe.route_finish_kernel.__wrapped__(W, tokens, TOPK, W * PER_RANK))
+            funcs.append(moe.route_finish_kernel.__wrapped__(W, chunk, TOPK, W * PER_RANK))
     assert (chunks > 1) == (tokens > moe.routing.DECODE_TOKENS)
     for n, func in enumerate(funcs):
         src = lower_cuda(func)
         if n == 0:  # the scan of each bin's hits along the chunk's tokens: a warp per bin
-            threads = min(512, moe.routing.THREADS_PER_TOKEN * moe.route_chunks(tokens)[0])
+            threads = min(512, moe.routing.THREADS_PER_TOKEN * chunk)
             assert f"CumSum2D<{threads}, 1, false>" in src
         proc = nvcc(src, tmp_path / f"route{n}.cubin")
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -336,11 +336,11 @@ for step in range(3):
     if step == 0:
         key = (24, hidden, torch.bfloat16, True, torch.int64, False)  # tokens, hidden, dtype, low_latency, id dtype,
         # in place
-        plans, plan = len(buf._plans), buf._plans[key]
+        plans, plan = len(buf._plans), buf._plans.get(key)
         kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
                 handle.expert_slot, recv_w]
         then = [t.clone() for t in kept]
-    assert len(buf._plans) == plans and buf._plans[key] is plan, "plan not reused"
+    assert len(buf._plans) == plans and buf._plans.get(key) is plan, "plan not reused"
     assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
 assert all(map(torch.equal, kept, then)), "a later call overwrote an earlier handle's outputs"
 for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),
@@ -375,6 +375,20 @@ try:
 except ValueError as err:
     assert "in place needs a buffer with two sets" in str(err), err
 one_set.release()
+# Kernels take the token count at run time: once a count of each routing class (a decode batch;
+# chunks of 32 tokens) has built them, every other count, on any rank, in either mode, builds
+# none, each call right for its own tokens. Ranks pass different counts at every step.
+wide = ts.ops.moe.Buffer(None, max_tokens=200, hidden=hidden, topk=2, num_experts=num_experts)
+factories = (moe.route_count_kernel, moe.route_finish_kernel, moe.dispatch_kernel, moe.combine_kernel)
+for step, tokens in enumerate((5, 129, 77 + rank, 0, 200 - rank, 1, 150 + 7 * rank, 128 + rank)):
+    if step == 2:  # both routing classes, both modes built
+        built = [len(f._compiled) for f in factories]
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+    recv_x, recv_w, counts, handle = wide.dispatch(x, topk_idx, topk_w, low_latency=step % 2 == 1)
+    combine_and_check(f"any count {tokens}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
+assert [len(f._compiled) for f in factories] == built, ("a new token count built kernels", built)
+wide.release()
 print(f"rank {rank}: BUFFER-OK", flush=True)
 
 try:

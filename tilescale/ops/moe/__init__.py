@@ -40,7 +40,14 @@ from tilescale.ops.moe.combine import combine_kernel, exchange_blocks
 from tilescale.ops.moe.dispatch import GROUP_ROWS, dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import dequantize_fp8, quantize_fp8
 from tilescale.ops.moe.layout import ROW_TILE, grouped_rows
-from tilescale.ops.moe.routing import chunk_counts_shape, route_chunks, route_count_kernel, route_finish_kernel, router
+from tilescale.ops.moe.routing import (
+    chunk_counts_shape,
+    route_chunks,
+    route_class,
+    route_count_kernel,
+    route_finish_kernel,
+    router,
+)
 
 __all__ = [
     "GROUP_ROWS",
@@ -60,6 +67,7 @@ __all__ = [
     "moe_redispatch",
     "quantize_fp8",
     "route_chunks",
+    "route_class",
     "route_count_kernel",
     "route_finish_kernel",
     "router",

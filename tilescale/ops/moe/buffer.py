@@ -34,20 +34,24 @@ from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
-from tilescale.plans import ReusedOutputs, capturing
+from tilescale.plans import PlanCache, ReusedOutputs, capturing
 from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
 # int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
 # vector accesses may assume their tensors start aligned, as torch's allocations do.
 _ALIGN = 64
+# Dispatch plans a buffer keeps (one per token count, mode and row size; the newest): a call
+# whose plan was dropped makes it again, building no kernel (the kernels take any count).
+PLANS_KEPT = 32
 
 
 @dataclass
 class _SendPlan:
-    """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call."""
+    """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call.
+    Its kernels take any token count (a dynamic size): plans of other counts share them."""
 
-    route: DistributedKernel | None  # the routing kernel (None for no tokens, or along known routes)
+    route: DistributedKernel | None  # the routing kernels (None for no tokens, or along known routes)
     send: DistributedKernel  # the dispatch kernel
     # The routing kernel's outputs (dest, slot, send_counts, expert_slot, expert_counts, bad,
     # ids, chunk counts), views of one int32 allocation; None where it does not run. A call
@@ -72,8 +76,8 @@ class DispatchHandle:
     # of range, or the padding row of no tokens)
     topk_w: torch.Tensor  # (max(tokens, 1), topk) float32 their routing weights
     expert_slot: torch.Tensor  # (max(tokens, 1), topk) order of entry (t, k) among this rank's entries of its expert
-    dest: torch.Tensor  # (world * max(tokens, 1),) destination of pair (rank r, token t) at r * tokens + t, or -1
-    slot: torch.Tensor  # (world * max(tokens, 1),) the pair's slot at its destination (-1 where no pair)
+    dest: torch.Tensor  # (world, max(tokens, 1)) destination of pair (rank r, token t) at [r, t], or -1
+    slot: torch.Tensor  # (world, max(tokens, 1)) the pair's slot at its destination (-1 where no pair)
     send_counts: torch.Tensor  # (world,) rows sent to each rank
     expert_send_counts: torch.Tensor  # (num_experts,) entries sent to each expert
     recv_counts: torch.Tensor  # (world,) rows received from each rank
@@ -156,9 +160,10 @@ class Buffer:
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
         self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
-        self._plans: dict[tuple, _SendPlan] = {}  # sends by (tokens, hidden, dtype, low_latency)
-        # combine's (kernel, return rows, signature) by (tokens, hidden, dtype)
-        self._combines_by: dict[tuple, tuple] = {}
+        # Sends by (tokens, hidden, dtype, mode, ...): a few host objects per token count (the
+        # kernels are shared), the most recent counts' kept.
+        self._plans = PlanCache(PLANS_KEPT)
+        self._combines_by: dict[tuple, tuple] = {}  # combine's (kernel, return rows, signature) by (hidden, dtype)
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
         received = self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
         for low_latency in (False, True):
@@ -219,7 +224,8 @@ class Buffer:
         self.released = True
         for key in [k for k, v in self.state.exchanges.items() if v is self]:  # its own key, and the ops' cache
             del self.state.exchanges[key]
-        self._flags, self._rows_in, self._rows_back, self._plans, self._combines_by = {}, {}, {}, {}, {}
+        self._flags, self._rows_in, self._rows_back, self._combines_by = {}, {}, {}, {}
+        self._plans.clear()
         self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = self._sent = None
 
     def _check_live(self) -> None:
@@ -332,13 +338,12 @@ class Buffer:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
             routed = tokens and id_dtype
-            plan = self._plans[key] = _SendPlan(
+            plan = self._plans.put(key, _SendPlan(
                 route=router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
                              group=self.group) if routed else None,
-                send=dispatch_kernel(world, tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                     low_latency, capacity=self.max_tokens, in_place=in_place, sets=self.sets,
-                                     group=self.group),
-                routed=_words(x.device, ((world * held,), (world * held,), (world,), (held, topk), (self.num_experts,),
+                send=dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
+                                     low_latency, in_place=in_place, sets=self.sets, group=self.group),
+                routed=_words(x.device, ((world, held), (world, held), (world,), (held, topk), (self.num_experts,),
                                          (1,), (held, topk), chunk_counts_shape(world, held, self.num_experts)))
                 if routed else None,
                 # The call's identity names what every rank must agree on (not this rank's token
@@ -346,7 +351,7 @@ class Buffer:
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
                 received=received, flags=self._flags_of(low_latency, received),
-                unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None)
+                unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None))
         return plan
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan,
@@ -357,7 +362,7 @@ class Buffer:
         i32 = dict(dtype=torch.int32, device=idx.device)
         world, topk = self.world, self.topk
         if not tokens:
-            return {"dest": torch.full((world,), -1, **i32), "slot": torch.full((world,), -1, **i32),
+            return {"dest": torch.full((world, 1), -1, **i32), "slot": torch.full((world, 1), -1, **i32),
                     "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(1, topk, **i32),
                     "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32),
                     "ids": torch.full((1, topk), -1, **i32)}
@@ -453,13 +458,13 @@ class Buffer:
                              f"{tuple(expert_out.shape)} and {tuple(recv_weights.shape)}")
         tokens = handle.tokens
         out = torch.empty(max(tokens, 1), hidden, dtype=expert_out.dtype, device=expert_out.device)
-        key = (tokens, hidden, expert_out.dtype)
+        key = (hidden, expert_out.dtype)
         plan = self._combines_by.get(key)
-        if plan is None:  # the first combine of these sizes: its kernel, return rows and signature
+        if plan is None:  # the first combine of these rows: its kernel (any token count), return rows and signature
             back = self._returned(hidden, expert_out.dtype)  # expert_out's hidden size and dtype may differ from x's
             plan = self._combines_by[key] = (
-                combine_kernel(self.world, tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
-                               capacity=self.max_tokens, group=self.group),
+                combine_kernel(self.world, self.max_tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
+                               group=self.group),
                 back, signature("moe_combine", back, f"topk={self.topk}"))
         kernel, back, sig = plan
         kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,

@@ -41,29 +41,26 @@ def exchange_blocks(world: int, tokens: int, sms: int) -> int:
 
 
 @jit
-def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, dtype: str, sms: int,
-                   capacity: int | None = None):
+def combine_kernel(world: int, capacity: int, hidden: int, topk: int, rows: int, dtype: str, sms: int):
     """Sum each received row's weighted expert outputs, put it back into its source's
     ``back[set, rank]`` slot, then (once every rank's rows are back) sum each token's rows.
     Set ``combines[0] % 2``, advanced after the barrier, as the dispatch does with its sets.
-    ``tokens`` and ``capacity`` as the dispatch kernel's (``out`` holds one unused row for 0
-    tokens); the blocks derive from ``capacity``, the same on every rank.
+    This rank's token count is a dynamic size, as the dispatch kernel's (``out`` holds one
+    row, routed nowhere, for no tokens); the blocks derive from ``capacity``, the same on every rank.
 
     Args:
         world: Ranks of the group.
-        tokens: This rank's tokens (0 allowed).
+        capacity: Token slots per source, the same on every rank.
         hidden: Channels per row.
         topk: Experts per token.
         rows: Grouped rows of ``expert_out`` (the buffer's bound).
         dtype: TileLang dtype of the rows.
         sms: SMs of the GPU (:func:`exchange_blocks`).
-        capacity: Token slots per source, the same on every rank; None: ``tokens``.
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    capacity = tokens if capacity is None else capacity
-    held = max(tokens, 1)
+    held = T.dynamic("tokens")  # this rank's tokens, at least one row
     received = world * capacity
     blocks = exchange_blocks(world, capacity, sms)
     # A row's registers: whole 16-byte vectors for each of the 128 threads (TileLang lays a
@@ -76,7 +73,7 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
     @T.prim_func
     def main(expert_out: T.Tensor((rows, hidden), dtype), weight: T.Tensor((rows,), "float32"),
              position: T.Tensor((received, topk), "int32"), counts: T.Tensor((world,), "int32"),
-             dest: T.Tensor((world * held,), "int32"), slot: T.Tensor((world * held,), "int32"),
+             dest: T.Tensor((world, held), "int32"), slot: T.Tensor((world, held), "int32"),
              back: T.Tensor((2, world, capacity, hidden), dtype), out: T.Tensor((held, hidden), dtype),
              combines: T.Tensor((1,), "int32"), sig: T.int32):
         with T.Kernel(blocks, threads=128) as bx:
@@ -107,18 +104,18 @@ def combine_kernel(world: int, tokens: int, hidden: int, topk: int, rows: int, d
                 agreed[0] = T.agree(sig)  # every rank's rows are back, if every rank runs this combine
                 if bx == 0:
                     combines[0] = call[0] + 1  # every thread stores the same value
-                # Token t's row from destination rank d is back[s, d, slot[d * held + t]].
-                for q in T.serial(T.ceildiv(tokens, blocks)):
+                # Token t's row from destination rank d is back[s, d, slot[d, t]].
+                for q in T.serial(T.ceildiv(held, blocks)):
                     t = bx + q * blocks
-                    if t < tokens and agreed[0] == 1:
+                    if t < held and agreed[0] == 1:
                         for d in T.unroll(world):  # the token's rows from its destination ranks, read at once
-                            ids[d] = T.if_then_else(dest[d * held + t] >= 0, d * capacity + slot[d * held + t], -1)
+                            ids[d] = T.if_then_else(dest[d, t] >= 0, d * capacity + slot[d, t], -1)
                         _pick(ids, world, pick, n)
                         _sum_rows(lambda r, c: back[s, r // capacity, r % capacity, c], lambda r: 1.0, pick, n, part,
                                   acc, hidden)
                         T.copy(acc, row)
                         T.copy(row[0:1, 0:hidden], out[t:t + 1, 0:hidden], coalesced_width=vector)
-                    elif t < tokens:
+                    elif t < held:
                         for c in T.Parallel(hidden):
                             out[t, c] = poison_value(dtype)
 

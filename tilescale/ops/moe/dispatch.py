@@ -127,21 +127,22 @@ class _Group:
 
 
 @jit
-def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
-                    low_latency: bool, capacity: int | None = None, in_place: bool = False, sets: int = 2):
+def dispatch_kernel(world: int, capacity: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
+                    low_latency: bool, in_place: bool = False, sets: int = 2):
     """Send every token to the ranks of its experts and group what this rank receives by
     local expert, in one launch (see the module notes for the protocol).
 
     Inputs are the routing kernel's outputs; ``recv_*``, ``ranges``, ``progress`` and
     ``arrived`` are symmetric; the rest are this rank's grouped layout, written here.
-    ``tokens`` is this rank's count (0 allowed: the inputs then hold one row, never read);
-    ``capacity`` the most any rank sends (default ``tokens``), the same on every rank: the
-    receive buffers hold that many slots per source, and the plan (blocks and groups, which
-    receivers mirror) derives from it, so ranks may send different counts.
+    This rank's token count is a dynamic size (the rows of ``x``; for no tokens the inputs
+    hold one row routed nowhere), so one kernel sends any count; ``capacity`` is the most any
+    rank sends, the same on every rank: the receive buffers hold that many slots per source,
+    and the plan (blocks and groups, which receivers mirror) derives from it, so ranks may
+    send different counts.
 
     Args:
         world: Ranks of the group.
-        tokens: This rank's tokens (0 allowed).
+        capacity: Token slots per source, the same on every rank.
         hidden: Elements per row (bytes for packed FP8 rows).
         topk: Experts per token.
         per_rank: Experts on each rank.
@@ -149,7 +150,6 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
         dtype: TileLang dtype of the rows.
         sms: SMs of the GPU (:func:`dispatch_plan`).
         low_latency: Announce every row on its own (:func:`dispatch_plan`).
-        capacity: Token slots per source, the same on every rank; None: ``tokens``.
         in_place: Leave the received rows where they land (``out`` is then one unused row);
             ``source_row`` names each grouped row's row of ``recv_x`` viewed as
             ``(2 * world * capacity, hidden)``. Needs two ``sets``.
@@ -159,10 +159,9 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    capacity = tokens if capacity is None else capacity
     if sets not in (1, 2) or (in_place and sets != 2):
         raise ValueError(f"dispatch_kernel: 1 or 2 sets of receive rows, 2 in place; got {sets}")
-    held = max(tokens, 1)
+    held = T.dynamic("tokens")  # this rank's tokens, at least one row
     row_bytes = hidden * element_bytes(dtype)
     blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency, row_bytes)
     received = world * capacity
@@ -170,7 +169,7 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
     @T.prim_func
     def main(x: T.Tensor((held, hidden), dtype), topk_idx: T.Tensor((held, topk), "int32"),
              topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
-             slot: T.Tensor((world * held,), "int32"), send_counts: T.Tensor((world,), "int32"),
+             slot: T.Tensor((world, held), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_counts: T.Tensor((world * per_rank,), "int32"),
              recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
              recv_idx: T.Tensor((sets, world, capacity, topk), "int32"),
@@ -216,12 +215,12 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                 for g in T.serial(groups + 1):
                     # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
                     # block b placed meanwhile (it has had a group's time to arrive).
-                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                    if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
                         _load(x, topk_idx, topk_w, expert_slot, b * chunk + g * group, tile)
                     if world > 1 and g < groups:
                         for j in T.serial(world - 1):
                             _put_group(tile, slot, span, recv, b * chunk + g * group,
-                                       _group_tokens(b, g, chunk, group, tokens), _peer(b, j, world), b, g, held)
+                                       _group_tokens(b, g, chunk, group, held), _peer(b, j, world), b, g)
                         # Announced once every peer's rows are out: the first signal waits for all
                         # of the block's stores to land, the others find nothing left to wait for.
                         for j in T.serial(world - 1):
@@ -230,12 +229,12 @@ def dispatch_kernel(world: int, tokens: int, hidden: int, topk: int, per_rank: i
                         for src in T.serial(world):  # "ge": a peer may be a call ahead (module notes)
                             T.wait(arrived[src], "ge", call[0], agree=(board, ident))
                         segments(recv.expert_counts, recv.counts, recv.set, seg)
-                    if g < groups and _group_tokens(b, g, chunk, group, tokens) > 0:
+                    if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
                         for i in T.Parallel(group):  # this rank's own tokens among them: received rows
                             tile.where[i] = T.if_then_else(
-                                i < _group_tokens(b, g, chunk, group, tokens)
-                                and slot[rank * held + T.min(b * chunk + g * group + i, held - 1)] >= 0,
-                                rank * capacity + slot[rank * held + T.min(b * chunk + g * group + i, held - 1)],
+                                i < _group_tokens(b, g, chunk, group, held)
+                                and slot[rank, T.min(b * chunk + g * group + i, held - 1)] >= 0,
+                                rank * capacity + slot[rank, T.min(b * chunk + g * group + i, held - 1)],
                                 -1)
                         place(tile, seg, layout, capacity)
                         if in_place:  # this rank's own rows join the peers' in its receive rows
@@ -276,28 +275,28 @@ def _load(x, topk_idx, topk_w, expert_slot, t0, tile):
 
 
 @T.macro
-def _put_group(tile, slot, span, recv, t0, n, d, b, g, tokens):
+def _put_group(tile, slot, span, recv, t0, n, d, b, g):
     """The group's tokens ``t0 .. t0 + n - 1`` that go to rank d into its receive buffers (row,
     expert ids, weights, expert slots, at their slots there), then the group's slot range into
     ``ranges[set, rank, b, g]`` there; the caller then raises the peer's progress flag of this
     block to g + 1 (also for a group with no token: the receiver waits for every group of the
-    plan). ``tokens``: rows of ``slot`` per destination."""
+    plan)."""
     hidden, topk = tile.rows.shape[1], tile.ids.shape[1]
     first, sent = T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32")  # per thread: no race
     first[0] = 0
     sent[0] = 0
     for i in T.serial(n):
-        if slot[d * tokens + t0 + i] >= 0:
-            T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d * tokens + t0 + i], 0:hidden], dst_pe=d,
+        if slot[d, t0 + i] >= 0:
+            T.copy(tile.rows[i, 0:hidden], recv.x[recv.set, _rank(), slot[d, t0 + i], 0:hidden], dst_pe=d,
                    coalesced_width=tile.vector)
-            T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+            T.copy(tile.ids[i:i + 1, 0:topk], recv.idx[recv.set, _rank(), slot[d, t0 + i], 0:topk],
                    dst_pe=d)
-            T.copy(tile.ws[i:i + 1, 0:topk], recv.w[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+            T.copy(tile.ws[i:i + 1, 0:topk], recv.w[recv.set, _rank(), slot[d, t0 + i], 0:topk],
                    dst_pe=d)
-            T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[recv.set, _rank(), slot[d * tokens + t0 + i], 0:topk],
+            T.copy(tile.eslots[i:i + 1, 0:topk], recv.slot[recv.set, _rank(), slot[d, t0 + i], 0:topk],
                    dst_pe=d)
             if sent[0] == 0:
-                first[0] = slot[d * tokens + t0 + i]  # slots grow with the token: the rest follow
+                first[0] = slot[d, t0 + i]  # slots grow with the token: the rest follow
             sent[0] = sent[0] + 1
     span[0] = first[0]
     span[1] = sent[0]

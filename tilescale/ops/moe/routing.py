@@ -52,10 +52,28 @@ def route_chunks(tokens: int) -> tuple[int, int]:
     return chunk, -(-tokens // chunk)
 
 
+def route_class(tokens: int) -> tuple[int, int]:
+    """``(chunk, max_chunks)``: the routing kernels that route ``tokens`` (at least 1) tokens.
+
+    The kernels take any token count (a dynamic size) and are built per class: a decode batch
+    (one chunk of ``DECODE_TOKENS``), or chunks of ``route_chunks``' size, at most
+    ``MAX_CHUNKS`` of them. Counts of one class share the kernels (one class per 4096 tokens
+    past the decode batches), so a new token count compiles nothing.
+
+    Args:
+        tokens: This rank's tokens, at least 1.
+
+    Returns:
+        tuple[int, int]: tokens per chunk, and the most chunks (the rows of the ``counts`` scratch).
+    """
+    chunk, _ = route_chunks(tokens)
+    return chunk, 1 if tokens <= DECODE_TOKENS else MAX_CHUNKS
+
+
 def chunk_counts_shape(world: int, tokens: int, num_experts: int) -> tuple[int, int]:
-    """Shape of the routing kernels' ``counts`` scratch: a row per chunk, a column per bin (ranks,
-    experts, ids out of range)."""
-    return route_chunks(tokens)[1], world + num_experts + 1
+    """Shape of the routing kernels' ``counts`` scratch for ``tokens`` tokens: a row per chunk
+    of their class (``route_class``), a column per bin (ranks, experts, ids out of range)."""
+    return route_class(tokens)[1], world + num_experts + 1
 
 
 def _id(idx, t, k, num_experts):
@@ -91,11 +109,11 @@ def _earlier(own, i, k, e, topk):
     return n
 
 
-def _earlier_chunks(counts, c, b, chunks):
-    """``counts[0, b] + ... + counts[c - 1, b]``: unrolled over every chunk, so that a thread's
-    loads are all in flight at once (a loop would wait for each in turn)."""
+def _earlier_chunks(counts, c, b, max_chunks):
+    """``counts[0, b] + ... + counts[c - 1, b]``: unrolled over every chunk there may be, so
+    that a thread's loads are all in flight at once (a loop would wait for each in turn)."""
     n = 0
-    for i in range(chunks - 1):
+    for i in range(max_chunks - 1):
         n = n + T.if_then_else(i < c, counts[i, b], 0)
     return n
 
@@ -112,14 +130,15 @@ def _totals(world, num_experts, total, b, send_counts, expert_counts, bad):
 
 
 @jit
-def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32"):
-    """Routing within each chunk of tokens (``route_chunks``), one block per chunk and group of
+def route_count_kernel(world: int, chunk: int, max_chunks: int, topk: int, num_experts: int,
+                       id_dtype: str = "int32"):
+    """Routing within each chunk of tokens (``route_class``), one block per chunk and group of
     ``GROUP_BINS`` bins (bins: ranks, then experts, then ids out of range): where each token
     goes and each entry's order, counted from the chunk's first token; and each chunk's count
     per bin (``counts[c, b]``), from which :func:`route_finish_kernel` adds what earlier
     chunks hold. A single chunk's values are final: this kernel then also writes the totals.
 
-    Outputs (pair index ``r * tokens + t``): ``dest`` (r where token t goes to rank r, else
+    Outputs (pair ``[r, t]``: token t, rank r): ``dest`` (r where token t goes to rank r, else
     -1), ``slot`` (its order among this rank's tokens going to r, token order), ``expert_slot``
     (entry (t, k)'s order among this rank's entries naming its expert, (token, k) order; -1 for
     ids outside [0, num_experts), which are routed nowhere), ``ids`` (the int32 ids the
@@ -130,9 +149,13 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
     or int64), so the caller's ids need no conversion kernel. Every element of every output is
     written (the caller allocates them unfilled).
 
+    The token count is a dynamic size (at least 1, at most ``chunk * max_chunks``; the caller
+    routes no tokens without a kernel): one kernel per class of counts (``route_class``).
+
     Args:
         world: Ranks of the group.
-        tokens: This rank's tokens (at least 1; the caller routes no tokens without a kernel).
+        chunk: Tokens per block (``route_class``).
+        max_chunks: The most chunks (``route_class``); 1: a single chunk, whose values are final.
         topk: Experts per token.
         num_experts: Experts over the whole group.
         id_dtype: ``"int32"`` (default) or ``"int64"``, the dtype of ``topk_idx``.
@@ -140,17 +163,18 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    chunk, chunks = route_chunks(tokens)
+    tokens = T.dynamic("tokens")
+    chunks = T.ceildiv(tokens, chunk)
     bins = world + num_experts + 1
     per_rank = num_experts // world
-    final = chunks == 1
+    final = max_chunks == 1
 
     @T.prim_func
-    def main(topk_idx: T.Tensor((tokens, topk), id_dtype), dest: T.Tensor((world * tokens,), "int32"),
-             slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+    def main(topk_idx: T.Tensor((tokens, topk), id_dtype), dest: T.Tensor((world, tokens), "int32"),
+             slot: T.Tensor((world, tokens), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
              bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"),
-             counts: T.Tensor((chunks, bins), "int32"), bad_host: T.int64):
+             counts: T.Tensor((max_chunks, bins), "int32"), bad_host: T.int64):
         with T.Kernel(T.ceildiv(bins, GROUP_BINS), chunks, threads=min(512, THREADS_PER_TOKEN * chunk)) as (g, c):
             own = T.alloc_shared((chunk, topk), "int32")  # the chunk's ids, clamped; past the last token: none
             hits = T.alloc_shared((GROUP_BINS, chunk), "int32")  # per bin of the group and token, then its prefix
@@ -189,9 +213,9 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
             for b, i in T.Parallel(GROUP_BINS, chunk):  # rank lo + b
                 goes = _entries(own, i, topk, (lo + b) * per_rank, (lo + b + 1) * per_rank) > 0
                 if c * chunk + i < tokens and lo + b < world:
-                    dest[(lo + b) * tokens + c * chunk + i] = T.if_then_else(goes, lo + b, -1)
+                    dest[lo + b, c * chunk + i] = T.if_then_else(goes, lo + b, -1)
                 if c * chunk + i < tokens and lo + b < world:
-                    slot[(lo + b) * tokens + c * chunk + i] = T.if_then_else(goes, hits[b, i] - 1, -1)
+                    slot[lo + b, c * chunk + i] = T.if_then_else(goes, hits[b, i] - 1, -1)
             for i, k in T.Parallel(chunk, topk):
                 e = own[i, k]
                 if (c * chunk + i < tokens and _valid(e, num_experts)
@@ -203,29 +227,30 @@ def route_count_kernel(world: int, tokens: int, topk: int, num_experts: int, id_
 
 
 @jit
-def route_finish_kernel(world: int, tokens: int, topk: int, num_experts: int):
+def route_finish_kernel(world: int, chunk: int, topk: int, num_experts: int):
     """The second routing kernel, for more than one chunk: each chunk's block adds to its
     tokens' ``slot`` and ``expert_slot`` what earlier chunks hold of their bins (the sum of
     their ``counts`` rows); the last chunk's block writes the totals (``send_counts``,
     ``expert_counts``, ``bad``, and the bad-id count at host address ``bad_host`` where that
-    is not 0). Arguments as :func:`route_count_kernel`'s.
+    is not 0). Arguments as :func:`route_count_kernel`'s (``MAX_CHUNKS`` rows of ``counts``).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    chunk, chunks = route_chunks(tokens)
+    tokens = T.dynamic("tokens")
+    chunks = T.ceildiv(tokens, chunk)
     bins = world + num_experts + 1
     padded = 32 * -(-bins // 32)  # whole warps of bins (the layout of a ragged count does not lower)
 
     @T.prim_func
-    def main(slot: T.Tensor((world * tokens,), "int32"), send_counts: T.Tensor((world,), "int32"),
+    def main(slot: T.Tensor((world, tokens), "int32"), send_counts: T.Tensor((world,), "int32"),
              expert_slot: T.Tensor((tokens, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
              bad: T.Tensor((1,), "int32"), ids: T.Tensor((tokens, topk), "int32"),
-             counts: T.Tensor((chunks, bins), "int32"), bad_host: T.int64):
+             counts: T.Tensor((MAX_CHUNKS, bins), "int32"), bad_host: T.int64):
         with T.Kernel(chunks, threads=THREADS) as c:
             base = T.alloc_shared((padded,), "int32")  # what chunks before c hold of each bin
             for b in T.Parallel(padded):
-                base[b] = _earlier_chunks(counts, c, T.min(b, bins - 1), chunks)
+                base[b] = _earlier_chunks(counts, c, T.min(b, bins - 1), MAX_CHUNKS)
             if c == chunks - 1:
                 for b in T.Parallel(padded):
                     _totals(world, num_experts, base[b] + counts[c, T.min(b, bins - 1)], b, send_counts, expert_counts,
@@ -233,8 +258,8 @@ def route_finish_kernel(world: int, tokens: int, topk: int, num_experts: int):
                 if bad_host != 0:
                     T.make_tensor_from_addr(bad_host, [1], "int32")[0] = base[bins - 1] + counts[c, bins - 1]
             for r, i in T.Parallel(world, chunk):
-                if c * chunk + i < tokens and slot[r * tokens + T.min(c * chunk + i, tokens - 1)] >= 0:
-                    slot[r * tokens + c * chunk + i] = slot[r * tokens + c * chunk + i] + base[r]
+                if c * chunk + i < tokens and slot[r, T.min(c * chunk + i, tokens - 1)] >= 0:
+                    slot[r, c * chunk + i] = slot[r, c * chunk + i] + base[r]
             for i, k in T.Parallel(chunk, topk):
                 if c * chunk + i < tokens and ids[T.min(c * chunk + i, tokens - 1), k] >= 0:
                     expert_slot[c * chunk + i, k] = (expert_slot[c * chunk + i, k]
@@ -261,7 +286,8 @@ class Routing:
 
 def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32",
             group: object = None) -> Routing:
-    """The routing kernels for ``tokens`` tokens (at least 1), built for ``group``'s size.
+    """The routing kernels for ``tokens`` tokens (at least 1), built for ``group``'s size: those
+    of their class (``route_class``), which route any count of the class.
 
     Example::
 
@@ -270,16 +296,18 @@ def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str =
         route(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, 0)
 
     Args:
-        world, tokens, topk, num_experts, id_dtype: as :func:`route_count_kernel`'s.
+        world, topk, num_experts, id_dtype: as :func:`route_count_kernel`'s.
+        tokens: This rank's tokens, at least 1 (``dest`` and ``slot`` are (world, tokens)).
         group: the process group the kernels are built for (None: the whole job).
 
     Returns:
         Routing: launches both kernels (one for a single chunk); ``counts`` is int32 scratch of
         :func:`chunk_counts_shape`.
     """
-    count = route_count_kernel(world, tokens, topk, num_experts, id_dtype, group=group)
-    several = route_chunks(tokens)[1] > 1
-    return Routing(count, route_finish_kernel(world, tokens, topk, num_experts, group=group) if several else None)
+    chunk, max_chunks = route_class(tokens)
+    count = route_count_kernel(world, chunk, max_chunks, topk, num_experts, id_dtype, group=group)
+    several = max_chunks > 1
+    return Routing(count, route_finish_kernel(world, chunk, topk, num_experts, group=group) if several else None)
 
 
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
