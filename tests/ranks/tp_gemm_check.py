@@ -69,6 +69,25 @@ for dtype in (torch.float16, torch.bfloat16):
             assert_close(got.float() / 2 ** (i % 3), ar_ref, rtol=2e-2, atol=summed_atol(k))
         print(rank, dtype, (m, k, n), "ok", flush=True)
 
+if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per row-tile count, not per size
+    from tilescale.ops.tp_gemm import all_reduce_gemm_kernel
+
+    k, n = 96, 80
+    w = torch.randn(n, k, generator=g).bfloat16()
+    # 64-row tiles: 1-64 rows fill one row tile, 65-128 two; once a call of each count has
+    # built its kernel, six more batch sizes build none. Calls of both counts interleave (each
+    # count has its own exchange and flags).
+    for i, m in enumerate((64, 128, 1, 33, 100, 65, 17, 127)):
+        if i == 2:
+            built = len(all_reduce_gemm_kernel._compiled)
+        a = torch.randn(m, k, generator=g).bfloat16()
+        part = a.float() @ w.float().T
+        dist.all_reduce(part)
+        got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused", tile=SHORT)
+        assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
+    assert len(all_reduce_gemm_kernel._compiled) == built, len(all_reduce_gemm_kernel._compiled) - built
+    print(rank, "gemm_all_reduce at 8 batch sizes: a kernel per row-tile count ok", flush=True)
+
 if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, replayed on new inputs
     m, k, n = 256, 512, 384
     a, a2, a3 = torch.randn(m, k).bfloat16(), torch.randn(world * m, k).bfloat16(), torch.randn(200, k).bfloat16()

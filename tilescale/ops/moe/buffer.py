@@ -104,7 +104,7 @@ class Buffer:
             evenly over its ranks (expert ``e`` on rank ``e // (num_experts // size)``).
         max_tokens: the most tokens any rank passes to one dispatch, the same on every rank
             (DeepEP's ``num_max_dispatch_tokens_per_rank``); each rank passes any count up to
-            it, 0 included.
+            it, 0 included, and a new count builds no kernel (the kernels take it at run time).
         hidden, topk, num_experts, dtype: what every dispatch through the buffer passes.
             ``torch.float8_e4m3fn``: FP8 dispatch (``tilescale.ops.moe.fp8``: e4m3 rows and
             per-128-channel float32 scales, passed as a ``(values, scales)`` pair or as bf16

@@ -419,7 +419,8 @@ def _panel_dividing(m_tiles: int, panel: int) -> int:
 
 
 @jit
-def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_cfg: TileConfig, splits: int = 1):
+def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, tile_cfg: TileConfig,
+                           splits: int = 1):
     """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
     over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
     ``dtype``) into its slot at every rank and signals it there, then waits for all partials
@@ -435,10 +436,16 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
     (``T.count_call``) and announces it on ``board`` before its signals, and the waits check
     the peers' announcements.
 
+    The rows of ``A`` are a dynamic size: one kernel serves every row count that fills the
+    same row tiles (a decode batch of any size up to ``padded_rows``, rounded up to whole
+    tiles, with no more tiles than that), so a server whose batch changes every step builds
+    one kernel per row-tile count, not one per batch size.
+
     Args:
         world: Ranks of the group the kernel is built for.
         dtype: TileLang dtype of the operands and outputs (``"bfloat16"``, ...).
-        M: Rows of ``A``.
+        padded_rows: Rows of ``A`` rounded up to whole ``tile_cfg.block_M`` tiles (:func:`reduce_grid`);
+            the kernel takes the rows M with ``padded_rows - block_M < M <= padded_rows``.
         K: This rank's input features.
         N: Output columns.
         tile_cfg: The GEMM tile (:class:`TileConfig`).
@@ -448,7 +455,9 @@ def all_reduce_gemm_kernel(world: int, dtype: str, M: int, K: int, N: int, tile_
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
-    padded = -(-M // bm) * bm
+    if padded_rows % bm:
+        raise ValueError(f"all_reduce_gemm_kernel: padded_rows {padded_rows} is not a multiple of block_M {bm}")
+    M, padded = T.dynamic("rows"), padded_rows
     m_tiles, n_tiles = padded // bm, -(-N // bn)
     k_part, rows = K // splits, bm // splits
 

@@ -245,7 +245,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
     ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
                    a.dtype, world * tiles)
-    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), m, k, n, tile, splits, group=group)
+    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, group=group)  # any m of its tiles
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
