@@ -8,7 +8,11 @@ ranks (``moe_dispatch``), the experts run as one grouped GEMM, and the results t
 weights, every rank keeping its experts' slices::
 
     moe = ts.nn.ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
-                                               block.experts.down_proj, topk=block.top_k)
+                                               block.experts.down_proj, topk=block.top_k,
+                                               max_tokens=most_tokens_per_rank)
+
+``max_tokens`` sizes the layer's buffers once: the prompt and every decode step, each with
+its own token count, go through the same buffers and kernels.
 
 Attention stays replicated, so every rank holds the whole batch: each rank routes its own
 share of the tokens (the experts see every token once) and the outputs are gathered back.
@@ -41,16 +45,19 @@ from tilescale.testing import compare_sharded_model
 class ExpertParallelBlock(nn.Module):
     """A Mixtral sparse MoE block with this rank's experts; input and output replicated."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, max_tokens: int):
         super().__init__()
+        # max_tokens: the most tokens a rank passes (its share of the prompt); the decode steps'
+        # fewer tokens go through the same buffers and kernels (no build per token count).
         self.moe = ts.nn.ExpertParallelMoE.from_weights(block.gate.weight, block.experts.gate_up_proj,
-                                                        block.experts.down_proj, topk=block.top_k)
+                                                        block.experts.down_proj, topk=block.top_k,
+                                                        max_tokens=max_tokens)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rank, world = ts.rank(), ts.world_size()
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens = x.shape[0]
-        share = -(-tokens // world)  # every rank passes the same number of tokens: pad the last share
+        share = -(-tokens // world)  # equal shares for the all-gather after the layer: pad the last one
         x = nn.functional.pad(x, (0, 0, 0, share * world - tokens))
         y = ts.ops.all_gather(self.moe(x[rank * share:(rank + 1) * share]))
         return y[:tokens].reshape(hidden_states.shape)
@@ -78,7 +85,7 @@ def main(path: str | None = None, new_tokens: int = 4) -> None:
 
     def shard(model: nn.Module) -> None:  # every MLP, in place
         for layer in model.model.layers:
-            layer.mlp = ExpertParallelBlock(layer.mlp)
+            layer.mlp = ExpertParallelBlock(layer.mlp, max_tokens=-(-prompt.numel() // world))
 
     result = compare_sharded_model(model, prompt, shard, new_tokens)
     experts = model.model.layers[0].mlp.moe.w1.shape[0]

@@ -87,8 +87,10 @@ class ExpertParallelMoE(nn.Module):
 
     ``low_latency=True``: dispatch in low-latency mode (decode batches, see
     ``ts.ops.moe_dispatch``). ``max_tokens``: the most tokens any rank passes, the same on
-    every rank; each rank then passes its own count, 0 included (None: the same count on
-    every rank). The forward has no host synchronisation, so a decode step can
+    every rank; each rank then passes its own count, 0 included, building no kernel per count
+    (None: the same count on every rank, and each distinct count gets MoE buffers and
+    kernels of its own, kept until the group's release: pass ``max_tokens`` where the
+    count changes from step to step). The forward has no host synchronisation, so a decode step can
     be captured in a CUDA graph (``examples/moe_decode_graph.py``). ``group``: the ranks the
     experts are split over (None: the job). ``fp8_dispatch=True`` (inference): tokens travel
     as FP8 (DeepEP's layout: e4m3 values, a float32 scale per 128 channels; half the bytes of

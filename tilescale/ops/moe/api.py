@@ -66,8 +66,11 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
         group: the expert-parallel process group (None: the whole job); the handle
             remembers it for ``moe_combine`` / ``moe_redispatch``.
         max_tokens: the most tokens any rank passes, the same on every rank; then each rank
-            passes its own count up to it, 0 included. None: every rank passes the same
-            count (a difference raises ``ts.ShapeMismatchError`` on every rank).
+            passes its own count up to it, 0 included, and a new count builds no kernel.
+            None: every rank passes the same count (a difference raises
+            ``ts.ShapeMismatchError`` on every rank), and each distinct count gets a buffer
+            (collective, at its first call) and kernels of its own, kept until the group's
+            release: pass ``max_tokens`` where the count changes from call to call.
         in_place: leave the received rows where they land instead of writing each once per
             local expert into grouped rows (see "In place" below); each rank chooses for itself.
 
