@@ -436,10 +436,9 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
     (``T.count_call``) and announces it on ``board`` before its signals, and the waits check
     the peers' announcements.
 
-    The rows of ``A`` are a dynamic size: one kernel serves every row count that fills the
-    same row tiles (a decode batch of any size up to ``padded_rows``, rounded up to whole
-    tiles, with no more tiles than that), so a server whose batch changes every step builds
-    one kernel per row-tile count, not one per batch size.
+    The rows of ``A`` are a dynamic size: one kernel serves every row count that rounds up
+    to ``padded_rows`` (whole row tiles), so a server whose decode batch changes every step
+    builds one kernel per row-tile count, not one per batch size.
 
     Args:
         world: Ranks of the group the kernel is built for.
