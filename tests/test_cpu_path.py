@@ -226,6 +226,57 @@ def test_single_process_kernels_compute(tmp_path):
     assert "COMPUTE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.timeout(120)
+def test_arguments_unlike_the_kernel_declares_raise(tmp_path):
+    """As TileLang's compiled host code on a GPU: a run-time size two tensors give differently, a
+    constant size, rank, dtype or layout unlike the declaration raises before the kernel runs."""
+    script = tmp_path / "arguments.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        import tilescale.language as T
+
+        @ts.jit
+        def axpy(width):
+            n = T.dynamic("n")
+
+            @T.prim_func
+            def main(X: T.Tensor((n, width), "float32"), Y: T.Tensor((n, width), "float32"),
+                     P: T.Tensor((n * 2,), "int32")):
+                with T.Kernel(1, threads=128):
+                    for i, c in T.Parallel(n, width):
+                        Y[i, c] += X[i, c] * 2.0
+
+            return main
+
+        ts.init(device="cpu")
+        kernel = axpy(4)
+        X, Y, P = torch.randn(3, 4), torch.zeros(3, 4), torch.zeros(6, dtype=torch.int32)
+        kernel(X, Y, P)
+        torch.testing.assert_close(Y, 2 * X)
+        bad = {
+            "n = 5; an earlier argument gave 3": (X, torch.zeros(5, 4), P),
+            "'P': size 7 is not a multiple of 2": (X, Y, torch.zeros(7, dtype=torch.int32)),
+            "gives n = 4; an earlier argument gave 3": (X, Y, torch.zeros(8, dtype=torch.int32)),
+            "'Y' has size 5 where the kernel declares 4": (X, torch.zeros(3, 5), P),
+            "'X' has 1 dimensions; the kernel declares 2": (X.view(-1), Y, P),
+            "'Y' is torch.float16; the kernel declares float32": (X, Y.half(), P),
+            "'X' is not contiguous": (torch.randn(4, 3).T, Y, P),
+        }
+        for message, args in bad.items():
+            try:
+                kernel(*args)
+            except (ValueError, TypeError) as error:
+                assert message in str(error), (message, error)
+            else:
+                raise AssertionError(f"no error: {message}")
+        torch.testing.assert_close(Y, 2 * X)  # no bad call ran the kernel
+        print("ARGUMENTS-OK")
+    """))
+    proc = run_python(script, timeout=100, cwd=tmp_path)
+    assert "ARGUMENTS-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_ops_match_torch_distributed(n):

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 from tilelang.ir import get_stmt_span, span_to_location
-from tvm import tirx
+from tvm import arith, tirx
 
 from tilescale import comm, runtime
 from tilescale.errors import WaitTimeoutError
@@ -953,6 +953,8 @@ class CpuKernel:
     def __init__(self, func: tirx.PrimFunc):
         self.func = func
         self.params = list(func.params)
+        # Which tensor arguments must be contiguous, as the host code TileLang compiles checks.
+        self.compact = {p: _compact(func.buffer_map[p]) for p in self.params if p in func.buffer_map}
         self.rank = runtime.rank()
         self.nodes = _Nodes()
         self.grid, self.body = self._split_grid(func.body)
@@ -1029,8 +1031,9 @@ class CpuKernel:
                 raise TypeError(f"argument '{buf.name}' must be a torch.Tensor")
             if arg.device.type != "cpu":
                 raise ValueError(f"argument '{buf.name}' is on {arg.device}; the CPU path runs on CPU tensors")
-            for dim, size in zip(buf.shape, arg.shape, strict=False):
-                _solve(dim, int(size), env)
+            _check_argument(buf, self.compact[param], arg)
+            for dim, size in zip(buf.shape, arg.shape, strict=True):
+                _solve(buf.name, dim, int(size), env)
             env[buf] = arg
             env[buf.data] = arg
             storage = arg.untyped_storage()
@@ -1175,12 +1178,48 @@ def _cluster_dims(body: Any) -> tuple[int, int, int]:
     return found[0] if found else (1, 1, 1)
 
 
-def _solve(dim: Any, size: int, env: dict) -> None:
-    """Bind the shape variable in ``dim`` (``n`` or ``n * c``) from a tensor's size."""
-    if isinstance(dim, tirx.Var):
-        env.setdefault(dim, size)
-    elif isinstance(dim, tirx.Mul) and isinstance(dim.a, tirx.Var) and isinstance(dim.b, tirx.IntImm):
-        if size % int(dim.b.value):
-            raise ValueError(f"size {size} is not a multiple of {int(dim.b.value)} as the kernel requires")
-        env.setdefault(dim.a, size // int(dim.b.value))
+def _check_argument(buf: tirx.Buffer, compact: bool, arg: torch.Tensor) -> None:
+    """Raise, as TileLang's compiled host code does on a GPU, where ``arg`` is not the tensor ``buf``
+    declares: its rank, dtype and layout. Sizes are checked as they bind (``_solve``)."""
+    if arg.dim() != len(buf.shape):
+        raise ValueError(f"argument '{buf.name}' has {arg.dim()} dimensions; the kernel declares "
+                         f"{len(buf.shape)} ({_shape_text(buf.shape)})")
+    if arg.dtype != _torch_dtype(buf.dtype):
+        raise TypeError(f"argument '{buf.name}' is {arg.dtype}; the kernel declares {buf.dtype}")
+    if compact and not arg.is_contiguous():
+        raise ValueError(f"argument '{buf.name}' is not contiguous; the kernel reads it as a compact array")
 
+
+def _compact(buf: tirx.Buffer) -> bool:
+    """Whether ``buf``'s strides are its shape's row-major ones (TileLang spells them out)."""
+    if not buf.strides:  # TVM's default: compact
+        return True
+    analyzer, inner = arith.Analyzer(), 1
+    for dim, stride in zip(reversed(buf.shape), reversed(buf.strides), strict=True):
+        if not analyzer.can_prove_equal(stride, inner):
+            return False
+        inner = inner * dim
+    return True
+
+
+def _shape_text(shape: Any) -> str:
+    return "(" + ", ".join(str(dim) for dim in shape) + ")"
+
+
+def _solve(name: str, dim: Any, size: int, env: dict) -> None:
+    """Bind the shape variable in ``dim`` (``n`` or ``n * c``) from a tensor's size, or check it against
+    its earlier binding or the constant ``dim`` is."""
+    if isinstance(dim, tirx.Mul) and isinstance(dim.a, tirx.Var) and isinstance(dim.b, tirx.IntImm):
+        if size % int(dim.b.value):
+            raise ValueError(f"argument '{name}': size {size} is not a multiple of {int(dim.b.value)} "
+                             f"as the kernel requires ({dim})")
+        var, value = dim.a, size // int(dim.b.value)
+    elif isinstance(dim, tirx.Var):
+        var, value = dim, size
+    else:
+        if isinstance(dim, tirx.IntImm) and int(dim.value) != size:
+            raise ValueError(f"argument '{name}' has size {size} where the kernel declares {int(dim.value)}")
+        return
+    bound = env.setdefault(var, value)
+    if bound != value:
+        raise ValueError(f"argument '{name}' gives {var.name} = {value}; an earlier argument gave {bound}")
