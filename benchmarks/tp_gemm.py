@@ -38,13 +38,13 @@ import torch.distributed as dist
 from harness import Report, check_close, graphed, progress, time_interleaved
 
 import tilescale as ts
-from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, TileConfig
+from tilescale.ops._gemm import DEFAULT, NARROW, THIN, WIDE, TileConfig
 from tilescale.ops.tp_gemm import PUSH_CHOICES, choose_push_blocks, choose_tile, default_producer, reduce_grid
 
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
 AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
-TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
+TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64", THIN: "64x64"}
 
 
 def tile_label(tile: TileConfig) -> str:
@@ -242,6 +242,12 @@ FLOOR_SHAPES = [
     ("ar", (200, 2304, 7168)),     # DeepSeek-V3, TP 8, decode
     ("ar", (256, 11008, 4096)),    # the issue's slowest decode shape
     ("ar", (256, 3584, 4096)),     # Llama-3-8B, TP 4, decode
+    ("ar", (32, 14336, 8192)),     # Llama-3-70B, TP 2, decode of 32 sequences
+    ("ar", (16, 4608, 7168)),      # DeepSeek-V3, TP 4, decode of 16
+    ("ar", (1, 7168, 4096)),       # Llama-3-8B, TP 2, decode of one sequence
+    ("ar", (64, 3584, 8192)),      # Llama-3-70B, TP 8, decode of 64
+    ("ar", (8, 9216, 7168)),       # DeepSeek-V3, TP 2, decode of 8
+    ("ar", (48, 7392, 8192)),      # Qwen2.5-72B, TP 4, decode of 48
 ]
 # Goals of issue 22 (one-rank job, fused / cuBLAS).
 FLOOR_GOAL, FLOOR_GEOMEAN_GOAL, DECODE_GRAPH_GOAL, DECODE_EAGER_GOAL = 1.03, 1.01, 1.05, 1.10
@@ -357,7 +363,8 @@ def measure_pushers(shape: tuple[int, int, int], iters: int) -> dict:
 def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig) -> dict:
     """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
     where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
-    128x64 ``NARROW``), the default plan again with that fixed tile (``fixed_tile``)."""
+    128x64 ``NARROW``, which 64-row ``THIN`` replaced at <= 64 rows), the default plan again with
+    that fixed tile (``fixed_tile``)."""
     if op == "ag":
         plans = {f"fused_{label}": lambda tile=None, producer=producer: ts.ops.all_gather_gemm(
                      a, weight, plan="fused", producer=producer, tile=tile)
@@ -367,7 +374,7 @@ def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig
         op_fn = ts.ops.gemm_reduce_scatter if op == "rs" else ts.ops.gemm_all_reduce
         plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
         default = plans["fused"]
-    fixed = NARROW if tile == NARROW else WIDE
+    fixed = NARROW if tile in (NARROW, THIN) else WIDE
     if tile != fixed:
         plans["fixed_tile"] = lambda: default(fixed)
     return plans

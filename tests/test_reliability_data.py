@@ -68,22 +68,24 @@ def test_integer_reductions_are_exact(collectives_job):
 
 
 def test_fused_tp_gemm_row_disagreement_raises_on_every_rank():
-    """all_gather_gemm with 64 rows on rank 0 and 72 on rank 1 (both padded to one 128-row
+    """all_gather_gemm with 72 rows on rank 0 and 80 on rank 1 (both padded to one 128-row
     tile, so the same buffers and flags): before, both returned, zeros in rank 1's rows. So
     for both all-gather producers (copy engines: announced on their stream before the flags),
     the reduce-scatter in its GEMM and with K split, the all-reduce in one kernel (K whole or
     split) and in two (64-row tiles: other buffers per row count, the waits end at the peer's
-    announcement); and for the same rows with another tile or producer."""
+    announcement); for the same rows with another tile or producer; and for an all-reduce of
+    64 rows against 72 (the 64-row tile against a 128-row one: other kernels and buffers)."""
     proc = run_cpu(str(RANKS / "tp_gemm_agreement.py"), 2, env={"TILESCALE_TEST_CASE": "mismatch"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = markers(proc.stdout, "MISMATCH")
-    for case, op, rows, k in (("all_gather_gemm", "all_gather_gemm", (64, 72), 64),
-                              ("all_gather_gemm_sm", "all_gather_gemm", (64, 72), 64),
-                              ("gemm_reduce_scatter", "gemm_reduce_scatter", (128, 144), 64),
-                              ("gemm_reduce_scatter_split_k", "gemm_reduce_scatter", (128, 144), 128),
-                              ("gemm_all_reduce", "gemm_all_reduce", (64, 72), 64),
-                              ("gemm_all_reduce_split_k", "gemm_all_reduce", (64, 72), 128),
-                              ("gemm_all_reduce_two_kernels", "gemm_all_reduce", (64, 72), 64)):
+    for case, op, rows, k in (("all_gather_gemm", "all_gather_gemm", (72, 80), 64),
+                              ("all_gather_gemm_sm", "all_gather_gemm", (72, 80), 64),
+                              ("gemm_reduce_scatter", "gemm_reduce_scatter", (144, 160), 64),
+                              ("gemm_reduce_scatter_split_k", "gemm_reduce_scatter", (144, 160), 128),
+                              ("gemm_all_reduce", "gemm_all_reduce", (72, 80), 64),
+                              ("gemm_all_reduce_split_k", "gemm_all_reduce", (72, 80), 128),
+                              ("gemm_all_reduce_two_kernels", "gemm_all_reduce", (72, 80), 64),
+                              ("gemm_all_reduce_tiles", "gemm_all_reduce", (64, 72), 64)):
         for rank in (0, 1):
             line = found[case, rank]
             assert f"rank 0: {op} ({rows[0]}, {k}) float32" in line and f"rank 1: {op} ({rows[1]}, {k}) float32" in line

@@ -249,6 +249,8 @@ def test_k_splits_fill_the_sms_with_whole_k_steps(tiles, K, expected, monkeypatc
     (512, 14336, False, (1, 1), "WIDE_224"),  # all-gather GEMM on 2 ranks: 2 kernels of 256 tiles
     (3000, 7168, True, (1,), "WIDE_224"),
     (128, 8192, True, (1,), "NARROW"),  # decode all-reduce: 128 tiles, K whole, one partial per tile crosses
+    (64, 8192, True, (1,), "THIN"), (1, 4096, True, (1,), "THIN"),  # no part-empty 128-row tile
+    (64, 8192, True, (2,), "NARROW"),  # reduce-scatter segments keep the 128-row tile
     (1024, 8192, True, (1,), "WIDE"),  # 256 wide tiles, 2 whole waves
     (128, 2048, True, (1,), "WIDE"),  # 32 narrow tiles would leave most SMs idle: K is split instead
     (256, 4096, True, (1,), "TALL"),  # one 256-row tile streams the weight once
@@ -289,6 +291,30 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
     assert "tilescale::block_wait(" not in src and "tilescale::grid_barrier(" not in src
     proc = nvcc(src, tmp_path / "all_reduce_gemm.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+@needs_nvcc
+def test_decode_all_reduce_of_64_rows_is_one_warpgroup_deep_pipeline(tmp_path):
+    """``THIN``, the tile of decode batches of at most 64 rows: one consumer warpgroup (plus
+    TileLang's producer) issuing one m64n64 wgmma per K step, twelve loads in flight."""
+    from tilescale.ops._gemm import THIN
+
+    with build_options(world_size=2):
+        func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 64, 1024, 8192, THIN)
+    src = lower_cuda(func)
+    assert "__launch_bounds__(256, 1)" in src and "kFloat32, 64, 64, 16" in src
+    assert "mbarrier[(k % 12)]" in src and "tilescale::warp_wait(" in src
+    proc = nvcc(src, tmp_path / "all_reduce_gemm_thin.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_decode_all_reduce_kernel_takes_whole_row_tiles():
+    """Its rows are a run-time size up to ``padded_rows``, which must be whole tiles."""
+    from tilescale.ops._gemm import NARROW
+
+    with pytest.raises(ValueError, match="padded_rows 100 is not a multiple of block_M 128"):
+        tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 100, 1024, 8192, NARROW)
 
 
 def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):

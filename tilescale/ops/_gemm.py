@@ -85,6 +85,12 @@ TALL = TileConfig(256, 128, 64, 3, 256, "FullRow", "shared", 8)
 # per SM, without splitting K; each warpgroup one m64n64 wgmma, six stages of loads in
 # flight for a K loop that streams the weight.
 NARROW = TileConfig(128, 64, 64, 6, 256, "FullRow", "direct")
+# Decode outputs of at most 64 rows: one warpgroup's m64n64 wgmma per K step, twelve stages of
+# loads in flight. In a 128-row tile such rows leave half or more of each A load out of bounds
+# (TMA fills it with zeros), and that costs: the all-reduce's one kernel at 8-64 rows took
+# 1.40-2.40x cuBLAS in NARROW against 1.01-1.68x in this tile, one H100, 6 shapes
+# (benchmarks/results/logs/gpu-h100-20261128-decode-64-row-tile.log).
+THIN = TileConfig(64, 64, 64, 12, 128, "FullRow", "direct")
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = DEFAULT.block_M, DEFAULT.block_N, DEFAULT.block_K, DEFAULT.stages, \

@@ -18,7 +18,7 @@ from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, launch_together, layout_key, op_plans, sm_count, tl_dtype
-from tilescale.ops._gemm import DEFAULT, NARROW, TALL, WIDE, WIDE_192, WIDE_224, TileConfig
+from tilescale.ops._gemm import DEFAULT, NARROW, TALL, THIN, WIDE, WIDE_192, WIDE_224, TileConfig
 
 # Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
 # the own rows; choose_push_blocks picks one per shape), and what they move: one block ~22 GB/s
@@ -161,7 +161,10 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     (:func:`useful_share`): on one H100 the pick was the fastest of the three at each of
     the floor's 16 GEMMs with >= 1024 rows, e.g. 1024 x 14336 in 128x224 tiles, 512 of them =
     3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). Else, for the
-    reduce-scatter and all-reduce GEMMs (``split_k``): ``NARROW`` (128x64) where a segment is
+    reduce-scatter and all-reduce GEMMs (``split_k``): ``THIN`` (64x64) for the all-reduce's
+    one segment of at most 64 rows (a 128-row tile would load half of A or more out of
+    bounds: 1.4-2.4x cuBLAS there against 1.0-1.7x in ``THIN``, K split where its tiles leave
+    SMs idle); ``NARROW`` (128x64) where a segment is
     one 128-row tile and its tiles give 90% of the SMs a block (decode, K whole); ``TALL``
     (256x128) for 129-256 rows, so one row tile streams the weight once; otherwise ``WIDE``;
     these split K (:func:`k_splits`). Else the 128x128 ``DEFAULT``, whose twice as many tiles
@@ -172,6 +175,7 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
         choose_tile(8192, 14336)                 # WIDE
         choose_tile(1024, 14336)                 # WIDE_224 on a 132-SM GPU
         choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
+        choose_tile(33, 8192, split_k=True)      # THIN
 
     Args:
         rows: Rows of one segment.
@@ -180,13 +184,15 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
         kernels: Segments per kernel, as in :func:`kernel_tiles`.
 
     Returns:
-        TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, ``NARROW``, ``TALL`` or ``DEFAULT``
+        TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, ``THIN``, ``NARROW``, ``TALL`` or ``DEFAULT``
         (depends on this device's SM count).
     """
     sms = sm_count()
     if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
         return max(TILE_RATES, key=lambda tr: tr[1] * useful_share(rows, n, tr[0], kernels, sms))[0]
     if split_k:
+        if rows <= THIN.block_M and kernels == (1,):
+            return THIN
         if rows <= NARROW.block_M and 10 * sum(kernel_tiles(rows, n, NARROW, kernels)) >= 9 * sms:
             return NARROW
         return TALL if NARROW.block_M < rows <= TALL.block_M else WIDE
