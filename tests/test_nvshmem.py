@@ -400,7 +400,7 @@ def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
 
 def _op_kernels():
     from tilescale.ops import collectives, moe, p2p, tp_gemm
-    from tilescale.ops._gemm import DEFAULT, NARROW, WIDE
+    from tilescale.ops._gemm import DEFAULT, NARROW, THIN, WIDE
 
     no_ws = {"tl.disable_warp_specialized": True}
     return {
@@ -413,6 +413,9 @@ def _op_kernels():
         "moe_dispatch_low_latency": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
         "moe_dispatch_in_place": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False, None, True),
                                   None),
+        # FP8 rows as the dispatch moves them: 256 channels packed with their scales into 264 bytes.
+        "moe_dispatch_fp8": (moe.dispatch_kernel, (2, 64, 264, 2, 8, 1536, "uint8", 132, False), None),
+        "moe_dispatch_fp8_low_latency": (moe.dispatch_kernel, (2, 64, 264, 2, 8, 1536, "uint8", 132, True), None),
         "moe_combine": (moe.combine_kernel, (2, 64, 256, 4, 1024, "bfloat16", 132), None),
         "ag_gemm": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, DEFAULT), None),
         "ag_gemm_wide": (tp_gemm.ag_own_gemm_kernel, (2, "bfloat16", 256, 256, 512, 512, 16, WIDE), None),
@@ -422,6 +425,8 @@ def _op_kernels():
                     no_ws),
         "gemm_all_reduce_one_kernel": (tp_gemm.all_reduce_gemm_kernel, (2, "bfloat16", 128, 512, 1024, NARROW),
                                        no_ws),
+        "gemm_all_reduce_one_kernel_thin": (tp_gemm.all_reduce_gemm_kernel, (2, "bfloat16", 64, 512, 1024, THIN),
+                                            no_ws),
     }
 
 
@@ -435,7 +440,7 @@ def test_every_op_kernel_lowers_to_nvshmem_calls(name):
         body = kernel_body(lower_cuda(factory.__wrapped__(*args), configs))
     assert re.search(r"tilescale::nvshmem_(put|get)_block\(", body), body[:3000]
     assert "__peers" not in body.replace("ts_sync_peers", "")
-    if name == "gemm_all_reduce_one_kernel":  # signals and waits per warp, through NVSHMEM's helpers too
+    if name.startswith("gemm_all_reduce_one_kernel"):  # signals and waits per warp, through NVSHMEM's helpers too
         assert "tilescale::nvshmem_warp_signal(" in body and "tilescale::nvshmem_warp_wait(" in body
 
 
