@@ -87,8 +87,10 @@ TALL = TileConfig(256, 128, 64, 3, 256, "FullRow", "shared", 8)
 NARROW = TileConfig(128, 64, 64, 6, 256, "FullRow", "direct")
 # Decode outputs of at most 64 rows: one warpgroup's m64n64 wgmma per K step, twelve stages of
 # loads in flight. In a 128-row tile such rows leave half or more of each A load out of bounds
-# (TMA fills it with zeros), and that costs: the all-reduce's one kernel at 8-64 rows took
-# 1.40-2.40x cuBLAS in NARROW against 1.01-1.68x in this tile, one H100, 6 shapes
+# (TMA fills it with zeros), and that costs: the all-reduce's one kernel at 8-64 rows, 8 shapes,
+# one H100, took 1.18-2.76x cuBLAS in the tiles picked before (NARROW, or 128x256 with K split)
+# against 0.99-2.17x in this tile, slower at one of 27 points (8 x 13824 x 5120: 1.30 vs 1.21);
+# the floor's 6 shapes of 1-64 rows 1.04-1.18x against 1.34-1.64x
 # (benchmarks/results/logs/gpu-h100-20261128-decode-64-row-tile.log).
 THIN = TileConfig(64, 64, 64, 12, 128, "FullRow", "direct")
 

@@ -163,8 +163,8 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). Else, for the
     reduce-scatter and all-reduce GEMMs (``split_k``): ``THIN`` (64x64) for the all-reduce's
     one segment of at most 64 rows (a 128-row tile would load half of A or more out of
-    bounds: 1.4-2.4x cuBLAS there against 1.0-1.7x in ``THIN``, K split where its tiles leave
-    SMs idle); ``NARROW`` (128x64) where a segment is
+    bounds: on one H100 the floor's 6 such shapes took 1.34-1.64x cuBLAS in ``NARROW``,
+    1.04-1.18x in ``THIN``; K split where its tiles leave SMs idle); ``NARROW`` (128x64) where a segment is
     one 128-row tile and its tiles give 90% of the SMs a block (decode, K whole); ``TALL``
     (256x128) for 129-256 rows, so one row tile streams the weight once; otherwise ``WIDE``;
     these split K (:func:`k_splits`). Else the 128x128 ``DEFAULT``, whose twice as many tiles
