@@ -44,7 +44,7 @@ from tilescale.ops.tp_gemm import PUSH_CHOICES, choose_push_blocks, choose_tile,
 AG_SHAPES = [(8192, 8192, 14336), (4096, 8192, 14336), (1024, 8192, 14336), (8192, 4096, 6144)]
 RS_SHAPES = [(8192, 14336, 8192), (4096, 14336, 8192), (1024, 14336, 8192)]
 AR_SHAPES = [(128, 14336, 8192), (1024, 14336, 8192)]
-TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64", THIN: "64x64"}
+TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
 
 
 def tile_label(tile: TileConfig) -> str:
