@@ -241,27 +241,49 @@ def test_k_splits_fill_the_sms_with_whole_k_steps(tiles, K, expected, monkeypatc
     assert tp_gemm.k_splits(tiles, K, 64) == expected
 
 
-@pytest.mark.parametrize(("rows", "n", "split_k", "kernels", "expected"), [
-    (8192, 14336, False, (1,), "WIDE"), (128, 8192, False, (1,), "DEFAULT"),
-    (1024, 14336, False, (1,), "WIDE_224"),  # 512 tiles = 3.9 waves, where 448 wide ones are 3.4
-    (3000, 7392, False, (1,), "WIDE_224"),  # 792 tiles: 6 whole waves
-    (2048, 9216, False, (1,), "WIDE_192"),  # 768 tiles = 5.8 waves; 128x256: 4.4, 128x224: 5.1
-    (512, 14336, False, (1, 1), "WIDE_224"),  # all-gather GEMM on 2 ranks: 2 kernels of 256 tiles
-    (3000, 7168, True, (1,), "WIDE_224"),
-    (128, 8192, True, (1,), "NARROW"),  # decode all-reduce: 128 tiles, K whole, one partial per tile crosses
-    (64, 8192, True, (1,), "THIN"), (1, 4096, True, (1,), "THIN"),  # no part-empty 128-row tile
-    (64, 8192, True, (2,), "NARROW"),  # reduce-scatter segments keep the 128-row tile
-    (1024, 8192, True, (1,), "WIDE"),  # 256 wide tiles, 2 whole waves
-    (128, 2048, True, (1,), "WIDE"),  # 32 narrow tiles would leave most SMs idle: K is split instead
-    (256, 4096, True, (1,), "TALL"),  # one 256-row tile streams the weight once
-    (200, 7168, True, (1,), "TALL"),
-    (128, 8192, True, (2,), "NARROW"),  # reduce-scatter of 256 rows on 2 ranks: segments of 128 rows
+@pytest.mark.parametrize(("rows", "n", "split_k", "kernels", "k", "expected"), [
+    (8192, 14336, False, (1,), None, "WIDE"), (128, 8192, False, (1,), None, "DEFAULT"),
+    (1024, 14336, False, (1,), None, "WIDE_224"),  # 512 tiles = 3.9 waves, where 448 wide ones are 3.4
+    (3000, 7392, False, (1,), None, "WIDE_224"),  # 792 tiles: 6 whole waves
+    (2048, 9216, False, (1,), None, "WIDE_192"),  # 768 tiles = 5.8 waves; 128x256: 4.4, 128x224: 5.1
+    (512, 14336, False, (1, 1), None, "WIDE_224"),  # all-gather GEMM on 2 ranks: 2 kernels of 256 tiles
+    (3000, 7168, True, (1,), None, "WIDE_224"),
+    # Decode all-reduce: the batch in the wgmma's N, rounded up to 16 rows; 64 weight rows per tile.
+    (128, 8192, True, (1,), None, (128, 64)), (64, 8192, True, (1,), None, (64, 64)),
+    (1, 4096, True, (1,), None, (16, 64)), (33, 8192, True, (1,), 14336, (48, 64)),
+    (128, 2048, True, (1,), None, (128, 64)),  # 32 tiles: K split 4 ways
+    (256, 4096, True, (1,), 4096, (256, 64)), (200, 7168, True, (1,), 2304, (208, 64)),
+    (256, 8192, True, (1,), 14336, (256, 128)),  # 7168 of K per block: 128 weight rows per A load
+    (100, 8192, True, (1,), 14336, (112, 64)),  # up to 128 rows 64 columns whatever K
+    (64, 12288, True, (1,), None, (64, 128)),  # 192 tiles of 64 columns would not fit the SMs
+    (64, 20480, True, (1,), None, "THIN"),  # nor 160 of 128: tiles of the two-kernel plan
+    (64, 8192, True, (2,), None, "NARROW"),  # reduce-scatter segments keep the 128-row tile
+    (1024, 8192, True, (1,), None, "WIDE"),  # 256 wide tiles, 2 whole waves
+    (128, 8192, True, (2,), None, "NARROW"),  # reduce-scatter of 256 rows on 2 ranks: segments of 128 rows
+    (200, 7168, True, (2,), None, "TALL"),  # one 256-row tile streams the weight once
 ])
-def test_choose_tile(rows, n, split_k, kernels, expected, monkeypatch):
+def test_choose_tile(rows, n, split_k, kernels, k, expected, monkeypatch):
     from tilescale.ops import _gemm
 
     monkeypatch.setattr(plan, "sm_count", lambda: 132)
-    assert tp_gemm.choose_tile(rows, n, split_k, kernels) == getattr(_gemm, expected)
+    tile = tp_gemm.choose_tile(rows, n, split_k, kernels, k)
+    if isinstance(expected, str):
+        assert tile == getattr(_gemm, expected)
+    else:
+        assert tile.swap_ab and (tile.block_M, tile.block_N) == expected
+        assert tile.threads == 2 * tile.block_N and tile.shared_bytes() + tile.block_M * tile.block_N * 2 <= 208 * 1024
+
+
+def test_swapped_tiles_only_in_the_decode_all_reduce():
+    """Every other kernel computes its tiles the usual way round and refuses a swapped one."""
+    from tilescale.ops._gemm import swapped_tile
+
+    with pytest.raises(ValueError, match="gemm_push_kernel does not take swap_ab tiles"):
+        tp_gemm.gemm_push_kernel.__wrapped__(2, "bfloat16", 128, 1024, 8192, 1, swapped_tile(100), 1)
+    with pytest.raises(ValueError, match="swapped_tile: rows must be 1-256"):
+        swapped_tile(257)
+    with pytest.raises(ValueError, match="block_M a multiple of 8"):
+        type(swapped_tile(16))(12, 64, 64, 4, 128, "FullRow", "direct", swap_ab=True)
 
 
 def test_reduce_grid_pads_segments_to_whole_tiles(monkeypatch):
@@ -295,17 +317,21 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
 
 @pytest.mark.timeout(300)
 @needs_nvcc
-def test_decode_all_reduce_of_64_rows_is_one_warpgroup_deep_pipeline(tmp_path):
-    """``THIN``, the tile of decode batches of at most 64 rows: one consumer warpgroup (plus
-    TileLang's producer) issuing one m64n64 wgmma per K step, twelve loads in flight."""
-    from tilescale.ops._gemm import THIN
+def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
+    """A decode batch of 100 rows in its ``swap_ab`` tile: one m64n112 wgmma per K step (the
+    weight's 64 rows as its M), the transposed accumulator staged into the row-major tile the
+    exchange sends, K split in two, and the slots laid out for 256 rows (shared by every
+    batch size's kernel)."""
+    from tilescale.ops._gemm import swapped_tile
 
+    tile = swapped_tile(100)
     with build_options(world_size=2):
-        func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 64, 1024, 8192, THIN)
+        func = tp_gemm.all_reduce_gemm_kernel.__wrapped__(2, "bfloat16", 112, 2048, 4096, tile, 2, 256)
     src = lower_cuda(func)
-    assert "__launch_bounds__(256, 1)" in src and "kFloat32, 64, 64, 16" in src
-    assert "mbarrier[(k % 12)]" in src and "tilescale::warp_wait(" in src
-    proc = nvcc(src, tmp_path / "all_reduce_gemm_thin.cubin")
+    assert "__launch_bounds__(256, 1)" in src and "kFloat32, 64, 112, 16" in src
+    assert tile.stages == 8 and "mbarrier[(k & 7)]" in src and "tilescale::warp_wait(" in src
+    assert "* 512)" in src  # a sender's two K parts: 2 x 256 rows per slot set
+    proc = nvcc(src, tmp_path / "all_reduce_gemm_swapped.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

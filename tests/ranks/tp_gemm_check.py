@@ -87,6 +87,20 @@ if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per 
         assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
     assert len(all_reduce_gemm_kernel._compiled) == built, len(all_reduce_gemm_kernel._compiled) - built
     print(rank, "gemm_all_reduce at 8 batch sizes: a kernel per row-tile count ok", flush=True)
+    # choose_tile's swapped tiles (the batch in the wgmma's N): a kernel per 16 rows of batch, all
+    # of them in one exchange whose slots hold 256 rows; calls of every size interleave in it.
+    sizes = (64, 128, 1, 33, 100, 65, 17, 127, 200, 256, 16, 48)
+    for i, m in enumerate(sizes * 2):
+        a = torch.randn(m, k, generator=g).bfloat16()
+        part = a.float() @ w.float().T
+        dist.all_reduce(part)
+        got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused")
+        assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
+    # ("tp_gemm", "ar-in-gemm", slot rows, n, dtype, tiles, threads, K parts): one consumer warpgroup.
+    shared = [key for key in ts.runtime.group_state(None).exchanges
+              if key[1:5] == ("ar-in-gemm", 256, n, torch.bfloat16) and key[6] == 128]
+    assert len(shared) == 1, shared
+    print(rank, f"gemm_all_reduce swapped tiles at {len(sizes)} batch sizes, one exchange ok", flush=True)
 
 if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, replayed on new inputs
     m, k, n = 256, 512, 384
@@ -113,7 +127,7 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
     ops = {"all_gather_gemm": lambda: ts.ops.all_gather_gemm(a, w, plan="fused"),
            "gemm_reduce_scatter": lambda: ts.ops.gemm_reduce_scatter(a2, w, plan="fused"),
            "gemm_all_reduce": lambda: ts.ops.gemm_all_reduce(a2, w, plan="fused"),
-           # 200 rows: choose_tile's TALL tile (256x128), K split, in the one-kernel plan
+           # 200 rows: choose_tile's swapped tile (208 x 64), K split, in the one-kernel plan
            "gemm_all_reduce_decode": lambda: ts.ops.gemm_all_reduce(a3, w, plan="fused"),
            # 192 tiles of 64x64 outnumber the SMs: the gathering plan (reduce-scatter GEMM, then the copy-in)
            "gemm_all_reduce_gather": lambda: ts.ops.gemm_all_reduce(a4, w, plan="fused", tile=SHORT)}

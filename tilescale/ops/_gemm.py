@@ -27,6 +27,10 @@ class TileConfig:
     casts from registers to global memory; ``"shared"`` stages the tile in shared memory
     first (whole-row, vectorised stores; costs ``block_M * block_N`` elements of shared
     memory). ``panel``: tile rows per panel of :func:`tile_coords` (0: row-major tile order).
+    ``swap_ab``: the MMA computes the tile transposed, ``W @ A.T``: the weight's ``block_N``
+    rows fill the wgmma's M (64 per warpgroup) and the tile's ``block_M`` rows its N, which
+    may be any multiple of 8, so a decode batch of a few rows loads (almost) no rows out of
+    bounds; only the one-kernel decode all-reduce takes it (:func:`check_unswapped`).
     """
 
     block_M: int = 128
@@ -37,6 +41,7 @@ class TileConfig:
     policy: str = "Square"
     epilogue: str = "direct"
     panel: int = 0
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -45,6 +50,8 @@ class TileConfig:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if min(self.block_M, self.block_N, self.block_K, self.stages, self.threads) < 1 or self.panel < 0:
             raise ValueError(f"bad tile config {self}")
+        if self.swap_ab and (self.block_M % 8 or self.block_N % 64):
+            raise ValueError(f"a swap_ab tile needs block_M a multiple of 8 and block_N of 64: {self}")
 
     @property
     def warp_policy(self) -> "T.GemmWarpPolicy":
@@ -59,8 +66,27 @@ class TileConfig:
     def name(self) -> str:
         """Short label: ``128x256x64 s3 t256 FullRow shared p8``."""
         panel = f" p{self.panel}" if self.panel else ""
+        swap = " swap_ab" if self.swap_ab else ""
         return (f"{self.block_M}x{self.block_N}x{self.block_K} s{self.stages} t{self.threads} "
-                f"{self.policy} {self.epilogue}{panel}")
+                f"{self.policy} {self.epilogue}{panel}{swap}")
+
+
+def check_unswapped(cfg: TileConfig, kernel: str) -> None:
+    """Refuse a ``swap_ab`` tile in a kernel that computes its tiles the usual way round.
+
+    Example::
+
+        check_unswapped(tile_cfg, "gemm_push_kernel")
+
+    Args:
+        cfg: The tile a kernel factory was given.
+        kernel: The kernel's name, for the message.
+
+    Raises:
+        ValueError: ``cfg.swap_ab`` is set.
+    """
+    if cfg.swap_ab:
+        raise ValueError(f"{kernel} does not take swap_ab tiles (only the one-kernel decode all-reduce does): {cfg}")
 
 
 # What the kernels use (gemm_tile's policy and epilogue, and the BLOCK_* below). Its Square
@@ -93,6 +119,37 @@ NARROW = TileConfig(128, 64, 64, 6, 256, "FullRow", "direct")
 # the floor's 6 shapes of 1-64 rows 1.04-1.18x against 1.34-1.64x
 # (benchmarks/results/logs/gpu-h100-20261128-decode-64-row-tile.log).
 THIN = TileConfig(64, 64, 64, 12, 128, "FullRow", "direct")
+
+
+# The largest batch a swap_ab tile takes: wgmma's largest N.
+SWAPPED_SLOT_ROWS = 256
+
+
+def swapped_tile(rows: int, block_N: int = 64, elem_bytes: int = 2) -> TileConfig:
+    """The ``swap_ab`` tile of a decode batch of ``rows`` (at most 256, wgmma's largest N): the
+    batch rounded up to 16 rows (TileLang issues one m64nRk16 wgmma for R a multiple of 16,
+    nine m64n8k16 for R = 72), ``block_N`` weight rows per tile (a consumer warpgroup per 64),
+    and as many pipeline stages as fit in about 208 KB of shared memory with the tile's
+    epilogue buffer (at most 12).
+
+    Example::
+
+        swapped_tile(33)      # 48 x 64, 12 stages: 15 rows out of bounds where THIN has 31
+
+    Args:
+        rows: Rows of the batch (1-256).
+        block_N: Weight rows (output columns) per tile, a multiple of 64 (default 64).
+        elem_bytes: Bytes per operand element (default 2: bfloat16 / float16).
+
+    Returns:
+        TileConfig: ``block_M`` = rows rounded up to 16 (at least 16), ``swap_ab`` set.
+    """
+    if not 0 < rows <= SWAPPED_SLOT_ROWS:
+        raise ValueError(f"swapped_tile: rows must be 1-{SWAPPED_SLOT_ROWS}, got {rows}")
+    block_M = -(-rows // 16) * 16
+    stage = (block_M + block_N) * 64 * elem_bytes
+    stages = min(12, (208 * 1024 - block_M * block_N * elem_bytes) // stage)
+    return TileConfig(block_M, block_N, 64, stages, 128 * (block_N // 64), "FullRow", "direct", swap_ab=True)
 
 # Output tile, K step, pipeline depth of the K loop, and threads per block.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS = DEFAULT.block_M, DEFAULT.block_N, DEFAULT.block_K, DEFAULT.stages, \

@@ -20,7 +20,7 @@ import torch
 import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
-from tilescale.ops._gemm import DEFAULT, TileConfig, gemm_tile, store_tile
+from tilescale.ops._gemm import DEFAULT, TileConfig, check_unswapped, gemm_tile, store_tile
 from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, kernel_views, pack, packed_width
 from tilescale.ops.moe.layout import ROW_TILE
@@ -299,6 +299,7 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
     cfg = _tile(rows, n) if tile is None else tile
     if cfg.block_M != ROW_TILE:
         raise ValueError(f"grouped_gemm: tiles of {ROW_TILE} rows (an expert's segment), got {cfg.name()}")
+    check_unswapped(cfg, "grouped_gemm")
     # The kernel's operands before the weights: the rows (and their index), by variant.
     if fp8:
         if tuple(scales.shape) != (held, k // BLOCK) or k % BLOCK:

@@ -15,7 +15,7 @@ target, and its last block advances ``state``; a call's second kernel reads the 
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._gemm import THREADS, TileConfig, gemm_tile, tile_coords
+from tilescale.ops._gemm import THREADS, TileConfig, check_unswapped, gemm_tile, tile_coords
 
 
 @jit
@@ -49,6 +49,7 @@ def ag_own_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: i
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    check_unswapped(tile_cfg, "ag_own_gemm_kernel")
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
     n_tiles = -(-N // bn)
@@ -148,6 +149,7 @@ def ag_peer_gemm_kernel(world: int, dtype: str, rows: int, padded_rows: int, K: 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    check_unswapped(tile_cfg, "ag_peer_gemm_kernel")
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     m_tiles = padded_rows // bm
     n_tiles = -(-N // bn)
@@ -228,6 +230,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    check_unswapped(tile_cfg, "gemm_push_kernel")
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // owners
     padded = -(-seg_rows // bm) * bm
@@ -308,6 +311,7 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    check_unswapped(tile_cfg, "gemm_reduce_scatter_kernel")
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     seg_rows = M // world
     padded = -(-seg_rows // bm) * bm
@@ -387,6 +391,7 @@ def gather_segments_kernel(world: int, dtype: str, M: int, N: int, tile_cfg: Til
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    check_unswapped(tile_cfg, "gather_segments_kernel")
     bm, bn = tile_cfg.block_M, tile_cfg.block_N
     seg_rows = M // world
     padded = -(-seg_rows // bm) * bm
@@ -420,7 +425,7 @@ def _panel_dividing(m_tiles: int, panel: int) -> int:
 
 @jit
 def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, tile_cfg: TileConfig,
-                           splits: int = 1):
+                           splits: int = 1, slot_rows: int = 0):
     """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
     over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
     ``dtype``) into its slot at every rank and signals it there, then waits for all partials
@@ -438,7 +443,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
 
     The rows of ``A`` are a dynamic size: one kernel serves every row count that rounds up
     to ``padded_rows`` (whole row tiles), so a server whose decode batch changes every step
-    builds one kernel per row-tile count, not one per batch size.
+    builds one kernel per row-tile count, not one per batch size; ``slot_rows`` lets the
+    kernels of several such counts share one exchange (the slots laid out for the largest).
 
     Args:
         world: Ranks of the group the kernel is built for.
@@ -449,6 +455,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
         N: Output columns.
         tile_cfg: The GEMM tile (:class:`TileConfig`).
         splits: Parts K is split into (default 1; :func:`k_splits`).
+        slot_rows: Rows of each (sender, K part) slot of ``recv``, at least ``padded_rows``
+            (default 0: ``padded_rows``).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -456,13 +464,17 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
     bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
     if padded_rows % bm:
         raise ValueError(f"all_reduce_gemm_kernel: padded_rows {padded_rows} is not a multiple of block_M {bm}")
+    slot_rows = slot_rows or padded_rows
+    if slot_rows < padded_rows:
+        raise ValueError(f"all_reduce_gemm_kernel: slot_rows {slot_rows} is less than padded_rows {padded_rows}")
+    swap = tile_cfg.swap_ab
     M, padded = T.dynamic("rows"), padded_rows
     m_tiles, n_tiles = padded // bm, -(-N // bn)
     k_part, rows = K // splits, bm // splits
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
-             recv: T.Tensor((2 * world * splits * padded, N), dtype), out: T.Tensor((M, N), dtype),
+             recv: T.Tensor((2 * world * splits * slot_rows, N), dtype), out: T.Tensor((M, N), dtype),
              flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((3,), "int32"),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
@@ -474,7 +486,7 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                 by, s = bz // splits, bz % splits
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
-                acc = T.alloc_fragment((bm, bn), "float32")
+                acc = T.alloc_fragment((bn, bm) if swap else (bm, bn), "float32")
                 mine = T.alloc_shared((bm, bn), dtype)
                 total = T.alloc_fragment((rows, bn), "float32")
                 part = T.alloc_fragment((rows, bn), dtype)
@@ -482,14 +494,21 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                 for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
                     T.copy(A[by * bm, s * k_part + k * bk], a)
                     T.copy(W[bx * bn, s * k_part + k * bk], w)
-                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
-                T.copy(acc, mine)
+                    if swap:  # the tile transposed: the weight's rows in the wgmma's M, A's rows in its N
+                        T.gemm(w, a, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                    else:
+                        T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                if swap:
+                    for j, i in T.Parallel(bn, bm):
+                        mine[i, j] = T.cast(acc[j, i], dtype)
+                else:
+                    T.copy(acc, mine)
                 # Whole K: the own partial stays in shared memory. Split K: it goes to this
                 # rank's own slot too, where the tile's other blocks read it.
                 for p in T.serial(world - 1 if splits == 1 else world):
                     dst = (rank + 1 + p) % world
-                    T.copy(mine, recv[((_buffer_of(call[0]) * world + rank) * splits + s) * padded + by * bm, bx * bn],
-                           dst_pe=dst)
+                    own_slot = ((_buffer_of(call[0]) * world + rank) * splits + s) * slot_rows
+                    T.copy(mine, recv[own_slot + by * bm, bx * bn], dst_pe=dst)
                     T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
                 T.clear(total)
                 for p in T.serial(world):
@@ -502,14 +521,14 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                             # peer's tile had landed.
                             T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                    agree=(board, ident))
-                            T.copy(recv[(_buffer_of(call[0]) * world + p) * padded + by * bm, bx * bn], part)
+                            T.copy(recv[(_buffer_of(call[0]) * world + p) * slot_rows + by * bm, bx * bn], part)
                         for i, j in T.Parallel(rows, bn):
                             total[i, j] += T.cast(part[i, j], "float32")
                     else:
                         T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                agree=(board, ident))
                         for q in T.serial(splits):
-                            slot = ((_buffer_of(call[0]) * world + p) * splits + q) * padded + by * bm
+                            slot = ((_buffer_of(call[0]) * world + p) * splits + q) * slot_rows + by * bm
                             T.copy(recv[slot + s * rows, bx * bn], part)
                             for i, j in T.Parallel(rows, bn):
                                 total[i, j] += T.cast(part[i, j], "float32")

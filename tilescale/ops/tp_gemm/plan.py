@@ -18,7 +18,7 @@ from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, launch_together, layout_key, op_plans, sm_count, tl_dtype
-from tilescale.ops._gemm import DEFAULT, NARROW, TALL, THIN, WIDE, WIDE_192, WIDE_224, TileConfig
+from tilescale.ops._gemm import DEFAULT, NARROW, TALL, THIN, WIDE, WIDE_192, WIDE_224, TileConfig, swapped_tile
 
 # Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
 # the own rows; choose_push_blocks picks one per shape), and what they move: one block ~22 GB/s
@@ -151,7 +151,8 @@ def kernel_tiles(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...] =
     return [segments * per_segment for segments in kernels if segments]
 
 
-def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,)) -> TileConfig:
+def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,),
+                k: int | None = None) -> TileConfig:
     """The fused kernels' GEMM tile for row segments of ``rows`` x ``n`` outputs, computed by
     kernels of ``kernels[i]`` segments each (one kernel of one segment by default; the
     all-gather GEMM: ``(1, world - 1)``; the reduce-scatter GEMM: ``(world,)``).
@@ -161,36 +162,53 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     (:func:`useful_share`): on one H100 the pick was the fastest of the three at each of
     the floor's 16 GEMMs with >= 1024 rows, e.g. 1024 x 14336 in 128x224 tiles, 512 of them =
     3.9 waves (1.05x cuBLAS) where 448 WIDE tiles = 3.4 waves (1.20x). Else, for the
+    all-reduce's one segment of at most 256 rows (``split_k``, ``kernels == (1,)``): a
+    ``swap_ab`` tile (:func:`swapped_tile`) whose ``n`` columns give at most one block per SM:
+    the batch is the wgmma's N, rounded up to 16 rows, so almost no row of an A load falls out
+    of bounds, which in a 64- or 128-row tile cost up to 1.4-2.2x cuBLAS at 1-127 rows (one
+    H200: 0.96-1.36x in the swapped tile at 1-128 rows, 1.14-1.38x at 200-256, where the row
+    tiles before took 1.10-2.16x and 1.15-1.84x; the K loop split where tiles leave SMs idle).
+    128 columns per tile where 64 would give more tiles than SMs, and above 128 rows where each
+    block's K loop is long (at least 4096: 1.15-1.25x against 1.26-1.38x in 64 columns at
+    14336 x 8192, where each block reads all of A's rows again per 64 weight rows; shorter
+    loops lost in 128 columns, their fixed epilogue and exchange weighing more). Then, for the
     reduce-scatter and all-reduce GEMMs (``split_k``): ``THIN`` (64x64) for the all-reduce's
-    one segment of at most 64 rows (a 128-row tile would load half of A or more out of
-    bounds: on one H100 the floor's 6 such shapes took 1.34-1.64x cuBLAS in ``NARROW``,
-    1.04-1.18x in ``THIN``; K split where its tiles leave SMs idle); ``NARROW`` (128x64) where a segment is
-    one 128-row tile and its tiles give 90% of the SMs a block (decode, K whole); ``TALL``
-    (256x128) for 129-256 rows, so one row tile streams the weight once; otherwise ``WIDE``;
-    these split K (:func:`k_splits`). Else the 128x128 ``DEFAULT``, whose twice as many tiles
-    keep more SMs busy at decode sizes.
+    one segment of at most 64 rows; ``NARROW`` (128x64) where a segment is one 128-row tile and
+    its tiles give 90% of the SMs a block (decode, K whole); ``TALL`` (256x128) for 129-256
+    rows, so one row tile streams the weight once; otherwise ``WIDE``; these split K
+    (:func:`k_splits`). Else the 128x128 ``DEFAULT``, whose twice as many tiles keep more SMs
+    busy at decode sizes.
 
     Example::
 
-        choose_tile(8192, 14336)                 # WIDE
-        choose_tile(1024, 14336)                 # WIDE_224 on a 132-SM GPU
-        choose_tile(128, 8192, split_k=True)     # NARROW on a 132-SM H200 (128 tiles)
-        choose_tile(33, 8192, split_k=True)      # THIN
+        choose_tile(8192, 14336)                       # WIDE
+        choose_tile(1024, 14336)                       # WIDE_224 on a 132-SM GPU
+        choose_tile(128, 8192, split_k=True, kernels=(2,))  # NARROW on a 132-SM H200 (128 tiles)
+        choose_tile(33, 8192, split_k=True)            # swapped_tile(33): 48 x 64
 
     Args:
         rows: Rows of one segment.
         n: Output columns.
         split_k: Whether the caller may split K (the reduce-scatter and all-reduce GEMMs).
         kernels: Segments per kernel, as in :func:`kernel_tiles`.
+        k: The reduction length, where known (the all-reduce's swapped tile above 128 rows
+            takes 128 columns for long K loops; None: 64 columns where they fit).
 
     Returns:
-        TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, ``THIN``, ``NARROW``, ``TALL`` or ``DEFAULT``
-        (depends on this device's SM count).
+        TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, a ``swap_ab`` tile, ``THIN``,
+        ``NARROW``, ``TALL`` or ``DEFAULT`` (depends on this device's SM count).
     """
     sms = sm_count()
     if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
         return max(TILE_RATES, key=lambda tr: tr[1] * useful_share(rows, n, tr[0], kernels, sms))[0]
     if split_k:
+        if kernels == (1,) and rows <= 256:
+            narrow, wide = -(-n // 64) <= sms, -(-n // 128) <= sms
+            long_loop = k is not None and k // k_splits(-(-n // 128), k, 64) >= 4096
+            if wide and (not narrow or rows > 128 and long_loop):
+                return swapped_tile(rows, 128)
+            if narrow:
+                return swapped_tile(rows, 64)
         if rows <= THIN.block_M and kernels == (1,):
             return THIN
         if rows <= NARROW.block_M and 10 * sum(kernel_tiles(rows, n, NARROW, kernels)) >= 9 * sms:

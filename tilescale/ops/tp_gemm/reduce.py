@@ -16,7 +16,7 @@ from tilescale.ops._common import (
     sm_count,
     tl_dtype,
 )
-from tilescale.ops._gemm import TileConfig
+from tilescale.ops._gemm import SWAPPED_SLOT_ROWS, TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange
 from tilescale.ops.tp_gemm.kernels import (
     _panel_dividing,
@@ -206,7 +206,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     check_same_across_ranks(state, "gemm_all_reduce", [m, k, n, str(a.dtype)], every_call=m == 0)
     if m == 0:
         return a.new_empty(0, n)
-    grid = reduce_grid(m, k, n, 1, tile or choose_tile(m, n, split_k=True))
+    grid = reduce_grid(m, k, n, 1, tile or choose_tile(m, n, split_k=True, k=k))
     one_kernel = grid.tiles * grid.splits <= sm_count()  # one kernel needs every block resident
     gather = False
     if not one_kernel and m % world == 0:
@@ -242,10 +242,14 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     if not one_kernel:
         return _fused_plan(state, key, "gemm_all_reduce", _gemm_then_reduce(state, a, weight, 1, grid, sig))(a, weight)
     tile, padded, tiles, splits = grid.tile, grid.padded, grid.tiles, grid.splits
+    # Swapped tiles are one per 16 rows of batch: their kernels share one exchange, its slots
+    # laid out for the largest batch, so a server's every decode batch size adds no memory.
+    slot = max(padded, SWAPPED_SLOT_ROWS) if tile.swap_ab else padded
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(state, ("ar-in-gemm", padded, n, a.dtype, tiles, tile.threads, splits), (world * splits * padded, n),
+    ex = _exchange(state, ("ar-in-gemm", slot, n, a.dtype, tiles, tile.threads, splits), (world * splits * slot, n),
                    a.dtype, world * tiles)
-    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, group=group)  # any m of its tiles
+    # Any m of its tiles.
+    kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, slot, group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
