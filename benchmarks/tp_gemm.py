@@ -48,8 +48,8 @@ TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
 
 
 def tile_label(tile: TileConfig) -> str:
-    """``128x256``: a tile's output shape."""
-    return f"{tile.block_M}x{tile.block_N}"
+    """``128x256``: a tile's output shape (``16x64 swapped``: the batch in the wgmma's N)."""
+    return f"{tile.block_M}x{tile.block_N}" + (" swapped" if tile.swap_ab else "")
 SMALL = {"ag": [(64, 96, 80)], "rs": [(128, 64, 96)], "ar": [(16, 64, 96)]}
 
 
@@ -139,7 +139,7 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     expected = unfused().clone()
     world = ts.world_size()
     chosen = choose_tile(m // world, n, split_k=True, kernels=(world,)) if op == "rs" else \
-        choose_tile(m, n, split_k=True) if op == "ar" else choose_tile(m // world, n, kernels=(1, world - 1))
+        choose_tile(m, n, split_k=True, k=k) if op == "ar" else choose_tile(m // world, n, kernels=(1, world - 1))
     row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(chosen), "checks": []}
     timings = {"gemm_alone": lambda: operand @ weight.T, "nccl_cublas": unfused}
     for tile in {**TILES, chosen: tile_label(chosen)}:  # the fixed tiles and the one choose_tile picks
@@ -248,6 +248,8 @@ FLOOR_SHAPES = [
     ("ar", (64, 3584, 8192)),      # Llama-3-70B, TP 8, decode of 64
     ("ar", (8, 9216, 7168)),       # DeepSeek-V3, TP 2, decode of 8
     ("ar", (48, 7392, 8192)),      # Qwen2.5-72B, TP 4, decode of 48
+    ("ar", (100, 7392, 8192)),     # Qwen2.5-72B, TP 4, decode of 100
+    ("ar", (72, 4608, 7168)),      # DeepSeek-V3, TP 4, decode of 72
 ]
 # Goals of issue 22 (one-rank job, fused / cuBLAS).
 FLOOR_GOAL, FLOOR_GEOMEAN_GOAL, DECODE_GRAPH_GOAL, DECODE_EAGER_GOAL = 1.03, 1.01, 1.05, 1.10
@@ -302,7 +304,7 @@ def measure_predicted(op: str, shape: tuple[int, int, int], iters: int) -> dict:
     if op == "ag":  # the copy-engine producer beside the default SM pushers
         plans["fused_copy_engine"] = lambda: fused(producer="copy_engine")
     expected = unfused().clone()
-    tol = max(tolerance(op, shape, None), tolerance(op, shape, choose_tile(m, n, split_k=op != "ag")))
+    tol = max(tolerance(op, shape, None), tolerance(op, shape, choose_tile(m, n, split_k=op != "ag", k=k)))
     row = {"op": op, "M": m, "K": k, "N": n, "checks": [
         check_close(f"{op} {shape} {name}", fn(), expected, rtol=tol, atol=tol) for name, fn in plans.items()]}
     timed = {"": plans}
@@ -362,8 +364,8 @@ def measure_pushers(shape: tuple[int, int, int], iters: int) -> dict:
 
 def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig) -> dict:
     """Every fused plan of ``op`` as a callable (a one-rank job: the whole product is this rank's);
-    where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode,
-    128x64 ``NARROW``, which 64-row ``THIN`` replaced at <= 64 rows), the default plan again with
+    where ``choose_tile`` picks another ``tile`` than the 128x256 ``WIDE`` (or, for decode
+    all-reduces, than the tile it would pick without swapped tiles), the default plan again with
     that fixed tile (``fixed_tile``)."""
     if op == "ag":
         plans = {f"fused_{label}": lambda tile=None, producer=producer: ts.ops.all_gather_gemm(
@@ -374,7 +376,8 @@ def floor_plans(op: str, a: torch.Tensor, weight: torch.Tensor, tile: TileConfig
         op_fn = ts.ops.gemm_reduce_scatter if op == "rs" else ts.ops.gemm_all_reduce
         plans = {"fused": lambda tile=None: op_fn(a, weight, plan="fused", tile=tile)}
         default = plans["fused"]
-    fixed = NARROW if tile in (NARROW, THIN) else WIDE
+    fixed = choose_tile(a.shape[0], weight.shape[0], split_k=True, swapped=False) if tile.swap_ab else \
+        NARROW if tile in (NARROW, THIN) else WIDE
     if tile != fixed:
         plans["fixed_tile"] = lambda: default(fixed)
     return plans
@@ -390,7 +393,7 @@ def floor(op: str, shape: tuple[int, int, int], iters: int, compile_only: bool =
     weight = (torch.randn(n, k, device=ts.device(), generator=g) / k**0.5).to(torch.bfloat16)
     cublas = lambda: a @ weight.T  # noqa: E731
     expected = cublas()
-    tile = choose_tile(m, n, split_k=op != "ag")
+    tile = choose_tile(m, n, split_k=op != "ag", k=k)
     plans = floor_plans(op, a, weight, tile)
     splits = 1 if op == "ag" else reduce_grid(m, k, n, 1, tile).splits
     row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(tile), "k_splits": splits, "checks": []}

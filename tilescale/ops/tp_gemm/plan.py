@@ -18,7 +18,18 @@ from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
 from tilescale.ops._common import check_input, launch_together, layout_key, op_plans, sm_count, tl_dtype
-from tilescale.ops._gemm import DEFAULT, NARROW, TALL, THIN, WIDE, WIDE_192, WIDE_224, TileConfig, swapped_tile
+from tilescale.ops._gemm import (
+    DEFAULT,
+    NARROW,
+    SWAPPED_SLOT_ROWS,
+    TALL,
+    THIN,
+    WIDE,
+    WIDE_192,
+    WIDE_224,
+    TileConfig,
+    swapped_tile,
+)
 
 # Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
 # the own rows; choose_push_blocks picks one per shape), and what they move: one block ~22 GB/s
@@ -152,7 +163,7 @@ def kernel_tiles(rows: int, n: int, tile: TileConfig, kernels: tuple[int, ...] =
 
 
 def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ...] = (1,),
-                k: int | None = None) -> TileConfig:
+                k: int | None = None, swapped: bool = True) -> TileConfig:
     """The fused kernels' GEMM tile for row segments of ``rows`` x ``n`` outputs, computed by
     kernels of ``kernels[i]`` segments each (one kernel of one segment by default; the
     all-gather GEMM: ``(1, world - 1)``; the reduce-scatter GEMM: ``(world,)``).
@@ -193,6 +204,8 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
         kernels: Segments per kernel, as in :func:`kernel_tiles`.
         k: The reduction length, where known (the all-reduce's swapped tile above 128 rows
             takes 128 columns for long K loops; None: 64 columns where they fit).
+        swapped: Whether the all-reduce may take a swapped tile (False: the tile it took
+            before them, for the floor benchmark's comparison).
 
     Returns:
         TileConfig: One of ``WIDE``, ``WIDE_224``, ``WIDE_192``, a ``swap_ab`` tile, ``THIN``,
@@ -202,7 +215,7 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     if sum(kernel_tiles(rows, n, WIDE, kernels)) >= sms:
         return max(TILE_RATES, key=lambda tr: tr[1] * useful_share(rows, n, tr[0], kernels, sms))[0]
     if split_k:
-        if kernels == (1,) and rows <= 256:
+        if swapped and kernels == (1,) and rows <= SWAPPED_SLOT_ROWS:
             narrow, wide = -(-n // 64) <= sms, -(-n // 128) <= sms
             long_loop = k is not None and k // k_splits(-(-n // 128), k, 64) >= 4096
             if wide and (not narrow or rows > 128 and long_loop):
