@@ -104,19 +104,21 @@ WIDE = TileConfig(128, 256, 64, 3, 256, "FullRow", "shared", 8)
 # GEMMs with >= 1024 rows on one H100 (gemm-tiles-nvidia-h100-80gb-hbm3-20261124-215914.json).
 WIDE_224 = TileConfig(128, 224, 64, 3, 256, "FullRow", "shared", 8)
 WIDE_192 = TileConfig(128, 192, 64, 3, 256, "FullRow", "shared", 8)
-# Decode with 129-256 rows: all rows in one tile (each warpgroup 2x m64n128), so the K loop
-# streams each weight tile once, where two 128-row tiles would read it twice.
+# Segments of 129-256 rows (the reduce-scatter GEMM's, and the all-reduce's where no swapped
+# tile fits): all rows in one tile (each warpgroup 2x m64n128), so the K loop streams each
+# weight tile once, where two 128-row tiles would read it twice.
 TALL = TileConfig(256, 128, 64, 3, 256, "FullRow", "shared", 8)
-# Decode-sized outputs (M <= 128): 64 columns per tile give 128 tiles at N = 8192, about one
-# per SM, without splitting K; each warpgroup one m64n64 wgmma, six stages of loads in
-# flight for a K loop that streams the weight.
+# Segments of at most 128 rows (the reduce-scatter GEMM's at decode sizes): 64 columns per
+# tile give 128 tiles at N = 8192, about one per SM, without splitting K; each warpgroup one
+# m64n64 wgmma, six stages of loads in flight for a K loop that streams the weight.
 NARROW = TileConfig(128, 64, 64, 6, 256, "FullRow", "direct")
-# Decode outputs of at most 64 rows: one warpgroup's m64n64 wgmma per K step, twelve stages of
-# loads in flight. In a 128-row tile such rows leave half or more of each A load out of bounds
-# (TMA fills it with zeros), and that costs: the all-reduce's one kernel at 8-64 rows, 8 shapes,
-# one H100, took 1.18-2.76x cuBLAS in the tiles picked before (NARROW, or 128x256 with K split)
-# against 0.99-2.17x in this tile, slower at one of 27 points (8 x 13824 x 5120: 1.30 vs 1.21);
-# the floor's 6 shapes of 1-64 rows 1.04-1.18x against 1.34-1.64x
+# The all-reduce's batches of at most 64 rows where no swapped tile fits (N > 128 x SMs; else
+# swapped_tile, which since 2026-11-28 also leaves fewer rows out of bounds): one warpgroup's
+# m64n64 wgmma per K step, twelve stages of loads in flight. In a 128-row tile such rows leave half
+# or more of each A load out of bounds (TMA fills it with zeros), and that costs: the all-reduce's
+# one kernel at 8-64 rows, 8 shapes, one H100, took 1.18-2.76x cuBLAS in the tiles picked before
+# (NARROW, or 128x256 with K split) against 0.99-2.17x in this tile, slower at one of 27 points (8 x
+# 13824 x 5120: 1.30 vs 1.21); the floor's 6 shapes of 1-64 rows 1.04-1.18x against 1.34-1.64x
 # (benchmarks/results/logs/gpu-h100-20261128-decode-64-row-tile.log).
 THIN = TileConfig(64, 64, 64, 12, 128, "FullRow", "direct")
 
