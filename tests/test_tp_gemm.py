@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from cpu_jobs import run_cpu
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 
@@ -411,3 +412,24 @@ def test_copy_engines_move_only_large_rows_of_eager_calls_with_mapped_peers():
     assert tp_gemm.default_producer(750 * 4096 * 2, capturing=False, mapped=True) == "sm"  # 6 MB: 1.6x slower by copy
     assert tp_gemm.default_producer(big, capturing=True, mapped=True) == "sm"  # host-counted flags: not capturable
     assert tp_gemm.default_producer(big, capturing=False, mapped=False) == "sm"  # NVSHMEM calls: no mapped peers
+
+
+def test_fused_plan_on_gpus_takes_two_byte_dtypes(monkeypatch):
+    """On a GPU the fused kernels' pipelines are sized for 2-byte elements (float32 failed to
+    launch on an H200: 288-384 KB of shared memory asked for): float32 runs unfused unless the
+    fused plan is asked for, which raises rather than fail inside TileLang."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(plan.runtime, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(plan.runtime, "group_state", lambda group: SimpleNamespace(size=2))
+    monkeypatch.setattr(plan, "kernel_lowering", lambda group: None)
+    monkeypatch.delenv("TILESCALE_TP_PLAN", raising=False)
+    assert plan._choose(None, 4096, True, None, torch.bfloat16) == "fused"
+    assert plan._choose(None, 4096, True, None, torch.float16) == "fused"
+    assert plan._choose(None, 4096, True, None, torch.float32) == "unfused"
+    assert plan._choose("unfused", 4096, True, None, torch.float32) == "unfused"
+    with pytest.raises(TypeError, match="take bfloat16 or float16 on GPUs, got torch.float32"):
+        plan._choose("fused", 4096, True, None, torch.float32)
+    monkeypatch.setenv("TILESCALE_TP_PLAN", "fused")
+    with pytest.raises(TypeError, match="use plan='unfused'"):
+        plan._choose(None, 4096, True, None, torch.float32)

@@ -223,7 +223,8 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         torch.Tensor: (world * M_local, N_local), rank r's rows at ``[r * M_local:(r + 1) * M_local]``.
 
     Raises:
-        TypeError: ``a_shard`` and ``weight`` differ in dtype, or the dtype is not supported.
+        TypeError: ``a_shard`` and ``weight`` differ in dtype, or the dtype is not supported (on GPUs
+            the fused plan takes bfloat16 / float16: other dtypes run unfused by default).
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
             unknown ``plan``, ``push_blocks`` < 1, an unknown ``producer``, or ``"copy_engine"`` where the
             peers' memory is not mapped; or the ranks' shapes or dtype differ at a shape's first call
@@ -252,7 +253,7 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     seg_tiles = padded // tile.block_M * -(-n // tile.block_N)  # own segment, then the peers' in a second kernel
     wins = _fused_wins(2 * world * m * k * n, [seg_tiles, (world - 1) * seg_tiles],
                        (world - 1) * m * k * a_shard.element_size())
-    if _choose(plan, world * m, wins, group) == "unfused":
+    if _choose(plan, world * m, wins, group, a_shard.dtype) == "unfused":
         if world == 1:
             return op_plans.put(key, gemm_alone)(a_shard, weight)
 

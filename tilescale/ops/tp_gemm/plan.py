@@ -386,11 +386,21 @@ def gemm_alone(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return a @ weight.T
 
 
-def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None) -> str:
+def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None,
+            dtype: torch.dtype = torch.bfloat16) -> str:
     """The plan: as asked, else ``TILESCALE_TP_PLAN``, else for a group of one rank unfused (the
     GEMM alone: there is nothing to overlap), else on GPUs ``fused_wins`` (the op's
     :func:`_fused_wins`, NVLink's arithmetic: where ``group``'s ranks talk through NVSHMEM calls,
     across nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
+    On GPUs the fused kernels take 2-byte operands (``dtype``) only: their tiles' pipelines fill
+    the shared memory with bfloat16 / float16 stages (in float32 they would need 1.3-1.9x an
+    SM's: TileLang's launch fails, one H200), so other dtypes run unfused, and asking for the
+    fused plan with one raises.
+
+    Raises:
+        ValueError: an unknown plan.
+        TypeError: the fused plan asked for (``plan`` or ``TILESCALE_TP_PLAN``) on a GPU, in a
+            dtype of other than 2 bytes.
     """
     plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
     if plan not in (None, "fused", "unfused"):
@@ -398,6 +408,11 @@ def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGr
     if plan is None and runtime.group_state(group).size == 1:
         return "unfused"
     if runtime.device().type == "cuda":
+        if dtype.itemsize != 2:
+            if plan == "fused":
+                raise TypeError(f"the fused TP GEMMs take bfloat16 or float16 on GPUs, got {dtype} (their tiles' "
+                                "shared memory holds 2-byte elements): use plan='unfused' (NCCL + cuBLAS) or None")
+            return "unfused"
         return plan or ("fused" if fused_wins and kernel_lowering(group) in (None, ADDRESS) else "unfused")
     return plan or ("fused" if rows >= FUSED_MIN_ROWS else "unfused")
 

@@ -102,7 +102,8 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
         torch.Tensor: (M // world, N): rank r's rows ``[r * M // world:(r + 1) * M // world]`` of the sum.
 
     Raises:
-        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
+        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported (on GPUs
+            the fused plan takes bfloat16 / float16: other dtypes run unfused by default).
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
             unknown ``plan``, or M not divisible by the group size;
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
@@ -124,7 +125,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     grid = reduce_grid(m, k, n, world, tile)
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
-    if _choose(plan, m, wins, group) == "unfused":
+    if _choose(plan, m, wins, group, a.dtype) == "unfused":
         if world == 1:
             return op_plans.put(key, gemm_alone)(a, weight)
 
@@ -188,7 +189,8 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         torch.Tensor: (M, N), the sum over the group's ranks, identical on every rank.
 
     Raises:
-        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported.
+        TypeError: ``a`` and ``weight`` differ in dtype, or the dtype is not supported (on GPUs
+            the fused plan takes bfloat16 / float16: other dtypes run unfused by default).
         ValueError: not 2-D tensors with the same K, not contiguous on this rank's device, or an
             unknown ``plan``;
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
@@ -225,7 +227,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
     wins = one_kernel_wins(world, m, in_capture) if one_kernel else gather and world > 1 and _fused_wins(
         2 * m * k * n, [world * grid.tiles], 2 * (world - 1) * m * n * elem / world, tail_us)
-    if _choose(plan, FUSED_MIN_ROWS, wins, group) == "unfused":
+    if _choose(plan, FUSED_MIN_ROWS, wins, group, a.dtype) == "unfused":
         if world == 1:
             return op_plans.put(key, gemm_alone)(a, weight)
 
