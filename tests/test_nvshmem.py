@@ -400,7 +400,7 @@ def test_the_mpi_bootstrap_is_refused_under_an_mpi_it_was_not_built_for():
 
 def _op_kernels():
     from tilescale.ops import collectives, moe, p2p, tp_gemm
-    from tilescale.ops._gemm import DEFAULT, NARROW, THIN, WIDE
+    from tilescale.ops._gemm import DEFAULT, NARROW, WIDE, swapped_tile
 
     no_ws = {"tl.disable_warp_specialized": True}
     return {
@@ -425,8 +425,9 @@ def _op_kernels():
                     no_ws),
         "gemm_all_reduce_one_kernel": (tp_gemm.all_reduce_gemm_kernel, (2, "bfloat16", 128, 512, 1024, NARROW),
                                        no_ws),
-        "gemm_all_reduce_one_kernel_thin": (tp_gemm.all_reduce_gemm_kernel, (2, "bfloat16", 64, 512, 1024, THIN),
-                                            no_ws),
+        # The decode batch in the wgmma's N (33 rows in a 48-row tile), slots laid out for 256 rows.
+        "gemm_all_reduce_one_kernel_swapped": (tp_gemm.all_reduce_gemm_kernel,
+                                               (2, "bfloat16", 48, 512, 1024, swapped_tile(33), 1, 256), no_ws),
     }
 
 
