@@ -177,8 +177,8 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     ``swap_ab`` tile (:func:`swapped_tile`) whose ``n`` columns give at most one block per SM:
     the batch is the wgmma's N, rounded up to 16 rows, so almost no row of an A load falls out
     of bounds, which in a 64- or 128-row tile cost up to 1.4-2.2x cuBLAS at 1-127 rows (one
-    H200: 0.96-1.36x in the swapped tile at 1-128 rows, 1.14-1.38x at 200-256, where the row
-    tiles before took 1.10-2.16x and 1.15-1.84x; the K loop split where tiles leave SMs idle).
+    H200, the floor's 14 decode all-reduces as graph replays: 0.94-1.32x cuBLAS in swapped
+    tiles, 1.04-1.66x in the tiles before; the K loop split where tiles leave SMs idle).
     128 columns per tile where 64 would give more tiles than SMs, and above 128 rows where each
     block's K loop is long (at least 4096: 1.15-1.25x against 1.26-1.38x in 64 columns at
     14336 x 8192, where each block reads all of A's rows again per 64 weight rows; shorter
