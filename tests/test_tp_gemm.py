@@ -24,6 +24,8 @@ def test_fused_tp_gemms_match_torch(n):
     assert proc.stdout.count("(16, 256, 96) ok") == 2 * n  # split K
     # the one-kernel all-reduce takes its rows at run time
     assert proc.stdout.count("gemm_all_reduce at 8 batch sizes: a kernel per row-tile count ok") == n
+    # choose_tile's swapped tiles: 12 batch sizes of 1-256 rows interleaved in one exchange
+    assert proc.stdout.count("gemm_all_reduce swapped tiles at 12 batch sizes, one exchange ok") == n
     assert proc.stdout.count("ERRORS ['TypeError', 'ValueError', 'ValueError', 'ValueError', 'ValueError']") == n
     assert proc.stdout.count("shapes differ across ranks (rank 0: [73, 32, 48") == n
     # Each fused plan's calls are counted on the device by its own kernels, one call each.
