@@ -422,16 +422,17 @@ def test_fused_plan_on_gpus_takes_two_byte_dtypes(monkeypatch):
     fused plan is asked for, which raises rather than fail inside TileLang."""
     from types import SimpleNamespace
 
+    rt = SimpleNamespace(tp_plan=None)  # TILESCALE_TP_PLAN as ts.init() read it
+    monkeypatch.setattr(plan.runtime, "current", lambda: rt)
     monkeypatch.setattr(plan.runtime, "device", lambda: torch.device("cuda", 0))
     monkeypatch.setattr(plan.runtime, "group_state", lambda group: SimpleNamespace(size=2))
     monkeypatch.setattr(plan, "kernel_lowering", lambda group: None)
-    monkeypatch.delenv("TILESCALE_TP_PLAN", raising=False)
     assert plan._choose(None, 4096, True, None, torch.bfloat16) == "fused"
     assert plan._choose(None, 4096, True, None, torch.float16) == "fused"
     assert plan._choose(None, 4096, True, None, torch.float32) == "unfused"
     assert plan._choose("unfused", 4096, True, None, torch.float32) == "unfused"
     with pytest.raises(TypeError, match="take bfloat16 or float16 on GPUs, got torch.float32"):
         plan._choose("fused", 4096, True, None, torch.float32)
-    monkeypatch.setenv("TILESCALE_TP_PLAN", "fused")
+    rt.tp_plan = "fused"
     with pytest.raises(TypeError, match="use plan='unfused'"):
         plan._choose(None, 4096, True, None, torch.float32)

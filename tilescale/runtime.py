@@ -58,6 +58,10 @@ class Runtime:
     owns_process_group: bool
     # Bound of every device-side wait, in ns (TILESCALE_WAIT_TIMEOUT_S when init ran, default 60 s).
     wait_timeout_ns: int = 60_000_000_000
+    # The TP GEMMs' plan forced by TILESCALE_TP_PLAN when init ran (None: chosen per shape); read
+    # once, as every eager TP GEMM call's plan key names it (an environment read per call cost
+    # ~0.75 us of host time).
+    tp_plan: str | None = None
     # (parameter name, address, bytes, element size) of each symmetric argument of the last
     # distributed kernel launched, to name a timed-out flag (no reference to its tensors is kept).
     last_kernel_spans: tuple[tuple[str, int, int, int], ...] = ()
@@ -165,7 +169,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
                            startup.job_id(group_store, env.rank, timeout_s), exits=store)
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
-                           gpus_shared=gpus_shared)
+                           tp_plan=os.environ.get("TILESCALE_TP_PLAN") or None, gpus_shared=gpus_shared)
         _runtime.groups[None] = GroupState(None, group, _runtime.backend, dev.type == "cuda")
         _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:

@@ -6,7 +6,6 @@ SM-pusher all-gather (:func:`choose_push_blocks`), and the call plan a call of t
 resolved before (:func:`_cached_plan`; a fused one stored once every rank built it: :func:`_fused_plan`)."""
 
 import heapq
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,9 +117,10 @@ def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | Non
         *options: the op's other arguments that change its plan.
 
     Returns:
-        The key (with ``TILESCALE_TP_PLAN``, which ``plan=None`` follows) and the cached plan or None.
+        The key (with ``TILESCALE_TP_PLAN`` as ``ts.init()`` read it, which ``plan=None`` follows) and
+        the cached plan or None.
     """
-    key = (op, layout_key(a), layout_key(weight), plan, tile, group, os.environ.get("TILESCALE_TP_PLAN"), *options)
+    key = (op, layout_key(a), layout_key(weight), plan, tile, group, runtime.current().tp_plan, *options)
     return key, op_plans.get(key)
 
 
@@ -388,8 +388,8 @@ def gemm_alone(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGroup | None = None,
             dtype: torch.dtype = torch.bfloat16) -> str:
-    """The plan: as asked, else ``TILESCALE_TP_PLAN``, else for a group of one rank unfused (the
-    GEMM alone: there is nothing to overlap), else on GPUs ``fused_wins`` (the op's
+    """The plan: as asked, else ``TILESCALE_TP_PLAN`` (as ``ts.init()`` read it), else for a group of
+    one rank unfused (the GEMM alone: there is nothing to overlap), else on GPUs ``fused_wins`` (the op's
     :func:`_fused_wins`, NVLink's arithmetic: where ``group``'s ranks talk through NVSHMEM calls,
     across nodes, NCCL + cuBLAS), elsewhere (the CPU path) fused from ``FUSED_MIN_ROWS`` output rows on.
     On GPUs the fused kernels take 2-byte operands (``dtype``) only: their tiles' pipelines fill
@@ -402,7 +402,7 @@ def _choose(plan: str | None, rows: int, fused_wins: bool, group: dist.ProcessGr
         TypeError: the fused plan asked for (``plan`` or ``TILESCALE_TP_PLAN``) on a GPU, in a
             dtype of other than 2 bytes.
     """
-    plan = plan or os.environ.get("TILESCALE_TP_PLAN") or None
+    plan = plan or runtime.current().tp_plan
     if plan not in (None, "fused", "unfused"):
         raise ValueError(f"plan must be 'fused', 'unfused' or None, got {plan!r}")
     if plan is None and runtime.group_state(group).size == 1:
