@@ -82,6 +82,9 @@ class GroupState:
         # flags, device-side counters), keyed by what the op needs them for.
         self.workspaces: dict[tuple, torch.Tensor] = {}
         self.verified: set[tuple] = set()
+        # Plan keys whose first call met the group's ranks (tilescale.ops._common.launch_together):
+        # kept when a rank alone drops its plans (a symmetric free), so it rebuilds them alone.
+        self.launched: set[tuple] = set()
         self.exchanges: dict[tuple, Any] = {}
         # Calls announced on the group's call board (tilescale.ops._common.call_identity),
         # numbered alike on every rank of the group that makes the same calls.
@@ -179,6 +182,7 @@ class GroupState:
         self.allocations.clear()
         self.workspaces.clear()
         self.verified.clear()
+        self.launched.clear()
         self.exchanges.clear()
         self.sync_workspace = None
         self.pes = None

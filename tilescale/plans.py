@@ -17,9 +17,12 @@ host cost of a tilescale call comes close to that of the kernel launch itself.
 
 Plans refer to group state and to symmetric memory by address, so every plan cache is
 emptied when any of that goes away: a symmetric allocation freed, a group released,
-``tilescale.init()`` / ``finalize()`` (:func:`invalidate`). Checks that ranks agree are not
-part of a plan: kernels compare the call on the device every time (``T.agree``,
-``T.announce``).
+``tilescale.init()`` / ``finalize()`` (:func:`invalidate`). A symmetric free is one rank's
+own event (its garbage collected at a moment of its own), so a plan built again must not meet
+the peers: what an op's first call does with the group's ranks (the shape check, the build
+barrier) is recorded in the group's state, once per key, and only releasing the group clears
+it. Checks that ranks agree are not part of a plan: kernels compare the call on the device
+every time (``T.agree``, ``T.announce``).
 """
 
 from __future__ import annotations

@@ -188,6 +188,28 @@ def main() -> None:
     gc.collect()
     assert len(kernel._plans) == 0 and len(op_plans) == 0
 
+    # Symmetric memory freed on one rank only (its garbage collected at another moment than its
+    # peer's): that rank builds its plans again, alone, with none of a first call's collectives
+    # (the peer, launching from its cached plans, would wait on the device for it in vain).
+    for _ in range(2):  # cached on both ranks
+        all_reduce_checked(lambda r: torch.full((64,), 5.0 + r))
+        ts.ops.gemm_all_reduce(torch.ones(16, 32), torch.ones(24, 32), plan="fused")
+    local = ts.zeros((8,))
+    ts.barrier()
+    before = dict(builds)
+    if rank == 0:
+        del local
+        gc.collect()
+        assert len(op_plans) == 0
+    all_reduce_checked(lambda r: torch.full((64,), 6.0 + r))
+    y = ts.ops.gemm_all_reduce(torch.full((16, 32), 1.0 + rank), torch.ones(24, 32), plan="fused")
+    assert_close(y, torch.full((16, 24), 96.0))
+    rebuilt = [builds[op] - before[op] for op in ("all_reduce", "tp_gemm")]
+    assert rebuilt == ([1, 1] if rank == 0 else [0, 0]), rebuilt
+    if rank == 1:
+        del local
+        gc.collect()
+
     # Ranks disagreeing on shapes both cached still get ShapeMismatchError, on every call.
     for n in (8, 16):
         all_reduce_checked(lambda r, n=n: torch.ones(n))

@@ -8,7 +8,6 @@ example. An example that raises ends this rank and the launcher stops the others
 after it have no markers.
 """
 
-import gc
 import runpy
 import sys
 from pathlib import Path
@@ -25,9 +24,4 @@ for spec in sys.argv[1:]:
     sys.argv = [path, *arg]
     print(f"EXAMPLE-BEGIN {spec}", flush=True)
     runpy.run_path(path, run_name="__main__")
-    # The example's garbage goes now, on every rank alike, as a process's would at its exit: left to
-    # the cycle collector it would be freed during a later example at a different time per rank,
-    # and a symmetric allocation freed empties that rank's plan caches alone: its next fused TP call
-    # rebuilds the plan and waits in a host barrier its peers, launching, never enter (an open bug).
-    gc.collect()
     print(f"EXAMPLE-END {spec}", flush=True)

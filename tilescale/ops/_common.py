@@ -313,7 +313,7 @@ def build_timeout_s() -> float:
     return float(os.environ.get("TILESCALE_BUILD_TIMEOUT_S", "600"))
 
 
-def launch_together(state: GroupState, what: str) -> None:
+def launch_together(state: GroupState, what: str, key: tuple) -> None:
     """A host barrier of the group once a new plan's kernels are built, before their first launch.
 
     Compiling a plan's kernels can take a rank a minute longer than its peers (a cold cache,
@@ -323,19 +323,25 @@ def launch_together(state: GroupState, what: str) -> None:
     (:func:`build_timeout_s`) and a peer that exits is named at once. Only at a plan's first
     call, and only in ops that every rank of the group calls alike (not one-sided puts).
 
+    Once per plan key and group: a rank that builds a plan again on its own (its plan caches
+    emptied when it freed symmetric memory, at a moment of its own) meets no one, as its peers,
+    launching from their cached plans, would not come.
+
     Example::
 
-        launch = make_plan(...)                    # compiles the kernels
-        launch_together(state, "all_gather_gemm")  # every rank has them
+        launch = make_plan(...)                         # compiles the kernels
+        launch_together(state, "all_gather_gemm", key)  # every rank has them
         launch(...)
 
     Args:
         state: The group's state.
         what: The op's name, for the barrier's tag (and a timeout's message).
+        key: The plan's key (:mod:`tilescale.plans`).
 
     Raises:
         TimeoutError: a peer did not finish building within :func:`build_timeout_s`, naming it.
         PeerExitedError: a peer exited while this rank waited.
     """
-    if state.size > 1:
+    if state.size > 1 and key not in state.launched:
         state.comm.barrier(state.comm.next_tag(f"{what}: kernels built"), timeout_s=build_timeout_s())
+    state.launched.add(key)

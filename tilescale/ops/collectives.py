@@ -193,13 +193,13 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, *,
     """
     key = ("all_gather", layout_key(x), layout_key(out) if out is not None else None,
            out.data_ptr() if out is not None else None, group)
-    launch = op_plans.get(key) or op_plans.put(key, _all_gather_plan(x, out, group))
+    launch = op_plans.get(key) or op_plans.put(key, _all_gather_plan(x, out, group, key))
     return launch(x)
 
 
-def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None,
-                     group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-call part of all_gather calls like this one, everything else checked and resolved."""
+def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None, group: dist.ProcessGroup | None,
+                     key: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of all_gather calls like this one (plan ``key``), everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
@@ -215,7 +215,7 @@ def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None,
         kernel(x.view(1, n), rows, sig, group=group)
         return out if out is not None else result.clone()
 
-    launch_together(state, "all_gather")
+    launch_together(state, "all_gather", key)
     return launch
 
 
@@ -238,12 +238,13 @@ def reduce_scatter(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -
         A new tensor of shape ``(x.shape[0] // group size, *x.shape[1:])``.
     """
     key = ("reduce_scatter", tensor_key(x), group)
-    launch = op_plans.get(key) or op_plans.put(key, _reduce_scatter_plan(x, group))
+    launch = op_plans.get(key) or op_plans.put(key, _reduce_scatter_plan(x, group, key))
     return launch(x)
 
 
-def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-call part of reduce_scatter calls like this one, everything else checked and resolved."""
+def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None,
+                         key: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of reduce_scatter calls like this one (plan ``key``), everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
@@ -262,7 +263,7 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None) -> Ca
         kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
         return out
 
-    launch_together(state, "reduce_scatter")
+    launch_together(state, "reduce_scatter", key)
     return launch
 
 
@@ -290,13 +291,13 @@ def all_reduce(x: torch.Tensor, algorithm: str | None = None, *,
         ``x``, holding the sum.
     """
     key = ("all_reduce", tensor_key(x), algorithm, group)
-    launch = op_plans.get(key) or op_plans.put(key, _all_reduce_plan(x, algorithm, group))
+    launch = op_plans.get(key) or op_plans.put(key, _all_reduce_plan(x, algorithm, group, key))
     return launch(x)
 
 
-def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
-                     group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-call part of all_reduce calls like this one, everything else checked and resolved."""
+def _all_reduce_plan(x: torch.Tensor, algorithm: str | None, group: dist.ProcessGroup | None,
+                     key: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-call part of all_reduce calls like this one (plan ``key``), everything else checked and resolved."""
     check_input(x, "x")
     state = runtime.group_state(group)
     world = state.size
@@ -330,5 +331,5 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None,
         x.copy_(staged)
         return x
 
-    launch_together(state, "all_reduce")
+    launch_together(state, "all_reduce", key)
     return launch

@@ -127,7 +127,7 @@ def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | Non
 def _fused_plan(state: GroupState, key: tuple, op: str, launch: Callable) -> Callable:
     """``launch``, a fused plan whose kernels are built, stored as ``key``'s plan once every rank
     of the group has built its own (:func:`launch_together`)."""
-    launch_together(state, op)
+    launch_together(state, op, key)
     return op_plans.put(key, launch)
 
 
