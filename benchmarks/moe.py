@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from harness import Report, check_close, graphed, time_fn
+from harness import Report, check_close, graphed, time_fn, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT
@@ -300,8 +300,9 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
 def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: int) -> list[dict]:
     """The layer's first expert GEMM over a dispatch's grouped rows (the chosen tile, and the
     128x128 one), and gathering the rows of an in-place dispatch through its index (bf16 and
-    FP8), checked against each other, timed one after another, beside the tensor-core floor of
-    the FLOPs of the rows that hold tokens."""
+    FP8), and torch's grouped GEMM over the same rows unpadded (where CUDA has it), checked
+    against each other, timed taking turns, beside the tensor-core floor of the FLOPs of the
+    rows that hold tokens."""
     tokens, hidden, ffn, num_experts, topk = shape
     experts, weights = routing(tokens, num_experts, topk)
     x = torch.randn(tokens, hidden, device=ts.device(), dtype=torch.bfloat16)
@@ -317,6 +318,12 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
         plans[label] = (lambda v=values, s=scales, hh=h_in: ts.ops.grouped_gemm(v, w, hh.row_expert, scales=s,
                                                                                index=hh.source_row))
     valid = h.row_expert >= 0
+    if torch.cuda.is_available() and hasattr(torch, "_grouped_mm"):
+        # What a user would pick instead: torch's grouped GEMM over the same rows, sorted by expert
+        # with no padding (its cost beside the grouped layout's 128-row tiles).
+        sorted_rows = grouped[valid].contiguous()
+        ends = torch.cumsum(torch.bincount(h.row_expert[valid].long(), minlength=num_experts), 0).to(torch.int32)
+        plans["torch._grouped_mm"] = lambda: torch_grouped_mm(sorted_rows, w, ends)
     # FP8 against the grouped GEMM of the same rows quantised and dequantised (per row, as sent).
     quantised = ts.ops.moe.dequantize_fp8(*ts.ops.moe.quantize_fp8(grouped))
     want = {"gathered": plans["grouped rows"]()[valid].float(),
@@ -324,7 +331,10 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
             "gathered fp8": ts.ops.grouped_gemm(quantised, w, h.row_expert)[valid].float()}
     checks = [check_close(f"expert GEMM {label}", plans[label]()[valid].float(), ref, rtol=2e-2, atol=2e-2)
               for label, ref in want.items()]
-    times = {label: time_fn(fn, iters=iters).median_ms * 1e3 for label, fn in plans.items()}
+    if "torch._grouped_mm" in plans:
+        checks.append(check_close("expert GEMM torch._grouped_mm", plans["torch._grouped_mm"]().float(),
+                                  want["gathered"], rtol=2e-2, atol=2e-2))
+    times = {label: t.median_ms * 1e3 for label, t in time_interleaved(plans, rounds=min(5, iters), iters=iters).items()}
     floor = 2 * tokens * topk * hidden * ffn / rate * 1e6
     return [{"step": f"expert GEMM, {label}", "tokens": tokens, "hidden": hidden, "topk": topk,
              "experts": num_experts, "eager_us": t, "graph_us": float("nan"), "floor_us": floor,
