@@ -334,7 +334,8 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
     if "torch._grouped_mm" in plans:
         checks.append(check_close("expert GEMM torch._grouped_mm", plans["torch._grouped_mm"]().float(),
                                   want["gathered"], rtol=2e-2, atol=2e-2))
-    times = {label: t.median_ms * 1e3 for label, t in time_interleaved(plans, rounds=min(5, iters), iters=iters).items()}
+    timings = time_interleaved(plans, rounds=min(5, iters), iters=iters)
+    times = {label: t.median_ms * 1e3 for label, t in timings.items()}
     floor = 2 * tokens * topk * hidden * ffn / rate * 1e6
     return [{"step": f"expert GEMM, {label}", "tokens": tokens, "hidden": hidden, "topk": topk,
              "experts": num_experts, "eager_us": t, "graph_us": float("nan"), "floor_us": floor,

@@ -54,9 +54,10 @@ FUSED_HOST_US = 80.0
 # 2x H200 (2026-11-27) 88 us for a reduce-scatter whose GEMM takes ~20 us (101 us through the
 # op's unfused plan), 107-184 us for the decode all-reduces; the fused reduce-scatter took 73 us.
 UNFUSED_HOST_US = 85.0
-# The most rows for which the one-kernel decode all-reduce is the default inside a CUDA graph
-# capture (one_kernel_wins says why).
+# Inside a CUDA graph capture the one-kernel decode all-reduce is the default up to this many
+# rows, and above them up to this many bytes of output (one_kernel_wins says why).
 ONE_KERNEL_GRAPH_ROWS = 128
+ONE_KERNEL_GRAPH_BYTES = 3 << 20
 # Device-to-device copy rate (bytes read + written; 3.0 TB/s on one H100, 4.3 on one H200,
 # /work/.library/device/KINDS.md): the gathering all-reduce's copy of the peers' segments.
 HBM_GBPS = 3000.0
@@ -353,7 +354,7 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     return fused < unfused
 
 
-def one_kernel_wins(world: int, rows: int, capturing: bool) -> bool:
+def one_kernel_wins(world: int, rows: int, capturing: bool, out_bytes: int = 0) -> bool:
     """Whether the one-kernel decode all-reduce GEMM is the GPU default.
 
     It puts each rank's whole partial product to every peer, ``world - 1`` outputs per rank,
@@ -361,24 +362,30 @@ def one_kernel_wins(world: int, rows: int, capturing: bool) -> bool:
     at four. Measured at 128 x 14336 x 8192 against NCCL + cuBLAS: 2x H100 1.11x eager, 1.13x
     replayed; 2x H200 1.33x / 1.16x; 4x H100 0.89x and 0.93x eager (2026-11-26, 27), 0.78x
     replayed. So it is the default where it moves no more bytes than NCCL. Inside a CUDA
-    graph capture, where neither plan pays host time, only up to ``ONE_KERNEL_GRAPH_ROWS``
-    rows: above them its GEMM (the 256-row tile, K split) is 1.10-1.70x cuBLAS on one H100,
-    and on 2x H200 (2026-11-27) all four replayed shapes of 200-256 rows lost to NCCL +
-    cuBLAS (0.85-0.99x), both of 128 rows won (1.16x, 1.23x); eagerly all six won (1.01-1.50x).
+    graph capture, where neither plan pays host time, up to ``ONE_KERNEL_GRAPH_ROWS`` rows,
+    and above them where the output is at most ``ONE_KERNEL_GRAPH_BYTES``: the kernel puts its
+    whole partial output after its GEMM, so its exchange grows with the output's bytes, and its
+    GEMM is 1.15-1.32x cuBLAS at 200-256 rows (swapped tiles, one H200). Replayed on 2x H200
+    (2026-11-28, swapped tiles) against NCCL + cuBLAS: 128 rows 1.19x and 1.35x; 200 x 7168
+    (2.9 MB of output) 1.35x, 256 x 4096 (2 MB) 1.12x and 1.16x, 256 x 8192 (4.2 MB) 0.98x
+    (with the tiles before, all four of 200-256 rows lost, 0.85-0.99x); eagerly all won.
 
     Example::
 
         one_kernel_wins(2, 128, capturing=True), one_kernel_wins(4, 128, capturing=False)    # True, False
+        one_kernel_wins(2, 256, capturing=True, out_bytes=256 * 4096 * 2)                    # True
 
     Args:
         world: Ranks of the tensor-parallel group.
         rows: The GEMM's rows (M).
         capturing: Whether the call is being captured in a CUDA graph.
+        out_bytes: The output's bytes (M x N x element size).
 
     Returns:
         bool: True where the one-kernel plan is the default, as above.
     """
-    return world - 1 <= 2 * (world - 1) / world and (not capturing or rows <= ONE_KERNEL_GRAPH_ROWS)
+    return world - 1 <= 2 * (world - 1) / world and (
+        not capturing or rows <= ONE_KERNEL_GRAPH_ROWS or out_bytes <= ONE_KERNEL_GRAPH_BYTES)
 
 
 def gemm_alone(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

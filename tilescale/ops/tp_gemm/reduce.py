@@ -216,16 +216,16 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         if scattered.splits == 1:  # each owner's tile holds the whole sum
             grid, gather = scattered, True
     # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL (two
-    # ranks) and, in a capture, up to 128 rows (one_kernel_wins): as graph replays its floor
-    # was 4-20 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py --floor (one H100),
-    # while NCCL's all-reduce of those megabytes took 75 us (M = 128, N = 8192, 2x H200). The
+    # ranks) and, in a capture, up to 128 rows or 3 MiB of output (one_kernel_wins): as graph
+    # replays its floor was 2-12 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py
+    # --floor (one H200), while NCCL's all-reduce of 2-4 MB took 37-58 us in a graph (2x H200). The
     # gathering plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
     # rank) counting, besides its waves, its tail: the last wave's summed tiles to the peers
     # and the copy of the peers' segments into place.
     elem = a.element_size()
     tail_us = (min(grid.tiles, sm_count()) * grid.tile.block_M * grid.tile.block_N * elem * (world - 1)
                / (NCCL_GBPS * 1e3) + 2 * (world - 1) * m * n * elem / world / (HBM_GBPS * 1e3))
-    wins = one_kernel_wins(world, m, in_capture) if one_kernel else gather and world > 1 and _fused_wins(
+    wins = one_kernel_wins(world, m, in_capture, m * n * elem) if one_kernel else gather and world > 1 and _fused_wins(
         2 * m * k * n, [world * grid.tiles], 2 * (world - 1) * m * n * elem / world, tail_us)
     if _choose(plan, FUSED_MIN_ROWS, wins, group, a.dtype) == "unfused":
         if world == 1:
