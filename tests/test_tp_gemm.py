@@ -324,7 +324,8 @@ def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
     """A decode batch of 100 rows in its ``swap_ab`` tile: one m64n112 wgmma per K step (the
     weight's 64 rows as its M), the transposed accumulator staged into the row-major tile the
     exchange sends, K split in two, and the slots laid out for 256 rows (shared by every
-    batch size's kernel)."""
+    batch size's kernel). Split K, the block's K part goes to this rank's own slot, the tile's
+    parts meet there (a wait on this rank's own flag), and only their sum goes to the peer."""
     from tilescale.ops._gemm import swapped_tile
 
     tile = swapped_tile(100)
@@ -334,6 +335,10 @@ def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
     assert "__launch_bounds__(256, 1)" in src and "kFloat32, 64, 112, 16" in src
     assert tile.stages == 8 and "mbarrier[(k & 7)]" in src and "tilescale::warp_wait(" in src
     assert "* 512)" in src  # a sender's two K parts: 2 x 256 rows per slot set
+    kernel = src.split("__global__")[-1]
+    own_wait = kernel.index("warp_wait((&(flags[((ts_rank * 64) + ((int)blockIdx.x))]))")
+    peer_put = kernel.index("recv__peers[static_cast<int>(((((int64_t)ts_rank) + (int64_t)1) & (int64_t)1))]")
+    assert own_wait < peer_put and kernel.count("recv__peers[") == 2  # own slot, then the one peer
     proc = nvcc(src, tmp_path / "all_reduce_gemm_swapped.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
