@@ -427,13 +427,11 @@ def _panel_dividing(m_tiles: int, panel: int) -> int:
 def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, tile_cfg: TileConfig,
                            splits: int = 1, slot_rows: int = 0):
     """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
-    over K, puts the partial (in ``dtype``) into its slot at every peer and signals it there,
-    then waits for the peers' partials of the same tile and sums them in rank order, so every
-    rank gets the same bits. With ``splits`` > 1 each block computes its ``1 / splits`` of K,
-    and block ``s`` of a tile owns row slice ``s`` of it: it first sums the slice over this
-    rank's K parts (the blocks' partials in this rank's own slots), then puts only that sum to
-    the peers and adds theirs, so the link carries one output per peer whatever ``splits``
-    (putting every K part's partial would carry ``splits``), and no second kernel runs.
+    over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
+    ``dtype``) into its slot at every rank and signals it there, then waits for all partials
+    of the same tile and sums them in rank order (and K-part order), so every rank gets the
+    same bits. With K split, block ``s`` of a tile sums and writes row slice ``s`` of it: the
+    reduction is spread over the same blocks, and no second kernel runs.
 
     A block waits for the other blocks of its tile, on every rank, so every block must be
     resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
@@ -505,40 +503,35 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                         mine[i, j] = T.cast(acc[j, i], dtype)
                 else:
                     T.copy(acc, mine)
-                # Slots by (call parity, sender, K part); a flag per (sender, tile). Split K: this
-                # rank's K parts meet in its own slots first (the flag of this rank as sender, on
-                # this rank), then row slice s, summed over them, goes to the peers as the
-                # sender's K part 0 rows of that slice.
-                sender_slot = (_buffer_of(call[0]) * world + rank) * splits * slot_rows
-                if splits > 1:
-                    T.copy(mine, recv[sender_slot + s * slot_rows + by * bm, bx * bn], dst_pe=rank)
-                    T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=rank, op="add", scope="warp")
-                    T.wait(flags[(rank * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
-                           agree=(board, ident))
-                    T.clear(total)
-                    for q in T.serial(splits):
-                        T.copy(recv[sender_slot + q * slot_rows + by * bm + s * rows, bx * bn], part)
-                        for i, j in T.Parallel(rows, bn):
-                            total[i, j] += T.cast(part[i, j], "float32")
-                    T.copy(total, mine[0, 0])  # in dtype, as the peers get it: every rank sums the same bits
-                for p in T.serial(world - 1):
+                # Whole K: the own partial stays in shared memory. Split K: it goes to this
+                # rank's own slot too, where the tile's other blocks read it.
+                for p in T.serial(world - 1 if splits == 1 else world):
                     dst = (rank + 1 + p) % world
-                    T.copy(mine[0:rows, 0:bn], recv[sender_slot + by * bm + s * rows, bx * bn], dst_pe=dst)
+                    own_slot = ((_buffer_of(call[0]) * world + rank) * splits + s) * slot_rows
+                    T.copy(mine, recv[own_slot + by * bm, bx * bn], dst_pe=dst)
                     T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
                 T.clear(total)
                 for p in T.serial(world):
-                    if p == rank:
-                        T.copy(mine[0:rows, 0:bn], part)
+                    if splits == 1:
+                        if p == rank:
+                            T.copy(mine, part)
+                        else:
+                            # A flag per sender: with 3+ ranks a peer may already be in its next
+                            # call and signal again; one shared count could pass before a slower
+                            # peer's tile had landed.
+                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
+                                   agree=(board, ident))
+                            T.copy(recv[(_buffer_of(call[0]) * world + p) * slot_rows + by * bm, bx * bn], part)
+                        for i, j in T.Parallel(rows, bn):
+                            total[i, j] += T.cast(part[i, j], "float32")
                     else:
-                        # A flag per sender: with 3+ ranks a peer may already be in its next
-                        # call and signal again; one shared count could pass before a slower
-                        # peer's tile had landed.
                         T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                agree=(board, ident))
-                        peer_slot = (_buffer_of(call[0]) * world + p) * splits * slot_rows
-                        T.copy(recv[peer_slot + by * bm + s * rows, bx * bn], part)
-                    for i, j in T.Parallel(rows, bn):
-                        total[i, j] += T.cast(part[i, j], "float32")
+                        for q in T.serial(splits):
+                            slot = ((_buffer_of(call[0]) * world + p) * splits + q) * slot_rows + by * bm
+                            T.copy(recv[slot + s * rows, bx * bn], part)
+                            for i, j in T.Parallel(rows, bn):
+                                total[i, j] += T.cast(part[i, j], "float32")
                 if by * bm + s * rows < M:  # a slice of padding rows writes nothing
                     T.copy(total, out[by * bm + s * rows, bx * bn])
 

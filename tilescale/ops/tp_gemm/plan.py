@@ -57,7 +57,7 @@ UNFUSED_HOST_US = 85.0
 # Inside a CUDA graph capture the one-kernel decode all-reduce is the default up to this many
 # rows, and above them up to this many bytes of output (one_kernel_wins says why).
 ONE_KERNEL_GRAPH_ROWS = 128
-ONE_KERNEL_GRAPH_BYTES = 4 << 20
+ONE_KERNEL_GRAPH_BYTES = 3 << 20
 # Device-to-device copy rate (bytes read + written; 3.0 TB/s on one H100, 4.3 on one H200,
 # /work/.library/device/KINDS.md): the gathering all-reduce's copy of the peers' segments.
 HBM_GBPS = 3000.0
@@ -364,13 +364,11 @@ def one_kernel_wins(world: int, rows: int, capturing: bool, out_bytes: int = 0) 
     replayed. So it is the default where it moves no more bytes than NCCL. Inside a CUDA
     graph capture, where neither plan pays host time, up to ``ONE_KERNEL_GRAPH_ROWS`` rows,
     and above them where the output is at most ``ONE_KERNEL_GRAPH_BYTES``: the kernel puts its
-    output (summed over its K parts) after its GEMM, so its exchange grows with the output's
-    bytes, and its GEMM is 1.15-1.32x cuBLAS at 200-256 rows (swapped tiles, one H200).
-    Replayed on 2x H200 (2026-11-28) against NCCL + cuBLAS: 128 rows 1.19-1.35x; 200 x 7168
-    (2.9 MB of output) 1.35-1.44x; 256 x 4096 (2 MiB) 1.12-1.30x; 256 x 8192 (4 MiB) 0.98x
-    while each K part's partial crossed the link, 1.06-1.07x once only their sum did (with
-    the tiles before the swapped ones, all four of 200-256 rows lost, 0.85-0.99x); larger
-    outputs were not measured. Eagerly all won.
+    whole partial output after its GEMM, so its exchange grows with the output's bytes, and its
+    GEMM is 1.15-1.32x cuBLAS at 200-256 rows (swapped tiles, one H200). Replayed on 2x H200
+    (2026-11-28, swapped tiles) against NCCL + cuBLAS: 128 rows 1.19x and 1.35x; 200 x 7168
+    (2.9 MB of output) 1.35x, 256 x 4096 (2 MB) 1.12x and 1.16x, 256 x 8192 (4.2 MB) 0.98x
+    (with the tiles before, all four of 200-256 rows lost, 0.85-0.99x); eagerly all won.
 
     Example::
 

@@ -216,7 +216,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
         if scattered.splits == 1:  # each owner's tile holds the whole sum
             grid, gather = scattered, True
     # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL (two
-    # ranks) and, in a capture, up to 128 rows or 4 MiB of output (one_kernel_wins): as graph
+    # ranks) and, in a capture, up to 128 rows or 3 MiB of output (one_kernel_wins): as graph
     # replays its floor was 2-12 us over cuBLAS at the decode shapes of benchmarks/tp_gemm.py
     # --floor (one H200), while NCCL's all-reduce of 2-4 MB took 37-58 us in a graph (2x H200). The
     # gathering plan is fused where it beats NCCL's all-reduce (2 (world - 1) / world of the output per
