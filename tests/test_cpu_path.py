@@ -84,14 +84,14 @@ def test_missing_signal_reports_the_wait_graph():
 
 @pytest.mark.timeout(200)
 def test_a_rank_building_kernels_slower_than_the_wait_bound_is_waited_for_on_the_host():
-    """Rank 1 takes 3 s per kernel build, the wait bound is 1 s: every collective op and fused
-    TP GEMM still agrees (without the host barrier at a plan's first call, the first all_gather
-    timed out on the device)."""
+    """Rank 1 takes 3 s per kernel build, the wait bound is 1 s: every collective op, fused
+    TP GEMM and MoE dispatch + combine still agrees (without the host barrier at a plan's first
+    call, the first all_gather, and later the first MoE dispatch, timed out on the device)."""
     proc = run_cpu(str(RANKS / "build_skew.py"), 2,
                    env={"TILESCALE_WAIT_TIMEOUT_S": "1", "TILESCALE_TEST_BUILD_DELAY_S": "3"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for op in ("all_gather", "all_reduce", "reduce_scatter", "all_gather_gemm", "gemm_reduce_scatter",
-               "gemm_all_reduce"):
+               "gemm_all_reduce", "moe_dispatch_combine"):
         for rank in (0, 1):
             assert f"SKEW-OK {op} rank={rank}" in proc.stdout, (op, rank, proc.stdout[-2000:])
 

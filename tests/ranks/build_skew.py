@@ -2,10 +2,11 @@
 
 Rank 1 sleeps ``TILESCALE_TEST_BUILD_DELAY_S`` before building each kernel (as a rank compiling
 on a busy host, or with a cold cache while its peers' is warm), longer than the job's wait
-bound (the test sets ``TILESCALE_WAIT_TIMEOUT_S`` below it). The collective ops must still
-give the right result on every rank: their first call of a shape waits on the host until
-every rank has built its kernels, so no device-side wait runs while a peer is still
-compiling. Marker per op and rank: ``SKEW-OK <op> rank=<r>``.
+bound (the test sets ``TILESCALE_WAIT_TIMEOUT_S`` below it). The collective ops, fused TP
+GEMMs and the MoE dispatch and combine must still give the right result on every rank: their
+first call of a shape waits on the host until every rank has built its kernels, so no
+device-side wait runs while a peer is still compiling. Marker per op and rank:
+``SKEW-OK <op> rank=<r>``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def main() -> None:
     full = torch.cat(rows).float() @ w.float().T
     summed = sum(p.float() @ w.float().T for p in partial)
     x, a_rows, a_part, w_dev = vectors[rank].to(dev), rows[rank].to(dev), partial[rank].to(dev), w.to(dev)
+    # MoE: 8 tokens per rank, top-2 of 4 experts, weights 0.5: identity experts combine to the tokens.
+    tokens = torch.randn(8, 64, generator=g).to(gemm_dtype).to(dev)
+    experts = torch.randint(0, 4, (8, 2), generator=torch.Generator().manual_seed(rank)).to(dev)
+    halves = torch.full((8, 2), 0.5, device=dev)
+
+    def moe_round_trip() -> torch.Tensor:
+        recv_x, recv_w, _, handle = ts.ops.moe_dispatch(tokens, experts, halves, 4)
+        return ts.ops.moe_combine(recv_x, recv_w, handle)
+
     checks = {
         "all_gather": (lambda: ts.ops.all_gather(x), torch.cat(vectors), exact),
         "all_reduce": (lambda: ts.ops.all_reduce(x.clone()), sum(vectors), exact),
@@ -55,6 +65,7 @@ def main() -> None:
         "gemm_reduce_scatter": (lambda: ts.ops.gemm_reduce_scatter(a_part, w_dev, plan="fused"),
                                 summed.view(world, -1, 40)[rank], tol),
         "gemm_all_reduce": (lambda: ts.ops.gemm_all_reduce(a_part, w_dev, plan="fused"), summed, tol),
+        "moe_dispatch_combine": (moe_round_trip, tokens.float().cpu(), tol),
     }
     for name, (call, expected, tolerance) in checks.items():
         assert_close(call().float().cpu(), expected, **tolerance)

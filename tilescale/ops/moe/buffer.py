@@ -28,7 +28,15 @@ import torch.distributed as dist
 
 from tilescale import runtime
 from tilescale.jit import DistributedKernel
-from tilescale.ops._common import call_identity, check_input, check_same_across_ranks, signature, sm_count, tl_dtype
+from tilescale.ops._common import (
+    call_identity,
+    check_input,
+    check_same_across_ranks,
+    launch_together,
+    signature,
+    sm_count,
+    tl_dtype,
+)
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
@@ -160,6 +168,8 @@ class Buffer:
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
         self._modes: set[bool] = set()  # dispatch modes (low_latency) whose agreement the ranks checked
+        # This buffer's name in the group's build barriers (launch_together): the same on every rank.
+        self._serial = state.comm.next_tag("moe buffer")
         # Sends by (tokens, hidden, dtype, mode, ...): a few host objects per token count (the
         # kernels are shared), the most recent counts' kept.
         self._plans = PlanCache(PLANS_KEPT)
@@ -352,6 +362,9 @@ class Buffer:
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
                 received=received, flags=self._flags_of(low_latency, received),
                 unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None))
+            # The ranks meet once their kernels are built (a slow build must not time out the peers'
+            # waits), once per buffer, mode and row type: not per token count or in_place, each rank's own.
+            launch_together(self.state, "moe_dispatch", (self._serial, hidden, dtype, low_latency))
         return plan
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan,
@@ -466,6 +479,7 @@ class Buffer:
                 combine_kernel(self.world, self.max_tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
                                group=self.group),
                 back, signature("moe_combine", back, f"topk={self.topk}"))
+            launch_together(self.state, "moe_combine", (self._serial, hidden, expert_out.dtype))
         kernel, back, sig = plan
         kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
                handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
