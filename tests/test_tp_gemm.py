@@ -363,8 +363,9 @@ def test_wave_efficiency_and_the_default_plan_arithmetic(monkeypatch):
     assert plan.FUSED_HOST_US < plan.UNFUSED_HOST_US
     # The one-kernel decode all-reduce moves (world - 1) outputs per rank, NCCL 2 (world - 1) / world:
     # the default at two ranks, not at four (0.78-0.93x NCCL + cuBLAS on 4x H100) or eight.
-    assert tp_gemm.one_kernel_wins(2, 128, False) and tp_gemm.one_kernel_wins(2, 128, True)
-    assert not tp_gemm.one_kernel_wins(4, 128, False) and not tp_gemm.one_kernel_wins(8, 64, True)
+    out = 128 * 8192 * 2
+    assert tp_gemm.one_kernel_wins(2, 128, False, out) and tp_gemm.one_kernel_wins(2, 128, True, out)
+    assert not tp_gemm.one_kernel_wins(4, 128, False, out) and not tp_gemm.one_kernel_wins(8, 64, True, out // 2)
     # Captured, above 128 rows up to 3 MiB of output (2x H200, swapped tiles: 200 x 7168 and 256 x 4096 won,
     # 256 x 8192 lost, 0.98x); eagerly at any size.
     assert tp_gemm.one_kernel_wins(2, 256, False, 256 * 8192 * 2)

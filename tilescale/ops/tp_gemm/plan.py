@@ -354,7 +354,7 @@ def _fused_wins(flops: float, tiles: list[int], collective_bytes: float, tail_us
     return fused < unfused
 
 
-def one_kernel_wins(world: int, rows: int, capturing: bool, out_bytes: int = 0) -> bool:
+def one_kernel_wins(world: int, rows: int, capturing: bool, out_bytes: int) -> bool:
     """Whether the one-kernel decode all-reduce GEMM is the GPU default.
 
     It puts each rank's whole partial product to every peer, ``world - 1`` outputs per rank,
@@ -372,8 +372,8 @@ def one_kernel_wins(world: int, rows: int, capturing: bool, out_bytes: int = 0) 
 
     Example::
 
-        one_kernel_wins(2, 128, capturing=True), one_kernel_wins(4, 128, capturing=False)    # True, False
-        one_kernel_wins(2, 256, capturing=True, out_bytes=256 * 4096 * 2)                    # True
+        one_kernel_wins(2, 128, True, 128 * 8192 * 2), one_kernel_wins(4, 128, False, 128 * 8192 * 2)  # True, False
+        one_kernel_wins(2, 256, True, 256 * 4096 * 2), one_kernel_wins(2, 256, True, 256 * 8192 * 2)  # True, False
 
     Args:
         world: Ranks of the tensor-parallel group.
