@@ -322,9 +322,10 @@ def test_decode_all_reduce_is_one_kernel(tmp_path):
 @needs_nvcc
 def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
     """A decode batch of 100 rows in its ``swap_ab`` tile: one m64n112 wgmma per K step (the
-    weight's 64 rows as its M), the transposed accumulator staged into the row-major tile the
-    exchange sends, K split in two, and the slots laid out for 256 rows (shared by every
-    batch size's kernel)."""
+    weight's 64 rows as its M), K split in two: each K part's fp32 partial, transposed, stored
+    in the rank-local ``parts`` buffer, its own flag signalled, the row slice summed over both
+    parts and only that slice put to the peer; the slots laid out for 256 rows (shared by
+    every batch size's kernel)."""
     from tilescale.ops._gemm import swapped_tile
 
     tile = swapped_tile(100)
@@ -333,7 +334,11 @@ def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
     src = lower_cuda(func)
     assert "__launch_bounds__(256, 1)" in src and "kFloat32, 64, 112, 16" in src
     assert tile.stages == 8 and "mbarrier[(k & 7)]" in src and "tilescale::warp_wait(" in src
-    assert "* 512)" in src  # a sender's two K parts: 2 x 256 rows per slot set
+    assert "(call[0] & 1) * 512)" in src  # a buffer set: a 256-row slot per sender, not per K part
+    assert "float* __restrict__ parts" in src and "(q * 1048576)" in src  # K part q's 256 x 4096 fp32 slot
+    # Stored and signalled on this rank, then read back once every part has arrived.
+    assert src.index("parts[") < src.index("tilescale::warp_signal(") < src.index("float4 v__1 = *(float4*)(parts")
+    assert src.index("float4 v__1 = *(float4*)(parts") < src.index("recv__peers[")
     proc = nvcc(src, tmp_path / "all_reduce_gemm_swapped.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 

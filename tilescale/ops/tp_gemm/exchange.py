@@ -48,6 +48,17 @@ def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torc
     return state.exchange(("tp_gemm", *key), create)
 
 
+def _local_buffer(state: GroupState, key: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The group's rank-local scratch tensor of ``key`` (``key[-1]``: its shape), kept for the
+    group's life beside its exchanges, so the kernels that share a key share it."""
+
+    def create() -> torch.Tensor:
+        runtime.check_not_capturing(f"TP GEMM scratch {key}")
+        return torch.empty(key[-1], dtype=dtype, device=runtime.device())
+
+    return state.exchange(("tp_gemm", *key, dtype), create)
+
+
 class _StreamWrites:
     """``cuStreamWriteValue32``: a 32-bit store that a stream performs once its earlier work is
     complete (with a system-scope fence first), done by the GPU's front end, not by an SM, so

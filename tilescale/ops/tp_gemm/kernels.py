@@ -427,11 +427,17 @@ def _panel_dividing(m_tiles: int, panel: int) -> int:
 def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: int, tile_cfg: TileConfig,
                            splits: int = 1, slot_rows: int = 0):
     """``a @ W.T`` all-reduced in one kernel (decode): each block computes its output tile
-    over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts the partial (in
-    ``dtype``) into its slot at every rank and signals it there, then waits for all partials
-    of the same tile and sums them in rank order (and K-part order), so every rank gets the
-    same bits. With K split, block ``s`` of a tile sums and writes row slice ``s`` of it: the
-    reduction is spread over the same blocks, and no second kernel runs.
+    over K (or, with ``splits`` > 1, over its ``1 / splits`` of K), puts its share of the
+    tile (in ``dtype``) into its slot at every peer and signals it there, then waits for the
+    peers' shares of the same tile and sums them in rank order, so every rank gets the same
+    bits.
+
+    With K split, the tile's K parts first meet on this rank: block ``s`` stores its fp32
+    partial in ``parts`` (local: a rank's own K parts never cross the link) and signals its
+    own flag; once all of them have, it sums row slice ``s`` of the tile over the parts in
+    K-part order, rounds it once (as a whole-K partial is rounded) and puts only that slice
+    to the peers. The link carries one output per peer whatever the split, and the final
+    sum is spread over the same blocks: no second kernel runs.
 
     A block waits for the other blocks of its tile, on every rank, so every block must be
     resident: at most one block per SM (``gemm_all_reduce`` picks this kernel only then).
@@ -455,8 +461,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
         N: Output columns.
         tile_cfg: The GEMM tile (:class:`TileConfig`).
         splits: Parts K is split into (default 1; :func:`k_splits`).
-        slot_rows: Rows of each (sender, K part) slot of ``recv``, at least ``padded_rows``
-            (default 0: ``padded_rows``).
+        slot_rows: Rows of each sender's slot of ``recv`` (and of each K part's of ``parts``), at least
+            ``padded_rows`` (default 0: ``padded_rows``).
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
@@ -474,7 +480,8 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
 
     @T.prim_func
     def main(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype),
-             recv: T.Tensor((2 * world * splits * slot_rows, N), dtype), out: T.Tensor((M, N), dtype),
+             recv: T.Tensor((2 * world * slot_rows, N), dtype), out: T.Tensor((M, N), dtype),
+             parts: T.Tensor(parts_shape(splits, slot_rows, N, bn), "float32"),
              flags: T.Tensor((world * m_tiles * n_tiles,), "int32"), state: T.Tensor((3,), "int32"),
              board: T.Tensor((2 * world,), "int64"), ident: T.int64):
         with T.Kernel(n_tiles, m_tiles * splits, threads=tile_cfg.threads) as (bx, bz):
@@ -487,7 +494,7 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                 a = T.alloc_shared((bm, bk), dtype)
                 w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bn, bm) if swap else (bm, bn), "float32")
-                mine = T.alloc_shared((bm, bn), dtype)
+                mine = T.alloc_shared((rows, bn), dtype)  # this block's share of the tile, as the peers get it
                 total = T.alloc_fragment((rows, bn), "float32")
                 part = T.alloc_fragment((rows, bn), dtype)
                 T.clear(acc)
@@ -498,44 +505,60 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                         T.gemm(w, a, acc, transpose_B=True, policy=tile_cfg.warp_policy)
                     else:
                         T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
-                if swap:
-                    for j, i in T.Parallel(bn, bm):
-                        mine[i, j] = T.cast(acc[j, i], dtype)
+                if splits == 1:
+                    if swap:
+                        for j, i in T.Parallel(bn, bm):
+                            mine[i, j] = T.cast(acc[j, i], dtype)
+                    else:
+                        T.copy(acc, mine)
                 else:
-                    T.copy(acc, mine)
-                # Whole K: the own partial stays in shared memory. Split K: it goes to this
-                # rank's own slot too, where the tile's other blocks read it.
-                for p in T.serial(world - 1 if splits == 1 else world):
+                    # The K parts meet in this rank's own flag: each block's fp32 partial, then
+                    # the sum of its row slice over them, rounded once.
+                    if swap:
+                        for j, i in T.Parallel(bn, bm):
+                            parts[s * slot_rows + by * bm + i, bx * bn + j] = acc[j, i]
+                    else:
+                        T.copy(acc, parts[s * slot_rows + by * bm, bx * bn])
+                    own = (rank * m_tiles + by) * n_tiles + bx
+                    T.signal(flags[own], 1, pe=rank, op="add", scope="warp")
+                    T.wait(flags[own], "ge", call[1], scope="warp", agree=(board, ident))
+                    k_sum = T.alloc_fragment((rows, bn), "float32")
+                    T.clear(k_sum)
+                    for q in T.serial(splits):
+                        for i, j in T.Parallel(rows, bn):
+                            k_sum[i, j] += parts[q * slot_rows + by * bm + s * rows + i, bx * bn + j]
+                    T.copy(k_sum, mine)
+                share = by * bm + s * rows  # the first row of this block's share in a sender's slot
+                for p in T.serial(world - 1):
                     dst = (rank + 1 + p) % world
-                    own_slot = ((_buffer_of(call[0]) * world + rank) * splits + s) * slot_rows
-                    T.copy(mine, recv[own_slot + by * bm, bx * bn], dst_pe=dst)
+                    T.copy(mine, recv[(_buffer_of(call[0]) * world + rank) * slot_rows + share, bx * bn], dst_pe=dst)
                     T.signal(flags[(rank * m_tiles + by) * n_tiles + bx], 1, pe=dst, op="add", scope="warp")
                 T.clear(total)
                 for p in T.serial(world):
-                    if splits == 1:
-                        if p == rank:
-                            T.copy(mine, part)
-                        else:
-                            # A flag per sender: with 3+ ranks a peer may already be in its next
-                            # call and signal again; one shared count could pass before a slower
-                            # peer's tile had landed.
-                            T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
-                                   agree=(board, ident))
-                            T.copy(recv[(_buffer_of(call[0]) * world + p) * slot_rows + by * bm, bx * bn], part)
-                        for i, j in T.Parallel(rows, bn):
-                            total[i, j] += T.cast(part[i, j], "float32")
+                    if p == rank:
+                        T.copy(mine, part)
                     else:
+                        # A flag per sender: with 3+ ranks a peer may already be in its next
+                        # call and signal again; one shared count could pass before a slower
+                        # peer's tile had landed.
                         T.wait(flags[(p * m_tiles + by) * n_tiles + bx], "ge", call[1], scope="warp",
                                agree=(board, ident))
-                        for q in T.serial(splits):
-                            slot = ((_buffer_of(call[0]) * world + p) * splits + q) * slot_rows + by * bm
-                            T.copy(recv[slot + s * rows, bx * bn], part)
-                            for i, j in T.Parallel(rows, bn):
-                                total[i, j] += T.cast(part[i, j], "float32")
-                if by * bm + s * rows < M:  # a slice of padding rows writes nothing
-                    T.copy(total, out[by * bm + s * rows, bx * bn])
+                        T.copy(recv[(_buffer_of(call[0]) * world + p) * slot_rows + share, bx * bn], part)
+                    for i, j in T.Parallel(rows, bn):
+                        total[i, j] += T.cast(part[i, j], "float32")
+                if share < M:  # a slice of padding rows writes nothing
+                    T.copy(total, out[share, bx * bn])
 
     return main
+
+
+def parts_shape(splits: int, slot_rows: int, N: int, block_N: int) -> tuple[int, int]:
+    """Shape of :func:`all_reduce_gemm_kernel`'s fp32 K-part buffer: a slot of ``slot_rows``
+    per K part, the columns in whole tiles (a partial tile is stored whole); one element
+    where K is not split (the kernel does not touch it)."""
+    if splits == 1:
+        return (1, 1)
+    return (splits * slot_rows, -(-N // block_N) * block_N)
 
 
 @jit

@@ -17,13 +17,14 @@ from tilescale.ops._common import (
     tl_dtype,
 )
 from tilescale.ops._gemm import SWAPPED_SLOT_ROWS, TileConfig
-from tilescale.ops.tp_gemm.exchange import _exchange
+from tilescale.ops.tp_gemm.exchange import _exchange, _local_buffer
 from tilescale.ops.tp_gemm.kernels import (
     _panel_dividing,
     all_reduce_gemm_kernel,
     gather_segments_kernel,
     gemm_push_kernel,
     gemm_reduce_scatter_kernel,
+    parts_shape,
     sum_received_kernel,
 )
 from tilescale.ops.tp_gemm.plan import (
@@ -248,15 +249,16 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     # laid out for the largest batch, so a server's every decode batch size adds no memory.
     slot = max(padded, SWAPPED_SLOT_ROWS) if tile.swap_ab else padded
     # Keyed by the tile count too: it is the number of flags (tiles of another height can pad alike).
-    ex = _exchange(state, ("ar-in-gemm", slot, n, a.dtype, tiles, tile.threads, splits), (world * splits * slot, n),
+    ex = _exchange(state, ("ar-in-gemm", slot, n, a.dtype, tiles, tile.threads, splits), (world * slot, n),
                    a.dtype, world * tiles)
+    parts = _local_buffer(state, ("ar-in-gemm parts", parts_shape(splits, slot, n, tile.block_N)), torch.float32)
     # Any m of its tiles.
     kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, slot, group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        kernel(a, weight, ex.buffers, out, parts, ex.flags, ex.state, *ident, group=group)
         return out
 
     return _fused_plan(state, key, "gemm_all_reduce", launch)(a, weight)
