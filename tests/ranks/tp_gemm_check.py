@@ -17,11 +17,22 @@ PART, PARTS = map(int, os.environ.get("TP_CHECK_PART", "0/1").split("/"))
 cases = itertools.count()
 
 
+def partial(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """This rank's ``a @ w.T`` as cuBLAS returns it (fp32 accumulation, rounded to the dtype),
+    in fp32: the reference sums these, as NCCL does. Against the exact sum a bf16 all-reduce
+    is off by up to half an ulp of each rank's partial, which is no bound at all where large
+    partials cancel: at K = 512 on two ranks (partials of ~22 rms) about one replay in 20 of
+    a 512 x 384 output had an element whose partials, beyond +-64 (ulp 0.5), cancelled to
+    0.37 while their rounded values summed to 0, whichever kernel summed them."""
+    return (a.float() @ w.float().T).to(a.dtype).float()
+
+
 def summed_atol(k: int) -> float:
-    """Absolute tolerance of a sum over the ranks of partial products rounded to 16 bits: each
-    of the world - 1 received partials (magnitude ~sqrt(k) for unit inputs) carries its own
-    rounding error, independent, so their sum's grows as sqrt((world - 1) * k). 0.3 covers two
-    ranks up to K = 512; on four H100s (2026-11-27) K = 512 sums erred by up to 0.34."""
+    """Absolute tolerance of a sum over the ranks of the partials :func:`partial` gives: what
+    the fused kernels round besides (K parts summed in 16 bits by the two-kernel plans, a
+    partial's rounding flipped by another fp32 summation order) grows with the partials'
+    magnitude, ~sqrt(k) for unit inputs. 0.3 covers two ranks up to K = 512; on four H100s
+    (2026-11-27) K = 512 sums erred by up to 0.34 against the exact sum."""
     return 0.3 * max(1.0, ((world - 1) * k / 512) ** 0.5)
 
 
@@ -53,7 +64,7 @@ for dtype in (torch.float16, torch.bfloat16):
         # row parallel
         M = world * m
         a2 = torch.randn(M, k, generator=g).to(dtype)
-        part = a2.float() @ w.float().T
+        part = partial(a2, w)
         rs_ref = torch.empty(m, n)
         dist.reduce_scatter_tensor(rs_ref, part)
         for i, tile in enumerate((None, WIDE, None, WIDE_224)):
@@ -81,7 +92,7 @@ if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per 
         if i == 2:
             built = len(all_reduce_gemm_kernel._compiled)
         a = torch.randn(m, k, generator=g).bfloat16()
-        part = a.float() @ w.float().T
+        part = partial(a, w)
         dist.all_reduce(part)
         got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused", tile=SHORT)
         assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
@@ -92,7 +103,7 @@ if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per 
     sizes = (64, 128, 1, 33, 100, 65, 17, 127, 200, 256, 16, 48)
     for i, m in enumerate(sizes * 2):
         a = torch.randn(m, k, generator=g).bfloat16()
-        part = a.float() @ w.float().T
+        part = partial(a, w)
         dist.all_reduce(part)
         got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused")
         assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
@@ -115,7 +126,7 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
             dist.all_gather_into_tensor(full, a)
             return full.float() @ w.float().T
         rows = {"gemm_all_reduce_decode": a3, "gemm_all_reduce_gather": a4}.get(name, a2)
-        part = rows.float() @ w.float().T
+        part = partial(rows, w)
         if name.startswith("gemm_all_reduce"):
             dist.all_reduce(part)
             return part
