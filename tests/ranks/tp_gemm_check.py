@@ -17,23 +17,43 @@ PART, PARTS = map(int, os.environ.get("TP_CHECK_PART", "0/1").split("/"))
 cases = itertools.count()
 
 
-def partial(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """This rank's ``a @ w.T`` as cuBLAS returns it (fp32 accumulation, rounded to the dtype),
-    in fp32: the reference sums these, as NCCL does. Against the exact sum a bf16 all-reduce
-    is off by up to half an ulp of each rank's partial, which is no bound at all where large
-    partials cancel: at K = 512 on two ranks (partials of ~22 rms) about one replay in 20 of
-    a 512 x 384 output had an element whose partials, beyond +-64 (ulp 0.5), cancelled to
-    0.37 while their rounded values summed to 0, whichever kernel summed them."""
-    return (a.float() @ w.float().T).to(a.dtype).float()
+def summed(a: torch.Tensor, w: torch.Tensor, scatter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over the ranks of ``a @ w.T`` (all-reduced, or with ``scatter`` reduce-scattered
+    over rows), exact in fp32, and the error a sum in ``a``'s dtype may have at each element:
+    :func:`summed_atol` plus half an ulp of every rank's partial there (2^-8 of its magnitude
+    in bf16). The second term is what a scalar tolerance misses: where large partials cancel,
+    their rounding is the whole error (at K = 512 on two ranks, about one replay in 20 of a
+    512 x 384 bf16 all-reduce had partials beyond +-64, ulp 0.5, whose sum, 0.37, came out 0;
+    NCCL's sum of cuBLAS's partials does the same)."""
+    part = a.float() @ w.float().T
+    rounding = 2.0 ** -8 if a.dtype == torch.bfloat16 else 2.0 ** -11
+    both = torch.stack([part, part.abs()], dim=1)  # one collective: rows of [partial, |partial|]
+    if scatter:
+        total = torch.empty(both.shape[0] // world, *both.shape[1:])
+        dist.reduce_scatter_tensor(total, both)
+    else:
+        total = both
+        dist.all_reduce(total)
+    return total[:, 0], summed_atol(a.shape[1]) + rounding * total[:, 1]
 
 
 def summed_atol(k: int) -> float:
-    """Absolute tolerance of a sum over the ranks of the partials :func:`partial` gives: what
-    the fused kernels round besides (K parts summed in 16 bits by the two-kernel plans, a
-    partial's rounding flipped by another fp32 summation order) grows with the partials'
-    magnitude, ~sqrt(k) for unit inputs. 0.3 covers two ranks up to K = 512; on four H100s
-    (2026-11-27) K = 512 sums erred by up to 0.34 against the exact sum."""
+    """Absolute tolerance of a sum over the ranks of partial products rounded to 16 bits, for
+    what the fused kernels' own roundings add (K parts summed in 16 bits by the two-kernel
+    plans, another fp32 summation order): independent errors, so their sum's grows as
+    sqrt((world - 1) * k). 0.3 covers two ranks up to K = 512."""
     return 0.3 * max(1.0, ((world - 1) * k / 512) ** 0.5)
+
+
+def assert_summed(got: torch.Tensor, expected: tuple[torch.Tensor, torch.Tensor], scale: float = 1.0) -> None:
+    """``got / scale`` within :func:`summed`'s per-element error (and 2e-2 of the value) of its sum."""
+    total, atol = expected
+    ts.synchronize()  # a failed device-side wait is raised as itself, not as wrong numbers
+    excess = (got.float() / scale - total).abs() - atol - 2e-2 * total.abs()
+    if (excess > 0).any():
+        i = divmod(int(excess.argmax()), total.shape[1])
+        raise AssertionError(f"{int((excess > 0).sum())} of {total.numel()} elements off beyond rounding; worst "
+                             f"at {i}: {float(got[i]) / scale} for {float(total[i])} +- {float(atol[i]):.3f}")
 
 
 ts.init()
@@ -64,20 +84,17 @@ for dtype in (torch.float16, torch.bfloat16):
         # row parallel
         M = world * m
         a2 = torch.randn(M, k, generator=g).to(dtype)
-        part = partial(a2, w)
-        rs_ref = torch.empty(m, n)
-        dist.reduce_scatter_tensor(rs_ref, part)
+        rs_ref = summed(a2, w, scatter=True)
         for i, tile in enumerate((None, WIDE, None, WIDE_224)):
             got = ts.ops.gemm_reduce_scatter(a2 * 2 ** (i % 3), w, plan="fused", tile=tile)
-            assert_close(got.float() / 2 ** (i % 3), rs_ref, rtol=2e-2, atol=summed_atol(k))
-        ar_ref = part.clone()
-        dist.all_reduce(ar_ref)
+            assert_summed(got, rs_ref, 2 ** (i % 3))
+        ar_ref = summed(a2, w)
         # SHORT pads the rows as NARROW does with twice the tiles: each needs its own flags; where
         # its tiles outnumber the SMs (4 on the CPU path) the gathering plan runs (segments of 130
         # rows: ragged in 64-row tiles). TALL: the decode tile of 129-256 rows (rows padded to 256).
         for i, tile in enumerate((None, NARROW, SHORT, TALL)):
             got = ts.ops.gemm_all_reduce(a2 * 2 ** (i % 3), w, plan="fused", tile=tile)
-            assert_close(got.float() / 2 ** (i % 3), ar_ref, rtol=2e-2, atol=summed_atol(k))
+            assert_summed(got, ar_ref, 2 ** (i % 3))
         print(rank, dtype, (m, k, n), "ok", flush=True)
 
 if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per row-tile count, not per size
@@ -92,10 +109,9 @@ if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per 
         if i == 2:
             built = len(all_reduce_gemm_kernel._compiled)
         a = torch.randn(m, k, generator=g).bfloat16()
-        part = partial(a, w)
-        dist.all_reduce(part)
+        ref = summed(a, w)
         got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused", tile=SHORT)
-        assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
+        assert_summed(got, ref, 2 ** (i % 3))
     assert len(all_reduce_gemm_kernel._compiled) == built, len(all_reduce_gemm_kernel._compiled) - built
     print(rank, "gemm_all_reduce at 8 batch sizes: a kernel per row-tile count ok", flush=True)
     # choose_tile's swapped tiles (the batch in the wgmma's N): a kernel per 16 rows of batch, all
@@ -103,10 +119,9 @@ if next(cases) % PARTS == PART:  # decode batches of every size: one kernel per 
     sizes = (64, 128, 1, 33, 100, 65, 17, 127, 200, 256, 16, 48)
     for i, m in enumerate(sizes * 2):
         a = torch.randn(m, k, generator=g).bfloat16()
-        part = partial(a, w)
-        dist.all_reduce(part)
+        ref = summed(a, w)
         got = ts.ops.gemm_all_reduce(a * 2 ** (i % 3), w, plan="fused")
-        assert_close(got.float() / 2 ** (i % 3), part, rtol=2e-2, atol=summed_atol(k))
+        assert_summed(got, ref, 2 ** (i % 3))
     # ("tp_gemm", "ar-in-gemm", slot rows, n, dtype, tiles, threads, K parts): one consumer warpgroup.
     shared = [key for key in ts.runtime.group_state(None).exchanges
               if key[1:5] == ("ar-in-gemm", 256, n, torch.bfloat16) and key[6] == 128]
@@ -120,19 +135,14 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
     w = torch.randn(n, k, generator=g).bfloat16()
 
 
-    def reference(name: str) -> torch.Tensor:
+    def check(name: str, got: torch.Tensor) -> None:
         if name == "all_gather_gemm":
             full = torch.empty(world * m, k, dtype=a.dtype)
             dist.all_gather_into_tensor(full, a)
-            return full.float() @ w.float().T
+            assert_close(got.float(), full.float() @ w.float().T, rtol=2e-2, atol=2e-1)
+            return
         rows = {"gemm_all_reduce_decode": a3, "gemm_all_reduce_gather": a4}.get(name, a2)
-        part = partial(rows, w)
-        if name.startswith("gemm_all_reduce"):
-            dist.all_reduce(part)
-            return part
-        out = torch.empty(m, n)
-        dist.reduce_scatter_tensor(out, part)
-        return out
+        assert_summed(got, summed(rows, w, scatter=name == "gemm_reduce_scatter"))
 
 
     ops = {"all_gather_gemm": lambda: ts.ops.all_gather_gemm(a, w, plan="fused"),
@@ -155,7 +165,7 @@ if ts.device().type == "cuda":  # each fused op captured once in a CUDA graph, r
             a3.copy_(torch.randn(200, k, generator=g))
             a4.copy_(torch.randn(2048, k, generator=g))
             graph.replay()
-            assert_close(got.float(), reference(name), rtol=2e-2, atol=summed_atol(k))
+            check(name, got)
         print(rank, name, "CUDA graph, 3 replays ok", flush=True)
 
 if next(cases) % PARTS == PART:  # each fused plan's calls are counted by its own kernels, and only those
