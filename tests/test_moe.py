@@ -1,5 +1,6 @@
 """MoE dispatch/combine: CPU path with 2, 3 and 4 ranks against references; CUDA lowering and nvcc."""
 
+import importlib
 import re
 import textwrap
 
@@ -415,6 +416,31 @@ def test_grouped_gemm_lowers_to_wgmma_and_compiles(tmp_path):
     src = lower_cuda(grouped_gemm_kernel.__wrapped__(8, 1024, 7168, 2048, "bfloat16"))
     assert "wgmma" in src and "row_expert[" in src  # tensor cores; each row tile's expert looked up
     proc = nvcc(src, tmp_path / "grouped.cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_nvcc
+@pytest.mark.parametrize("gathered", [False, True])
+def test_few_rows_per_expert_take_64_row_tiles_that_compile(gathered, tmp_path):
+    """At most 64 rows per expert on average: one warpgroup's 64-row tile (m64n128 grouped by
+    TMA, m64n256 gathered by cp.async), which skips a segment's second half where it is padding."""
+    import tilelang
+    from cuda_build import TARGET
+
+    gg = importlib.import_module("tilescale.ops.grouped_gemm")  # the package's name is the function's
+    assert gg._tile(11264, 2816, True, gathered) == (gg.SMALL_SEGMENT_GATHERED_TILE if gathered
+                                                      else gg.SMALL_SEGMENT_TILE)
+    if gathered:
+        func = gg.gathered_gemm_kernel.__wrapped__(8, 1024, 4096, 2816, "bfloat16", 4096,
+                                                   cfg=gg.SMALL_SEGMENT_GATHERED_TILE)
+        with tilelang.tvm.target.Target(TARGET), tilelang.tvm.transform.PassContext(opt_level=3, config=gg._CP_ASYNC):
+            src = tilelang.lower(func, target=TARGET).kernel_source
+    else:
+        src = lower_cuda(gg.grouped_gemm_kernel.__wrapped__(8, 1024, 4096, 2816, "bfloat16", gg.SMALL_SEGMENT_TILE))
+    assert ("64, 256, 16" if gathered else "64, 128, 16") in src and "row_expert[(((int)blockIdx.y) * 64)]" in src
+    proc = nvcc(src, tmp_path / "grouped64.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

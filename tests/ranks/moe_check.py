@@ -243,7 +243,20 @@ w8 = (torch.randn(2, 40, 512, generator=g) / 16).to(torch.bfloat16)
 got = ts.ops.grouped_gemm(values8, w8, tile_expert, scales=scales8)
 want = ts.ops.grouped_gemm(moe.dequantize_fp8(values8, scales8), w8, tile_expert)
 assert_close(got[tile_expert >= 0].float(), want[tile_expert >= 0].float(), rtol=1e-2, atol=1e-2)
-print(f"rank {rank}: grouped FP8 GEMM by TMA: MOE-OK", flush=True)
+# Few rows per expert (rows_per_expert <= 64): 64-row tiles, grouped and gathered. Expert 0's
+# 40 rows leave the second half of its segment all padding (that tile is skipped); expert 1's
+# 100 rows fill one half and part of the other.
+seg_expert = torch.tensor([0] * 40 + [-1] * 88 + [1] * 100 + [-1] * 28, dtype=torch.int32)
+seg_x = torch.randn(256, 40, generator=g).to(torch.bfloat16)
+held = seg_expert >= 0
+seg_index = torch.where(held, torch.randint(0, 50, (256,), generator=g, dtype=torch.int32), -1).to(torch.int32)
+for rows, index in ((seg_x, None), (rows_x, seg_index)):
+    a = rows if index is None else rows[index.clamp(min=0).long()]
+    want = torch.einsum("rk,rnk->rn", a.float(), w_small[seg_expert.clamp(min=0).long()].float())
+    for hint in (16.0, None):
+        got = ts.ops.grouped_gemm(rows, w_small, seg_expert, index=index, rows_per_expert=hint)
+        assert_close(got[held].float(), want[held], rtol=2e-2, atol=2e-2)
+print(f"rank {rank}: grouped FP8 GEMM by TMA, 64-row tiles for few rows per expert: MOE-OK", flush=True)
 
 # In place: the received rows stay where they land. The layout (experts, counts, weights) is
 # the grouped dispatch's, row source_row[i] of recv_x is grouped row i, the grouped GEMM

@@ -254,7 +254,7 @@ class ExpertParallelMoE(nn.Module):
             recv_x, recv_w, handle = _dispatch(rows, *route, in_place=in_place)
             values, scales = recv_x if self.fp8_dispatch else (recv_x, None)
             h = ops.grouped_gemm(values, self.w1, handle.row_expert, scales=scales,
-                                 index=handle.source_row if in_place else None)
+                                 index=handle.source_row if in_place else None, rows_per_expert=handle.rows_per_expert)
         out = gemm(_ACTIVATIONS[self.activation](h), self.w2, handle)
         return combine(out, recv_w, handle).reshape(*lead, out.shape[-1])
 
@@ -270,7 +270,7 @@ def _dispatch(x: ops.moe.fp8.Rows, weights: torch.Tensor, experts: torch.Tensor,
 
 def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, handle: ops.moe.DispatchHandle) -> torch.Tensor:
     """``grouped_gemm`` over the dispatch layout."""
-    return ops.grouped_gemm(x, w, handle.row_expert)
+    return ops.grouped_gemm(x, w, handle.row_expert, rows_per_expert=handle.rows_per_expert)
 
 
 def _valid_rows(handle: ops.moe.DispatchHandle) -> torch.Tensor:
@@ -341,7 +341,8 @@ class _GroupedGemm(torch.autograd.Function):
         handle = ctx.handle
         valid = _valid_rows(handle)
         d_out = torch.where(valid, d_out, 0).contiguous()
-        d_x = ops.grouped_gemm(d_out, w.transpose(1, 2).contiguous(), handle.row_expert)
+        d_x = ops.grouped_gemm(d_out, w.transpose(1, 2).contiguous(), handle.row_expert,
+                               rows_per_expert=handle.rows_per_expert)
         d_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         # One host read for the segment bounds: a weight gradient is one GEMM per expert.
         for e, (start, n) in enumerate(zip(handle.offsets.tolist(), handle.counts.tolist(), strict=True)):

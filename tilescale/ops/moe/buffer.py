@@ -97,6 +97,13 @@ class DispatchHandle:
     group: dist.ProcessGroup | None = None  # the expert-parallel group the dispatch ran over (None: the whole job)
     buffer: Buffer | None = None  # the buffer it went through (None: nothing was exchanged)
 
+    @property
+    def rows_per_expert(self) -> float:
+        """The grouped rows a local expert holds on average where every rank sends as many
+        tokens as this one (``tokens * topk / local experts``): ``ts.ops.grouped_gemm``'s
+        ``rows_per_expert``, which picks its tile by it."""
+        return self.tokens * self.topk_idx.shape[1] / self.counts.shape[0]
+
 
 class Buffer:
     """Symmetric buffers for MoE dispatch and combine over one group, allocated once.
