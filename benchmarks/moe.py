@@ -361,17 +361,28 @@ def floor_rows(iters: int, small: bool) -> Iterator[dict]:
     with torch.no_grad():
         layer = measure_layer((tokens, hidden, ffn, num_experts, topk), iters)
     flops = 2 * tokens * topk * 2 * hidden * ffn
-    floor = flops / rate * 1e6
+    floor = layer_floor_us(tokens, (tokens, hidden, ffn, num_experts, topk), rate, bandwidth)
     yield {"step": "layer forward", "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
            "eager_us": layer["layer_ms"] * 1e3, "graph_us": layer.get("graph_layer_ms", float("nan")) * 1e3,
            "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
            "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"], **context}
     yield {**fp8_layer_row((tokens, hidden, ffn, num_experts, topk), floor, iters), **context}
-    for row in layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), floor, iters):
+    for row in layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), rate, bandwidth, iters):
         yield {**row, **context}
 
 
-def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, iters: int) -> list[dict]:
+def layer_floor_us(tokens: int, shape: tuple[int, int, int, int, int], rate: float, bandwidth: float) -> float:
+    """The layer forward's floor at ``tokens`` tokens: its expert GEMMs' FLOPs at the tensor-core
+    rate, or reading every expert's weights once at the copy bandwidth, whichever is longer (few
+    tokens per expert: the weights; 512 tokens of the layer's shape read 1.48 GB for 71 GFLOP)."""
+    _, hidden, ffn, num_experts, topk = shape
+    flops = 2 * tokens * topk * 2 * hidden * ffn
+    weights = 2 * num_experts * ffn * hidden * 2  # w1 and w2, bf16
+    return max(flops / rate, weights / bandwidth) * 1e6
+
+
+def layer_dispatch_rows(shape: tuple[int, int, int, int, int], rate: float, bandwidth: float,
+                        iters: int) -> list[dict]:
     """The layer's inference forward with its dispatch forced in place (the first expert GEMM
     gathering the received rows) and grouped (the TMA GEMM over grouped rows), one after the
     other, eager and replayed, at the layer's tokens and an eighth of them: what
@@ -380,6 +391,7 @@ def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, ite
     layer = ts.nn.ExpertParallelMoE(hidden, ffn, num_experts, topk, seed=3)
     rows = []
     for n in (tokens, max(tokens // 8, 1)):
+        floor = layer_floor_us(n, shape, rate, bandwidth)
         x = torch.randn(n, hidden, device=ts.device(), dtype=torch.bfloat16)
         forward, outputs = functools.partial(layer, x), {}
         for mode in ("in place", "grouped"):
@@ -389,7 +401,7 @@ def layer_dispatch_rows(shape: tuple[int, int, int, int, int], floor: float, ite
                 replay = time_fn(graphed(forward), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
             rows.append({"step": f"layer forward, dispatch {mode}", "tokens": n, "hidden": hidden, "topk": topk,
                          "experts": num_experts, "eager_us": eager, "graph_us": replay,
-                         "floor_us": floor * n / tokens, "graph_over_floor": replay / (floor * n / tokens)})
+                         "floor_us": floor, "graph_over_floor": replay / floor})
         rows[-1]["checks"] = [check_close(f"layer {n} tokens, in place vs grouped", outputs["in place"],
                                           outputs["grouped"])]
     return rows

@@ -217,7 +217,7 @@ def _gathered_tile(x, scales, index, W, w_row, C, c_row, c_col, K, dtype, cfg):
 # (skipped only where a 64-row tile starts on it). One H200, 64 experts x top-6 at 512 tokens
 # (48 rows each) and 256 x top-8 (16 each), K 1408-7168, taking turns with 128-row tiles and
 # torch._grouped_mm: the gathering kernel 0.66-0.76x its time in 128x256 tiles, the grouped
-# one 0.87-0.93x; at 96 and 128 rows 64-row tiles took 1.17-1.57x the time of the best 128-row one.
+# one 0.87-0.93x; at 96 and 128 rows 64-row tiles took 1.17-1.56x the time of the best 128-row one.
 SMALL_SEGMENT_ROWS = 64
 SMALL_SEGMENT_TILE = TileConfig(64, 128, 64, 6, 128, "FullRow", "shared")  # grouped rows (TMA)
 SMALL_SEGMENT_GATHERED_TILE = TileConfig(64, 256, 64, 4, 128, "FullRow", "shared")  # gathered (cp.async)
