@@ -97,7 +97,8 @@ class ExpertParallelMoE(nn.Module):
     bf16), the first expert GEMM dequantises them as it loads them; the combine stays in the
     layer's dtype. Without a gradient recorded and with few rows per expert (``IN_PLACE_ROWS``)
     the dispatch is in place (``moe_dispatch``'s ``in_place``: no grouping copy, the first GEMM
-    gathers the received rows).
+    gathers the received rows). The expert GEMMs take the handle's ``rows_per_expert``: at most
+    64 rows per expert, 64-row tiles (``grouped_gemm``).
 
     Args:
         hidden: The model dimension.
