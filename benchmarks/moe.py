@@ -357,28 +357,34 @@ def floor_rows(iters: int, small: bool) -> Iterator[dict]:
                 yield {**row, **context}
     for row in expert_gemm_rows(SMALL_LAYER if small else LAYER, rate, iters):
         yield {**row, **context}
-    tokens, hidden, ffn, num_experts, topk = SMALL_LAYER if small else LAYER
+    shape = SMALL_LAYER if small else LAYER
+    tokens, hidden, _, num_experts, topk = shape
     with torch.no_grad():
-        layer = measure_layer((tokens, hidden, ffn, num_experts, topk), iters)
-    flops = 2 * tokens * topk * 2 * hidden * ffn
-    floor = layer_floor_us(tokens, (tokens, hidden, ffn, num_experts, topk), rate, bandwidth)
+        layer = measure_layer(shape, iters)
+    flops = layer_flops(tokens, shape)
+    floor = layer_floor_us(tokens, shape, rate, bandwidth)
     yield {"step": "layer forward", "tokens": tokens, "hidden": hidden, "topk": topk, "experts": num_experts,
            "eager_us": layer["layer_ms"] * 1e3, "graph_us": layer.get("graph_layer_ms", float("nan")) * 1e3,
            "floor_us": floor, "graph_over_floor": layer.get("graph_layer_ms", float("nan")) * 1e3 / floor,
            "torch_layer_us": layer["torch_layer_ms"] * 1e3, "flops": flops, "checks": layer["checks"], **context}
-    yield {**fp8_layer_row((tokens, hidden, ffn, num_experts, topk), floor, iters), **context}
-    for row in layer_dispatch_rows((tokens, hidden, ffn, num_experts, topk), rate, bandwidth, iters):
+    yield {**fp8_layer_row(shape, floor, iters), **context}
+    for row in layer_dispatch_rows(shape, rate, bandwidth, iters):
         yield {**row, **context}
+
+
+def layer_flops(tokens: int, shape: tuple[int, int, int, int, int]) -> int:
+    """The FLOPs of the layer's two expert GEMMs at ``tokens`` tokens (each routed ``topk`` times)."""
+    _, hidden, ffn, _, topk = shape
+    return 2 * tokens * topk * 2 * hidden * ffn
 
 
 def layer_floor_us(tokens: int, shape: tuple[int, int, int, int, int], rate: float, bandwidth: float) -> float:
     """The layer forward's floor at ``tokens`` tokens: its expert GEMMs' FLOPs at the tensor-core
     rate, or reading every expert's weights once at the copy bandwidth, whichever is longer (few
     tokens per expert: the weights; 512 tokens of the layer's shape read 1.48 GB for 71 GFLOP)."""
-    _, hidden, ffn, num_experts, topk = shape
-    flops = 2 * tokens * topk * 2 * hidden * ffn
+    _, hidden, ffn, num_experts, _ = shape
     weights = 2 * num_experts * ffn * hidden * 2  # w1 and w2, bf16
-    return max(flops / rate, weights / bandwidth) * 1e6
+    return max(layer_flops(tokens, shape) / rate, weights / bandwidth) * 1e6
 
 
 def layer_dispatch_rows(shape: tuple[int, int, int, int, int], rate: float, bandwidth: float,

@@ -286,7 +286,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         RuntimeError: ``index`` is an in-place dispatch's whose rows a later dispatch through
             the same buffer may have overwritten.
     """
-    small = rows_per_expert is not None and rows_per_expert <= SMALL_SEGMENT_ROWS
+    # Only a tile left to the choice depends on the segments' size (one plan for an explicit tile).
+    small = tile is None and rows_per_expert is not None and rows_per_expert <= SMALL_SEGMENT_ROWS
     key = ("grouped_gemm", layout_key(x), layout_key(w), layout_key(row_expert),
            "none" if scales is None else layout_key(scales), "none" if index is None else layout_key(index), tile,
            small)
