@@ -37,7 +37,7 @@ import tilelang
 import tilelang.env
 import torch
 from harness import Report, check_close, time_interleaved
-from tp_gemm import AG_SHAPES, RS_SHAPES
+from tp_shapes import AG_SHAPES, FLOOR_SHAPES, RS_SHAPES
 
 import tilescale.language as T
 from tilescale.ops._gemm import TileConfig, gemm_tile, tile_coords
@@ -355,8 +355,6 @@ def floor_cases(persistent: bool = False) -> tuple[dict, dict[str, list[Variant]
     variants}): every candidate width, and the 128x128 tile only where its waves are at least
     3% fuller than the 128x256 tile's (it is slower per FLOP, so elsewhere it cannot win);
     with ``persistent``, each candidate's persistent twin besides."""
-    from tp_gemm import FLOOR_SHAPES
-
     by_label = {v.label: v for v in VARIANTS}
     shapes, cases = {}, {}
     for op, (m, k, n) in FLOOR_SHAPES:

@@ -45,6 +45,7 @@ import collectives
 import moe
 import torch
 import tp_gemm
+import tp_shapes
 from harness import Report, fmt_bytes, is_rank0, progress, size_sweep
 
 import tilescale as ts
@@ -71,13 +72,13 @@ class Suite:
 SUITES = {
     "full": Suite(
         tuple(size_sweep(4 << 10, 256 << 20, factor=4)),
-        {"ag": tp_gemm.AG_SHAPES, "rs": tp_gemm.RS_SHAPES},
+        {"ag": tp_shapes.AG_SHAPES, "rs": tp_shapes.RS_SHAPES},
         moe.CASES,
         20,
     ),
     "quick": Suite(
         (64 << 10, 4 << 20, 256 << 20),
-        {"ag": [tp_gemm.AG_SHAPES[1]], "rs": [tp_gemm.RS_SHAPES[1]]},
+        {"ag": [tp_shapes.AG_SHAPES[1]], "rs": [tp_shapes.RS_SHAPES[1]]},
         {"normal": moe.CASES["normal"]},
         20,
     ),

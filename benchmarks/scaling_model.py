@@ -48,7 +48,7 @@ from typing import Any
 
 from harness import RESULTS_DIR, Report
 
-# Per-rank problems: the TP-GEMM issue's first AG and RS shapes (tp_gemm.AG_SHAPES[0] and
+# Per-rank problems: the TP-GEMM issue's first AG and RS shapes (tp_shapes.AG_SHAPES[0] and
 # RS_SHAPES[0]: M rows of the whole product, K and N as each rank holds them), DeepEP's normal size.
 AG_SHAPE = (8192, 8192, 14336)
 RS_SHAPE = (8192, 14336, 8192)
