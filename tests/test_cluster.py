@@ -9,8 +9,10 @@ No ``from __future__ import annotations`` here: TileLang evaluates the kernels' 
 """
 
 import functools
+import importlib
 import runpy
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -117,6 +119,27 @@ def test_nvcc_compiles_cluster_kernels_for_sm90a(tmp_path):
         assert "barrier.cluster.arrive.release.aligned" in ptx and "barrier.cluster.wait.acquire.aligned" in ptx
         if name == "splitk":
             assert "st.v4.f32" in ptx  # the puts: 16-byte stores through the mapa'd generic address
+
+
+@needs_nvcc
+@pytest.mark.timeout(400)
+def test_multicast_decode_probe_guards_both_ctas_stages_and_compiles(tmp_path):
+    """benchmarks/decode_multicast.py's hand-written cluster pipeline: CTA 0 multicasts the batch
+    tile, a stage is empty only after each consumer warp of both CTAs released it, full only
+    after every producer thread arrived; no CTA exits before its partner is done with it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    probe = importlib.import_module("decode_multicast")
+    src = lower_cuda(probe.multicast_gemm(128, 1024, 512, stages=4), probe.MANUAL_PIPELINE)
+    body = kernel_body(src)
+    assert "tl::tma_load_multicast(a_desc" in body and "tl::block_rank_in_cluster() == 0" in body
+    assert body.count("empty[0].init(8);") == 1 and body.count("full[0].init(128);") == 1
+    assert "empty[(k_1 & 3)].arrive(0u);" in body and "empty[(k_1 & 3)].arrive(1u);" in body
+    assert body.rstrip().endswith("tl::cluster_sync();\n}")  # the kernel's last statement
+    assert "warpgroup_reg_alloc" not in body  # TileLang's own warp specialisation stays off
+    result = nvcc(src, tmp_path / "decode_multicast.ptx", "ptx")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster" in (
+        tmp_path / "decode_multicast.ptx").read_text()
 
 
 # --- errors --------------------------------------------------------------------------------------

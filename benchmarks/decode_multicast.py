@@ -1,0 +1,176 @@
+"""Would the decode GEMM reach cuBLAS with its batch tile shared over a 2-CTA cluster?
+
+The decode all-reduce (``ts.ops.gemm_all_reduce`` at up to 256 rows) computes its GEMM in
+swapped tiles: 64 weight rows per CTA in the wgmma's M, the whole batch in its N, 128 CTAs
+for 8192 columns. Under ncu on one H200 it streams HBM at 65-73% of peak where cuBLAS, on
+the same 128 CTAs, reaches 73-81%: cuBLAS runs them as clusters of two that load the tile they
+share once, by TMA multicast (docs/performance-log.md, "The decode GEMM under ncu"). TileLang's
+automatic pipeline cannot do that safely: its producer refills a stage after waiting for its
+own consumers only, while a multicast also writes the partner's stage.
+
+This probe times the GEMM part alone, on one GPU, three ways, each checked first against an
+fp32 reference, then as CUDA-graph replays taking turns (CUDA events, median):
+
+* ``unicast``: the decode kernel's main loop today (TileLang's warp-specialised pipeline, each
+  CTA loading the batch tile itself);
+* ``multicast``: :func:`multicast_gemm`, a hand-written producer / consumer pipeline over a
+  2-CTA cluster (CTA 0 multicasts the batch tile, each CTA loads its own weight tile; a stage
+  is empty once each consumer warp of both CTAs has released it);
+* cuBLAS (``a @ w.T``).
+
+::
+
+    python benchmarks/decode_multicast.py            # one sm_90a GPU (H100/H200)
+    python benchmarks/decode_multicast.py --quick    # one shape
+
+The table and JSON (``benchmarks/results/decode-multicast-<device>-<time>.json``) give each
+kernel's time and its ratio to cuBLAS.
+"""
+
+import argparse
+
+import tilelang
+import tilelang.language as T
+import torch
+from harness import Report, check_close, graphed, time_interleaved
+
+# Batch rows x input features x output columns of one rank's decode GEMM (Llama-3-70B at TP 2:
+# K = 14336, N = 8192; Qwen2.5-72B at TP 4 rounded to whole K steps: K = 7168).
+SHAPES = [(128, 14336, 8192), (64, 14336, 8192), (128, 7168, 8192), (32, 14336, 8192)]
+BLOCK_N, BLOCK_K = 64, 64  # weight rows per CTA (the wgmma's M), K step
+SHARED_BYTES = 196608  # pipeline stages' budget of shared memory per CTA
+# The hand-written pipeline synchronises itself: TileLang's own warp specialisation stays off.
+MANUAL_PIPELINE = {"tl.disable_warp_specialized": True}
+
+
+def stages_for(rows: int) -> int:
+    """Pipeline stages of a swapped tile of ``rows`` batch rows within ``SHARED_BYTES`` (at most 8)."""
+    return min(8, SHARED_BYTES // ((rows + BLOCK_N) * BLOCK_K * 2))
+
+
+def multicast_gemm(M: int, K: int, N: int, stages: int):
+    """``out = a @ w.T`` (bf16 in, fp32 out) in swapped 64-column tiles, two CTAs per cluster
+    sharing the batch tile by TMA multicast through a hand-written pipeline.
+
+    Warp group 0 of each CTA produces: it waits until stage ``s`` is empty, loads its weight
+    tile into it and, in CTA 0, multicasts the batch tile into both CTAs' stage ``s``; every
+    producer thread then arrives on "full", after the one elected to issue the copies has
+    announced their bytes, so a stage cannot count as full before its bytes are due. Warp
+    group 1 consumes: it waits for "full", runs the wgmmas and, once they are done, each of its
+    warps arrives on "empty" in both CTAs. So a stage is empty only when both CTAs' consumers
+    have released it: the multicast never overwrites a stage the partner still reads. A
+    cluster sync before exit keeps a CTA alive while its partner may still arrive on it.
+
+    Args:
+        M: Batch rows, a multiple of 16 (the wgmma's N).
+        K: Input features, a multiple of 64.
+        N: Output columns, a multiple of 128 (whole clusters of 64-column tiles).
+        stages: Pipeline stages (:func:`stages_for`).
+
+    Returns:
+        The kernel's ``T.prim_func`` (compile with ``pass_configs=MANUAL_PIPELINE``).
+    """
+    steps = K // BLOCK_K
+
+    @T.prim_func
+    def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
+        with T.ClusterKernel(N // BLOCK_N, threads=256, cluster_dims=(2, 1, 1)) as bx:
+            a_s = T.alloc_shared((stages, M, BLOCK_K), "bfloat16")
+            w_s = T.alloc_shared((stages, BLOCK_N, BLOCK_K), "bfloat16")
+            acc = T.alloc_fragment((BLOCK_N, M), "float32")
+            full = T.alloc_barrier([128] * stages)  # every producer thread, and the stage's bytes
+            empty = T.alloc_cluster_barrier([8] * stages)  # each consumer warp of both CTAs
+            tx = T.get_thread_binding()
+            if tx < 128:
+                for k in T.serial(steps):
+                    s = k % stages
+                    T.mbarrier_wait_parity(empty[s], ((k // stages) & 1) ^ 1)
+                    T.tma_copy(a[0:M, k * BLOCK_K:(k + 1) * BLOCK_K], a_s[s, :, :], barrier=full[s], cluster_mask=3)
+                    T.tma_copy(w[bx * BLOCK_N:(bx + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K], w_s[s, :, :],
+                               barrier=full[s])
+                    T.mbarrier_arrive(full[s])
+            else:
+                T.clear(acc)
+                for k in T.serial(steps):
+                    s = k % stages
+                    T.mbarrier_wait_parity(full[s], (k // stages) & 1)
+                    T.gemm(w_s[s, :, :], a_s[s, :, :], acc, transpose_B=True)
+                    if tx % 32 == 0:
+                        T.mbarrier_arrive(empty[s], 0)
+                        T.mbarrier_arrive(empty[s], 1)
+                for j, i in T.Parallel(BLOCK_N, M):
+                    out[i, bx * BLOCK_N + j] = acc[j, i]
+            T.cluster_sync()
+
+    return main
+
+
+def unicast_gemm(M: int, K: int, N: int, stages: int):
+    """The same GEMM and tile in TileLang's automatic warp-specialised pipeline, each CTA
+    loading the batch tile itself (the decode all-reduce kernel's main loop).
+
+    Args:
+        M, K, N, stages: as :func:`multicast_gemm`'s.
+
+    Returns:
+        The kernel's ``T.prim_func``.
+    """
+
+    @T.prim_func
+    def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
+        with T.Kernel(N // BLOCK_N, threads=128) as bx:
+            a_s = T.alloc_shared((M, BLOCK_K), "bfloat16")
+            w_s = T.alloc_shared((BLOCK_N, BLOCK_K), "bfloat16")
+            acc = T.alloc_fragment((BLOCK_N, M), "float32")
+            T.clear(acc)
+            for k in T.Pipelined(K // BLOCK_K, num_stages=stages):
+                T.copy(a[0, k * BLOCK_K], a_s)
+                T.copy(w[bx * BLOCK_N, k * BLOCK_K], w_s)
+                T.gemm(w_s, a_s, acc, transpose_B=True)
+            for j, i in T.Parallel(BLOCK_N, M):
+                out[i, bx * BLOCK_N + j] = acc[j, i]
+
+    return main
+
+
+def measure(shape: tuple[int, int, int], iters: int) -> dict:
+    """One shape: both kernels checked against the fp32 product, then timed with cuBLAS."""
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    expected = a.float() @ w.float().T
+    stages = stages_for(m)
+    kernels = {"unicast": tilelang.compile(unicast_gemm(m, k, n, stages), out_idx=None),
+               "multicast": tilelang.compile(multicast_gemm(m, k, n, stages), out_idx=None,
+                                             pass_configs=MANUAL_PIPELINE)}
+    outs = {name: torch.empty(m, n, device="cuda") for name in kernels}
+    row = {"shape": f"{m}x{k}x{n}", "stages": stages, "checks": []}
+    calls = {"cublas": lambda: a @ w.T}
+    for name, kernel in kernels.items():
+        calls[name] = lambda kernel=kernel, out=outs[name]: kernel(a, w, out)
+        calls[name]()
+        row["checks"].append(check_close(f"{row['shape']} {name}", outs[name], expected, rtol=1e-2, atol=1e-2))
+    timings = time_interleaved({name: graphed(fn) for name, fn in calls.items()}, rounds=5, iters=iters)
+    for name, timing in timings.items():
+        row[f"{name}_us"] = timing.median_ms * 1e3
+    for name in kernels:
+        row[f"{name}_vs_cublas"] = row[f"{name}_us"] / row["cublas_us"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="only the first shape")
+    args = parser.parse_args()
+    report = Report("decode-multicast", columns=["shape", "stages", "cublas_us", "unicast_us", "multicast_us",
+                                                 "unicast_vs_cublas", "multicast_vs_cublas"])
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        report.add(measure(shape, args.iters))
+        report.save()  # after every shape: a cut-off run keeps what it measured
+    report.print_table()
+
+
+if __name__ == "__main__":
+    main()
