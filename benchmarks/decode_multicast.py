@@ -11,11 +11,12 @@ own consumers only, while a multicast also writes the partner's stage.
 This probe times the GEMM part alone, on one GPU, three ways, each checked first against an
 fp32 reference, then as CUDA-graph replays taking turns (CUDA events, median):
 
-* ``unicast``: the decode kernel's main loop today (TileLang's warp-specialised pipeline, each
-  CTA loading the batch tile itself);
+* ``unicast``: the same tiles in the decode kernel's main loop of today (TileLang's
+  warp-specialised pipeline, each CTA loading both its tiles itself);
 * ``multicast``: :func:`multicast_gemm`, a hand-written producer / consumer pipeline over a
-  2-CTA cluster (CTA 0 multicasts the batch tile, each CTA loads its own weight tile; a stage
-  is empty once each consumer warp of both CTAs has released it);
+  2-CTA cluster (CTA 0 multicasts the batch tile, each CTA loads its own weight tile; above
+  128 rows each CTA takes half the batch and the weight tile is the shared one, as cuBLAS does
+  at 256 rows with K whole; a stage is empty once each consumer warp of both CTAs released it);
 * cuBLAS (``a @ w.T``).
 
 ::
@@ -36,7 +37,11 @@ from harness import Report, check_close, graphed, time_interleaved
 
 # Batch rows x input features x output columns of one rank's decode GEMM (Llama-3-70B at TP 2:
 # K = 14336, N = 8192; Qwen2.5-72B at TP 4 rounded to whole K steps: K = 7168).
-SHAPES = [(128, 14336, 8192), (64, 14336, 8192), (128, 7168, 8192), (32, 14336, 8192)]
+SHAPES = [(128, 14336, 8192), (64, 14336, 8192), (128, 7168, 8192), (32, 14336, 8192), (256, 3584, 4096),
+          (256, 14336, 8192)]
+# Above this many rows a CTA takes half the batch and the pair shares the weight tile instead
+# (cuBLAS's choice at 256 rows, where it keeps K whole: the decode kernel splits K there).
+HALF_BATCH_ABOVE = 128
 BLOCK_N, BLOCK_K = 64, 64  # weight rows per CTA (the wgmma's M), K step
 SHARED_BYTES = 196608  # pipeline stages' budget of shared memory per CTA
 # The hand-written pipeline synchronises itself: TileLang's own warp specialisation stays off.
@@ -48,12 +53,19 @@ def stages_for(rows: int) -> int:
     return min(8, SHARED_BYTES // ((rows + BLOCK_N) * BLOCK_K * 2))
 
 
+def shared_tile(M: int) -> str:
+    """The operand tile the two CTAs of a cluster share: ``"batch"`` (each CTA its own 64
+    weight rows, the whole batch shared) up to ``HALF_BATCH_ABOVE`` rows, else ``"weight"``
+    (each CTA half the batch, the 64 weight rows shared)."""
+    return "weight" if M > HALF_BATCH_ABOVE else "batch"
+
+
 def multicast_gemm(M: int, K: int, N: int, stages: int):
     """``out = a @ w.T`` (bf16 in, fp32 out) in swapped 64-column tiles, two CTAs per cluster
-    sharing the batch tile by TMA multicast through a hand-written pipeline.
+    sharing one operand tile (:func:`shared_tile`) by TMA multicast through a hand-written pipeline.
 
-    Warp group 0 of each CTA produces: it waits until stage ``s`` is empty, loads its weight
-    tile into it and, in CTA 0, multicasts the batch tile into both CTAs' stage ``s``; every
+    Warp group 0 of each CTA produces: it waits until stage ``s`` is empty, loads its own tile
+    into it and, in CTA 0, multicasts the shared tile into both CTAs' stage ``s``; every
     producer thread then arrives on "full", after the one elected to issue the copies has
     announced their bytes, so a stage cannot count as full before its bytes are due. Warp
     group 1 consumes: it waits for "full", runs the wgmmas and, once they are done, each of its
@@ -62,7 +74,7 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
     cluster sync before exit keeps a CTA alive while its partner may still arrive on it.
 
     Args:
-        M: Batch rows, a multiple of 16 (the wgmma's N).
+        M: Batch rows, a multiple of 16 (the wgmma's N; of 32 where the CTAs halve the batch).
         K: Input features, a multiple of 64.
         N: Output columns, a multiple of 128 (whole clusters of 64-column tiles).
         stages: Pipeline stages (:func:`stages_for`).
@@ -70,14 +82,17 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
     Returns:
         The kernel's ``T.prim_func`` (compile with ``pass_configs=MANUAL_PIPELINE``).
     """
-    steps = K // BLOCK_K
+    steps, halves = K // BLOCK_K, shared_tile(M) == "weight"
+    rows = M // 2 if halves else M  # batch rows per CTA
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
-        with T.ClusterKernel(N // BLOCK_N, threads=256, cluster_dims=(2, 1, 1)) as bx:
-            a_s = T.alloc_shared((stages, M, BLOCK_K), "bfloat16")
+        with T.ClusterKernel(N // BLOCK_N * (2 if halves else 1), threads=256, cluster_dims=(2, 1, 1)) as bx:
+            col = bx // 2 if halves else bx  # the CTA's 64 weight rows
+            row0 = bx % 2 * rows if halves else 0  # its first batch row
+            a_s = T.alloc_shared((stages, rows, BLOCK_K), "bfloat16")
             w_s = T.alloc_shared((stages, BLOCK_N, BLOCK_K), "bfloat16")
-            acc = T.alloc_fragment((BLOCK_N, M), "float32")
+            acc = T.alloc_fragment((BLOCK_N, rows), "float32")
             full = T.alloc_barrier([128] * stages)  # every producer thread, and the stage's bytes
             empty = T.alloc_cluster_barrier([8] * stages)  # each consumer warp of both CTAs
             tx = T.get_thread_binding()
@@ -85,9 +100,10 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
                 for k in T.serial(steps):
                     s = k % stages
                     T.mbarrier_wait_parity(empty[s], ((k // stages) & 1) ^ 1)
-                    T.tma_copy(a[0:M, k * BLOCK_K:(k + 1) * BLOCK_K], a_s[s, :, :], barrier=full[s], cluster_mask=3)
-                    T.tma_copy(w[bx * BLOCK_N:(bx + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K], w_s[s, :, :],
-                               barrier=full[s])
+                    T.tma_copy(a[row0:row0 + rows, k * BLOCK_K:(k + 1) * BLOCK_K], a_s[s, :, :], barrier=full[s],
+                               cluster_mask=None if halves else 3)
+                    T.tma_copy(w[col * BLOCK_N:(col + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K], w_s[s, :, :],
+                               barrier=full[s], cluster_mask=3 if halves else None)
                     T.mbarrier_arrive(full[s])
             else:
                 T.clear(acc)
@@ -98,16 +114,17 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
                     if tx % 32 == 0:
                         T.mbarrier_arrive(empty[s], 0)
                         T.mbarrier_arrive(empty[s], 1)
-                for j, i in T.Parallel(BLOCK_N, M):
-                    out[i, bx * BLOCK_N + j] = acc[j, i]
+                for j, i in T.Parallel(BLOCK_N, rows):
+                    out[row0 + i, col * BLOCK_N + j] = acc[j, i]
             T.cluster_sync()
 
     return main
 
 
 def unicast_gemm(M: int, K: int, N: int, stages: int):
-    """The same GEMM and tile in TileLang's automatic warp-specialised pipeline, each CTA
-    loading the batch tile itself (the decode all-reduce kernel's main loop).
+    """The same GEMM and tiles (:func:`shared_tile`: CTAs of half the batch above
+    ``HALF_BATCH_ABOVE`` rows) in TileLang's automatic warp-specialised pipeline, each CTA
+    loading both its tiles itself (the decode all-reduce kernel's main loop, up to 128 rows).
 
     Args:
         M, K, N, stages: as :func:`multicast_gemm`'s.
@@ -115,20 +132,24 @@ def unicast_gemm(M: int, K: int, N: int, stages: int):
     Returns:
         The kernel's ``T.prim_func``.
     """
+    halves = shared_tile(M) == "weight"
+    rows = M // 2 if halves else M
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
-        with T.Kernel(N // BLOCK_N, threads=128) as bx:
-            a_s = T.alloc_shared((M, BLOCK_K), "bfloat16")
+        with T.Kernel(N // BLOCK_N * (2 if halves else 1), threads=128) as bx:
+            col = bx // 2 if halves else bx
+            row0 = bx % 2 * rows if halves else 0
+            a_s = T.alloc_shared((rows, BLOCK_K), "bfloat16")
             w_s = T.alloc_shared((BLOCK_N, BLOCK_K), "bfloat16")
-            acc = T.alloc_fragment((BLOCK_N, M), "float32")
+            acc = T.alloc_fragment((BLOCK_N, rows), "float32")
             T.clear(acc)
             for k in T.Pipelined(K // BLOCK_K, num_stages=stages):
-                T.copy(a[0, k * BLOCK_K], a_s)
-                T.copy(w[bx * BLOCK_N, k * BLOCK_K], w_s)
+                T.copy(a[row0, k * BLOCK_K], a_s)
+                T.copy(w[col * BLOCK_N, k * BLOCK_K], w_s)
                 T.gemm(w_s, a_s, acc, transpose_B=True)
-            for j, i in T.Parallel(BLOCK_N, M):
-                out[i, bx * BLOCK_N + j] = acc[j, i]
+            for j, i in T.Parallel(BLOCK_N, rows):
+                out[row0 + i, col * BLOCK_N + j] = acc[j, i]
 
     return main
 
@@ -140,12 +161,12 @@ def measure(shape: tuple[int, int, int], iters: int) -> dict:
     a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
     expected = a.float() @ w.float().T
-    stages = stages_for(m)
+    stages = stages_for(m // 2 if shared_tile(m) == "weight" else m)
     kernels = {"unicast": tilelang.compile(unicast_gemm(m, k, n, stages), out_idx=None),
                "multicast": tilelang.compile(multicast_gemm(m, k, n, stages), out_idx=None,
                                              pass_configs=MANUAL_PIPELINE)}
     outs = {name: torch.empty(m, n, device="cuda") for name in kernels}
-    row = {"shape": f"{m}x{k}x{n}", "stages": stages, "checks": []}
+    row = {"shape": f"{m}x{k}x{n}", "shared": shared_tile(m), "stages": stages, "checks": []}
     calls = {"cublas": lambda: a @ w.T}
     for name, kernel in kernels.items():
         calls[name] = lambda kernel=kernel, out=outs[name]: kernel(a, w, out)
@@ -164,7 +185,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="only the first shape")
     args = parser.parse_args()
-    report = Report("decode-multicast", columns=["shape", "stages", "cublas_us", "unicast_us", "multicast_us",
+    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us", "unicast_us", "multicast_us",
                                                  "unicast_vs_cublas", "multicast_vs_cublas"])
     for shape in SHAPES[:1] if args.quick else SHAPES:
         report.add(measure(shape, args.iters))

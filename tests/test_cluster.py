@@ -123,15 +123,18 @@ def test_nvcc_compiles_cluster_kernels_for_sm90a(tmp_path):
 
 @needs_nvcc
 @pytest.mark.timeout(400)
-def test_multicast_decode_probe_guards_both_ctas_stages_and_compiles(tmp_path):
-    """benchmarks/decode_multicast.py's hand-written cluster pipeline: CTA 0 multicasts the batch
-    tile, a stage is empty only after each consumer warp of both CTAs released it, full only
-    after every producer thread arrived; no CTA exits before its partner is done with it."""
+@pytest.mark.parametrize(("rows", "shared"), [(128, "a_desc"), (256, "w_desc")])
+def test_multicast_decode_probe_guards_both_ctas_stages_and_compiles(rows, shared, tmp_path):
+    """benchmarks/decode_multicast.py's hand-written cluster pipeline: CTA 0 multicasts the shared
+    tile (the batch's, or above 128 rows the weight's), a stage is empty only after each consumer
+    warp of both CTAs released it, full only after every producer thread arrived; no CTA exits
+    before its partner is done with it."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     probe = importlib.import_module("decode_multicast")
-    src = lower_cuda(probe.multicast_gemm(128, 1024, 512, stages=4), probe.MANUAL_PIPELINE)
+    src = lower_cuda(probe.multicast_gemm(rows, 1024, 512, stages=4), probe.MANUAL_PIPELINE)
     body = kernel_body(src)
-    assert "tl::tma_load_multicast(a_desc" in body and "tl::block_rank_in_cluster() == 0" in body
+    assert body.count("tl::tma_load_multicast(") == 1 and f"tl::tma_load_multicast({shared}" in body
+    assert "tl::block_rank_in_cluster() == 0" in body
     assert body.count("empty[0].init(8);") == 1 and body.count("full[0].init(128);") == 1
     assert "empty[(k_1 & 3)].arrive(0u);" in body and "empty[(k_1 & 3)].arrive(1u);" in body
     assert body.rstrip().endswith("tl::cluster_sync();\n}")  # the kernel's last statement
