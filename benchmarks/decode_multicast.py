@@ -53,11 +53,16 @@ def stages_for(rows: int) -> int:
     return min(8, SHARED_BYTES // ((rows + BLOCK_N) * BLOCK_K * 2))
 
 
+def cta_rows(M: int) -> int:
+    """Batch rows per CTA: the whole batch up to ``HALF_BATCH_ABOVE`` rows, else half of it."""
+    return M // 2 if M > HALF_BATCH_ABOVE else M
+
+
 def shared_tile(M: int) -> str:
     """The operand tile the two CTAs of a cluster share: ``"batch"`` (each CTA its own 64
-    weight rows, the whole batch shared) up to ``HALF_BATCH_ABOVE`` rows, else ``"weight"``
+    weight rows, the whole batch shared) where a CTA takes the whole batch, else ``"weight"``
     (each CTA half the batch, the 64 weight rows shared)."""
-    return "weight" if M > HALF_BATCH_ABOVE else "batch"
+    return "batch" if cta_rows(M) == M else "weight"
 
 
 def multicast_gemm(M: int, K: int, N: int, stages: int):
@@ -82,8 +87,8 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
     Returns:
         The kernel's ``T.prim_func`` (compile with ``pass_configs=MANUAL_PIPELINE``).
     """
-    steps, halves = K // BLOCK_K, shared_tile(M) == "weight"
-    rows = M // 2 if halves else M  # batch rows per CTA
+    steps, rows = K // BLOCK_K, cta_rows(M)
+    halves = rows < M
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
@@ -132,8 +137,8 @@ def unicast_gemm(M: int, K: int, N: int, stages: int):
     Returns:
         The kernel's ``T.prim_func``.
     """
-    halves = shared_tile(M) == "weight"
-    rows = M // 2 if halves else M
+    rows = cta_rows(M)
+    halves = rows < M
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
@@ -161,7 +166,7 @@ def measure(shape: tuple[int, int, int], iters: int) -> dict:
     a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
     expected = a.float() @ w.float().T
-    stages = stages_for(m // 2 if shared_tile(m) == "weight" else m)
+    stages = stages_for(cta_rows(m))
     kernels = {"unicast": tilelang.compile(unicast_gemm(m, k, n, stages), out_idx=None),
                "multicast": tilelang.compile(multicast_gemm(m, k, n, stages), out_idx=None,
                                              pass_configs=MANUAL_PIPELINE)}
