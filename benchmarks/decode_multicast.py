@@ -13,6 +13,8 @@ fp32 reference, then as CUDA-graph replays taking turns (CUDA events, median):
 
 * ``unicast``: the same tiles in the decode kernel's main loop of today (TileLang's
   warp-specialised pipeline, each CTA loading both its tiles itself);
+* ``two_consumers``: the same pipeline, each CTA with the whole batch, K whole and two consumer
+  warp groups taking half the batch each (:func:`unicast_gemm` with ``consumers=2``);
 * ``multicast``: :func:`multicast_gemm`, a hand-written producer / consumer pipeline over a
   2-CTA cluster (CTA 0 multicasts the batch tile, each CTA loads its own weight tile; above
   128 rows each CTA takes half the batch and the weight tile is the shared one, as cuBLAS does
@@ -38,7 +40,7 @@ from harness import Report, check_close, graphed, time_interleaved
 # Batch rows x input features x output columns of one rank's decode GEMM (Llama-3-70B at TP 2:
 # K = 14336, N = 8192; Qwen2.5-72B at TP 4 rounded to whole K steps: K = 7168).
 SHAPES = [(128, 14336, 8192), (64, 14336, 8192), (128, 7168, 8192), (32, 14336, 8192), (256, 3584, 4096),
-          (256, 14336, 8192)]
+          (256, 14336, 8192), (96, 14336, 8192), (192, 14336, 8192)]
 # Above this many rows a CTA takes half the batch and the pair shares the weight tile instead
 # (cuBLAS's choice at 256 rows, where it keeps K whole: the decode kernel splits K there).
 HALF_BATCH_ABOVE = 128
@@ -126,23 +128,29 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
     return main
 
 
-def unicast_gemm(M: int, K: int, N: int, stages: int):
-    """The same GEMM and tiles (:func:`shared_tile`: CTAs of half the batch above
-    ``HALF_BATCH_ABOVE`` rows) in TileLang's automatic warp-specialised pipeline, each CTA
-    loading both its tiles itself (the decode all-reduce kernel's main loop, up to 128 rows).
+def unicast_gemm(M: int, K: int, N: int, stages: int, consumers: int = 1):
+    """The same GEMM in TileLang's automatic warp-specialised pipeline, each CTA loading both
+    its tiles itself. With one consumer warp group, the tiles of :func:`shared_tile` (CTAs of
+    half the batch above ``HALF_BATCH_ABOVE`` rows): the decode all-reduce kernel's main loop
+    up to 128 rows. With two, each CTA keeps the whole batch and K whole (128 CTAs for 8192
+    columns, as cuBLAS has) and its two consumer warp groups take half the batch each, so one
+    issues wgmmas while the other waits for its own: above ~100 rows the tensor cores, not
+    HBM, bound this GEMM (2 * rows FLOPs per weight byte against the H200's ~206).
 
     Args:
         M, K, N, stages: as :func:`multicast_gemm`'s.
+        consumers: Consumer warp groups per CTA, 1 or 2 (2: ``M`` a multiple of 16).
 
     Returns:
         The kernel's ``T.prim_func``.
     """
-    rows = cta_rows(M)
+    rows = cta_rows(M) if consumers == 1 else M
     halves = rows < M
+    policy = T.GemmWarpPolicy.FullCol  # warp groups side by side along the batch (the wgmma's N)
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
-        with T.Kernel(N // BLOCK_N * (2 if halves else 1), threads=128) as bx:
+        with T.Kernel(N // BLOCK_N * (2 if halves else 1), threads=128 * consumers) as bx:
             col = bx // 2 if halves else bx
             row0 = bx % 2 * rows if halves else 0
             a_s = T.alloc_shared((rows, BLOCK_K), "bfloat16")
@@ -152,7 +160,7 @@ def unicast_gemm(M: int, K: int, N: int, stages: int):
             for k in T.Pipelined(K // BLOCK_K, num_stages=stages):
                 T.copy(a[row0, k * BLOCK_K], a_s)
                 T.copy(w[col * BLOCK_N, k * BLOCK_K], w_s)
-                T.gemm(w_s, a_s, acc, transpose_B=True)
+                T.gemm(w_s, a_s, acc, transpose_B=True, policy=policy)
             for j, i in T.Parallel(BLOCK_N, rows):
                 out[row0 + i, col * BLOCK_N + j] = acc[j, i]
 
@@ -168,6 +176,7 @@ def measure(shape: tuple[int, int, int], iters: int) -> dict:
     expected = a.float() @ w.float().T
     stages = stages_for(cta_rows(m))
     kernels = {"unicast": tilelang.compile(unicast_gemm(m, k, n, stages), out_idx=None),
+               "two_consumers": tilelang.compile(unicast_gemm(m, k, n, stages_for(m), consumers=2), out_idx=None),
                "multicast": tilelang.compile(multicast_gemm(m, k, n, stages), out_idx=None,
                                              pass_configs=MANUAL_PIPELINE)}
     outs = {name: torch.empty(m, n, device="cuda") for name in kernels}
@@ -190,8 +199,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="only the first shape")
     args = parser.parse_args()
-    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us", "unicast_us", "multicast_us",
-                                                 "unicast_vs_cublas", "multicast_vs_cublas"])
+    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us", "unicast_us", "two_consumers_us",
+                                                 "multicast_us", "unicast_vs_cublas", "two_consumers_vs_cublas",
+                                                 "multicast_vs_cublas"])
     for shape in SHAPES[:1] if args.quick else SHAPES:
         report.add(measure(shape, args.iters))
         report.save()  # after every shape: a cut-off run keeps what it measured
