@@ -46,6 +46,8 @@ SHAPES = [(128, 14336, 8192), (64, 14336, 8192), (128, 7168, 8192), (32, 14336, 
 HALF_BATCH_ABOVE = 128
 BLOCK_N, BLOCK_K = 64, 64  # weight rows per CTA (the wgmma's M), K step
 SHARED_BYTES = 196608  # pipeline stages' budget of shared memory per CTA
+# The hand-written pipeline's forms (share a tile over a cluster, keep one K step's wgmmas in flight).
+HAND_WRITTEN = {"multicast": (True, False), "multicast_in_flight": (True, True), "manual_in_flight": (False, True)}
 # The hand-written pipeline synchronises itself: TileLang's own warp specialisation stays off.
 MANUAL_PIPELINE = {"tl.disable_warp_specialized": True}
 
@@ -67,7 +69,7 @@ def shared_tile(M: int) -> str:
     return "batch" if cta_rows(M) == M else "weight"
 
 
-def multicast_gemm(M: int, K: int, N: int, stages: int):
+def multicast_gemm(M: int, K: int, N: int, stages: int, share: bool = True, in_flight: bool = False):
     """``out = a @ w.T`` (bf16 in, fp32 out) in swapped 64-column tiles, two CTAs per cluster
     sharing one operand tile (:func:`shared_tile`) by TMA multicast through a hand-written pipeline.
 
@@ -80,50 +82,66 @@ def multicast_gemm(M: int, K: int, N: int, stages: int):
     have released it: the multicast never overwrites a stage the partner still reads. A
     cluster sync before exit keeps a CTA alive while its partner may still arrive on it.
 
+    With ``in_flight``, a K step's wgmmas are not waited for before the next step's are
+    issued (``wgmma.wait_group 1``): a stage is released one step later, once the wgmmas that
+    read it are known done, so the tensor cores get the next step's work while the consumer
+    waits for its data (CUTLASS's Hopper main loop; ``T.gemm`` alone waits for each step).
+
     Args:
         M: Batch rows, a multiple of 16 (the wgmma's N; of 32 where the CTAs halve the batch).
         K: Input features, a multiple of 64.
         N: Output columns, a multiple of 128 (whole clusters of 64-column tiles).
         stages: Pipeline stages (:func:`stages_for`).
+        share: Whether the CTAs pair up in clusters sharing a tile (False: each CTA loads both
+            of its tiles itself, the same hand-written pipeline without a cluster).
+        in_flight: Whether one K step's wgmmas stay in flight while the next step's are issued.
 
     Returns:
         The kernel's ``T.prim_func`` (compile with ``pass_configs=MANUAL_PIPELINE``).
     """
     steps, rows = K // BLOCK_K, cta_rows(M)
     halves = rows < M
+    pair = 2 if share else 1  # CTAs of a cluster
+    a_mask = None if halves or not share else 3  # the tile CTA 0 multicasts to both
+    w_mask = 3 if halves and share else None
 
     @T.prim_func
     def main(a: T.Tensor((M, K), "bfloat16"), w: T.Tensor((N, K), "bfloat16"), out: T.Tensor((M, N), "float32")):
-        with T.ClusterKernel(N // BLOCK_N * (2 if halves else 1), threads=256, cluster_dims=(2, 1, 1)) as bx:
+        with T.ClusterKernel(N // BLOCK_N * (2 if halves else 1), threads=256, cluster_dims=(pair, 1, 1)) as bx:
             col = bx // 2 if halves else bx  # the CTA's 64 weight rows
             row0 = bx % 2 * rows if halves else 0  # its first batch row
             a_s = T.alloc_shared((stages, rows, BLOCK_K), "bfloat16")
             w_s = T.alloc_shared((stages, BLOCK_N, BLOCK_K), "bfloat16")
             acc = T.alloc_fragment((BLOCK_N, rows), "float32")
             full = T.alloc_barrier([128] * stages)  # every producer thread, and the stage's bytes
-            empty = T.alloc_cluster_barrier([8] * stages)  # each consumer warp of both CTAs
+            empty = T.alloc_cluster_barrier([4 * pair] * stages)  # each consumer warp of the cluster's CTAs
             tx = T.get_thread_binding()
             if tx < 128:
                 for k in T.serial(steps):
                     s = k % stages
                     T.mbarrier_wait_parity(empty[s], ((k // stages) & 1) ^ 1)
                     T.tma_copy(a[row0:row0 + rows, k * BLOCK_K:(k + 1) * BLOCK_K], a_s[s, :, :], barrier=full[s],
-                               cluster_mask=None if halves else 3)
+                               cluster_mask=a_mask)
                     T.tma_copy(w[col * BLOCK_N:(col + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K], w_s[s, :, :],
-                               barrier=full[s], cluster_mask=3 if halves else None)
+                               barrier=full[s], cluster_mask=w_mask)
                     T.mbarrier_arrive(full[s])
             else:
                 T.clear(acc)
                 for k in T.serial(steps):
                     s = k % stages
                     T.mbarrier_wait_parity(full[s], (k // stages) & 1)
-                    T.gemm(w_s[s, :, :], a_s[s, :, :], acc, transpose_B=True)
-                    if tx % 32 == 0:
-                        T.mbarrier_arrive(empty[s], 0)
-                        T.mbarrier_arrive(empty[s], 1)
+                    T.gemm(w_s[s, :, :], a_s[s, :, :], acc, transpose_B=True,
+                           annotations={"wg_wait": 1} if in_flight else None)
+                    done = (k + stages - 1) % stages if in_flight else s  # the stage whose wgmmas are done
+                    if tx % 32 == 0 and (not in_flight or k > 0):
+                        for cta in T.unroll(pair):
+                            T.mbarrier_arrive(empty[done], cta)
+                if in_flight:
+                    T.wait_wgmma(0)
                 for j, i in T.Parallel(BLOCK_N, rows):
                     out[row0 + i, col * BLOCK_N + j] = acc[j, i]
-            T.cluster_sync()
+            if share:
+                T.cluster_sync()
 
     return main
 
@@ -177,8 +195,9 @@ def measure(shape: tuple[int, int, int], iters: int) -> dict:
     stages = stages_for(cta_rows(m))
     kernels = {"unicast": tilelang.compile(unicast_gemm(m, k, n, stages), out_idx=None),
                "two_consumers": tilelang.compile(unicast_gemm(m, k, n, stages_for(m), consumers=2), out_idx=None),
-               "multicast": tilelang.compile(multicast_gemm(m, k, n, stages), out_idx=None,
-                                             pass_configs=MANUAL_PIPELINE)}
+               **{name: tilelang.compile(multicast_gemm(m, k, n, stages, share, in_flight), out_idx=None,
+                                         pass_configs=MANUAL_PIPELINE)
+                  for name, (share, in_flight) in HAND_WRITTEN.items()}}
     outs = {name: torch.empty(m, n, device="cuda") for name in kernels}
     row = {"shape": f"{m}x{k}x{n}", "shared": shared_tile(m), "stages": stages, "checks": []}
     calls = {"cublas": lambda: a @ w.T}
@@ -199,9 +218,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="only the first shape")
     args = parser.parse_args()
-    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us", "unicast_us", "two_consumers_us",
-                                                 "multicast_us", "unicast_vs_cublas", "two_consumers_vs_cublas",
-                                                 "multicast_vs_cublas"])
+    kernels = ["unicast", "two_consumers", *HAND_WRITTEN]
+    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us",
+                                                 *[f"{k}_us" for k in kernels], *[f"{k}_vs_cublas" for k in kernels]])
     for shape in SHAPES[:1] if args.quick else SHAPES:
         report.add(measure(shape, args.iters))
         report.save()  # after every shape: a cut-off run keeps what it measured

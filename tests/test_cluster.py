@@ -136,13 +136,35 @@ def test_multicast_decode_probe_guards_both_ctas_stages_and_compiles(rows, share
     assert body.count("tl::tma_load_multicast(") == 1 and f"tl::tma_load_multicast({shared}" in body
     assert "tl::block_rank_in_cluster() == 0" in body
     assert body.count("empty[0].init(8);") == 1 and body.count("full[0].init(128);") == 1
-    assert "empty[(k_1 & 3)].arrive(0u);" in body and "empty[(k_1 & 3)].arrive(1u);" in body
+    assert "empty[(k_1 & 3)].arrive(cta);" in body and "cta < 2" in body  # each consumer warp, in both CTAs
     assert body.rstrip().endswith("tl::cluster_sync();\n}")  # the kernel's last statement
     assert "warpgroup_reg_alloc" not in body  # TileLang's own warp specialisation stays off
     result = nvcc(src, tmp_path / "decode_multicast.ptx", "ptx")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster" in (
         tmp_path / "decode_multicast.ptx").read_text()
+
+
+@needs_nvcc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("share", [True, False])
+def test_decode_probe_keeps_a_k_step_of_wgmmas_in_flight_and_compiles(share, tmp_path):
+    """decode_multicast.py's ``in_flight`` forms: a K step's wgmmas are waited for only down to one
+    group (``wgmma.wait_group 1``), so the stage released is the previous step's, and all of them
+    before the accumulator is read."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    probe = importlib.import_module("decode_multicast")
+    src = lower_cuda(probe.multicast_gemm(128, 1024, 512, stages=4, share=share, in_flight=True),
+                     probe.MANUAL_PIPELINE)
+    body = kernel_body(src)
+    assert "tl::warpgroup_wait<1>();" in body and "tl::warpgroup_wait<0>();" not in body
+    assert body.index("tl::warpgroup_wait<1>();") < body.index("empty[((k_1 + 3) & 3)].arrive(")
+    assert body.index("tl::wait_wgmma<0>();") < body.index("out[")
+    assert body.count("empty[0].init(8);" if share else "empty[0].init(4);") == 1
+    assert ("tl::tma_load_multicast(" in body) == share
+    result = nvcc(src, tmp_path / "decode_in_flight.ptx", "ptx")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "decode_in_flight.ptx").read_text()
 
 
 # --- errors --------------------------------------------------------------------------------------

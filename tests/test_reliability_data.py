@@ -7,6 +7,9 @@
 * MoE expert ids: integer dtypes only, and no cast wraps an id into range.
 * Zero rows / tokens give empty results; zero rows on one rank only is an error, not a hang.
 * A constant peer index out of range is a short error.
+* A grouped GEMM row layout of the caller's own that breaks the contract (expert id out of
+  range, a tile mixing experts, an index past x's rows) raises GroupedLayoutError, found on
+  the device without a synchronisation; a dispatch's layout is not checked again.
 
 CPU path, real processes (tests/ranks/*), two ranks; the changed kernels also lower to CUDA
 and compile with nvcc (also through NVSHMEM's device calls).
@@ -152,6 +155,39 @@ def test_moe_disagreement_raises_on_every_rank(moe_job, op, mine, theirs):
     found = markers(moe_job.stdout, "MISMATCH")
     for rank in (0, 1):
         assert f"rank 0: {mine}" in found[op, rank] and f"rank 1: {theirs}" in found[op, rank], found[op, rank]
+
+
+@pytest.mark.parametrize(("case", "outcome"), [
+    ("valid", "ok"), ("valid_index", "ok"), ("expert_past_end", "raised raised"),
+    ("expert_below_none", "raised raised"), ("tile_mixes_experts", "raised raised"),
+    ("tile_starts_with_none", "raised raised"), ("index_past_end", "raised raised"), ("valid_after", "ok"),
+    ("dispatch_layout_unchecked", "ok"), ("dispatch_layout_fewer_experts", "raised"),
+])
+def test_grouped_gemm_refuses_broken_row_layouts(grouped_layout_job, case, outcome):
+    """Before: an expert id past w's experts gave zero rows on GPUs (the weight tile's TMA load
+    out of bounds), a tile mixing experts another expert's product, both without an error."""
+    proc = grouped_layout_job
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = markers(proc.stdout, "LAYOUT")
+    for rank in (0, 1):
+        assert found[case, rank] == outcome, (case, rank, found.get((case, rank)))
+
+
+@pytest.fixture(scope="module")
+def grouped_layout_job():
+    return run_cpu(str(RANKS / "grouped_layout_check.py"), 2)
+
+
+@needs_nvcc
+def test_grouped_layout_check_compiles_for_sm90a(tmp_path):
+    """One block per tile: each fault's first row reduced over the block, then one atomic minimum."""
+    from tilescale.ops.grouped_layout import check_layout_kernel
+
+    src = lower_cuda(check_layout_kernel.__wrapped__(1024, 128, 8, 3000))
+    assert src.count("tl::AllReduce<tl::MinOp, 128") == 3 and src.count("AtomicMin((&(record[") == 3
+    assert "3000 <= index[" in src and "8 <= expert" in src
+    result = nvcc(src, tmp_path / "grouped_layout.cubin")
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_constant_peer_out_of_range_is_a_short_error(tmp_path):

@@ -41,6 +41,16 @@ def test_tp_mlp_training_on_fused_ops_matches_reference(n):
     assert proc.stdout.count("TP MLP training correct: matches the single-process reference") == n
 
 
+@pytest.mark.timeout(300)
+def test_decode_tile_alternatives_match_torch():
+    """benchmarks/decode_tiles.py --small: the decode all-reduce in a 64-weight-row tile whose two
+    consumer warp groups split the batch (FullCol), and in two row tiles of half the batch, checks
+    against torch, as today's tile."""
+    proc = run_cpu("benchmarks/decode_tiles.py", 1, args=("--small", "--tiles", "today,two,halves"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "decode-tiles" in proc.stdout
+
+
 KERNELS = {
     "all_gather_gemm": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
                                                                        DEFAULT),

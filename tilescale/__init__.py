@@ -24,7 +24,7 @@ from typing import Any as _Any
 if (_Path(__file__).parent.parent / "comm" / "group.py").is_file():
     __path__.append(str(_Path(__file__).parent.parent))
 
-from tilescale.errors import ShapeMismatchError, WaitTimeoutError  # noqa: E402
+from tilescale.errors import GroupedLayoutError, ShapeMismatchError, WaitTimeoutError  # noqa: E402
 from tilescale.groups import GroupState  # noqa: E402
 from tilescale.runtime import (  # noqa: E402
     backend_name,
@@ -75,6 +75,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GroupState",
+    "GroupedLayoutError",
     "ShapeMismatchError",
     "WaitTimeoutError",
     "backend_name",

@@ -292,11 +292,29 @@ def _name_in_last_kernel(address: int) -> str | None:
     return None
 
 
+# Checks of what ops' kernels found on the device outside a wait (ops register them, the
+# runtime knows no op): each raises what its kernels recorded.
+_device_checks: list[Callable[[], None]] = []
+
+
+def add_device_check(check: Callable[[], None]) -> None:
+    """Have :func:`synchronize` call ``check``, which raises what an op's kernels recorded
+    on the device (e.g. ``ts.ops.grouped_gemm``'s layout check).
+
+    Args:
+        check: Raises if a recorded fault is pending, else returns.
+    """
+    _device_checks.append(check)
+
+
 def synchronize() -> None:
-    """Wait for this rank's queued GPU work, then raise if a device-side wait timed out."""
+    """Wait for this rank's queued GPU work, then raise if a device-side wait timed out or an
+    op's kernel recorded a fault (:func:`add_device_check`)."""
     if current().device.type == "cuda":
         torch.cuda.synchronize()
     check_device_waits()
+    for check in _device_checks:
+        check()
 
 
 def barrier(timeout_s: float | None = None, *, group: dist.ProcessGroup | None = None) -> None:

@@ -21,6 +21,7 @@ import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
 from tilescale.ops._gemm import DEFAULT, TileConfig, check_unswapped, gemm_tile, store_tile
+from tilescale.ops.grouped_layout import check_layout
 from tilescale.ops.moe.buffer import check_in_place_rows
 from tilescale.ops.moe.fp8 import BLOCK, kernel_views, pack, packed_width
 from tilescale.ops.moe.layout import ROW_TILE
@@ -258,6 +259,10 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
 
     Every 128-row tile of the output belongs to one expert (the expert of its first row; -1:
     no expert, the tile's output rows are left undefined), as ``moe_dispatch`` lays rows out.
+    A layout of the caller's own (not a dispatch's ``handle.row_expert``) is checked on the
+    device for that contract, without a synchronisation (``ts.ops.grouped_layout``: one small
+    kernel per call); a breach raises :class:`tilescale.GroupedLayoutError` at the next grouped
+    GEMM or ``ts.synchronize()``.
 
     Args:
         x: (rows, K) rows in ``w``'s dtype, or FP8 values (``torch.float8_e4m3fn``, e.g. an
@@ -282,7 +287,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
         (rows, N) in ``w``'s dtype.
 
     Raises:
-        ValueError: shapes or dtypes that do not fit.
+        ValueError: shapes or dtypes that do not fit; a dispatch's layout of more local experts than ``w`` holds.
+        tilescale.GroupedLayoutError: an earlier call's layout of the caller's own broke the contract.
         RuntimeError: ``index`` is an in-place dispatch's whose rows a later dispatch through
             the same buffer may have overwritten.
     """
@@ -358,8 +364,15 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
 
     def launch(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None,
                index: torch.Tensor | None) -> torch.Tensor:
+        made_for = getattr(row_expert, "_ts_experts", None)  # moe_dispatch's layout: its experts
+        row_expert = row_expert.to(torch.int32)
+        if made_for is None:  # a caller's own layout: checked on the device, raised at a later call
+            check_layout(row_expert, index, cfg.block_M, experts, held)
+        elif made_for > experts:
+            raise ValueError(f"grouped_gemm: the layout comes from a dispatch to {made_for} local experts, "
+                             f"but w holds {experts}")
         out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
-        kernel(*rows_of(x, scales, index), w.view(experts * n, k), row_expert.to(torch.int32), out)
+        kernel(*rows_of(x, scales, index), w.view(experts * n, k), row_expert, out)
         return out
 
     return launch

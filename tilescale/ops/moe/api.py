@@ -153,6 +153,7 @@ def _empty_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                             counts=torch.zeros(per_rank, **i32), offsets=torch.zeros(per_rank, **i32),
                             row_expert=torch.full((rows,), -1, **i32), source_row=torch.full((rows,), -1, **i32),
                             group=group)
+    handle.row_expert._ts_experts = per_rank  # a layout grouped_gemm need not check on the device
     recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
     return recv_x, torch.zeros(rows, dtype=torch.float32, device=x.device), handle.counts, handle
 

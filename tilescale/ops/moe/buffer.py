@@ -332,6 +332,7 @@ class Buffer:
         idx, weights = routes["ids"], _padded(topk_weights.float(), 0)
         recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
             _padded(sent, 0), idx, weights, routes, plan)
+        row_expert._ts_experts = self.per_rank  # a layout grouped_gemm need not check on the device
         handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
