@@ -161,7 +161,8 @@ def test_moe_disagreement_raises_on_every_rank(moe_job, op, mine, theirs):
     ("valid", "ok"), ("valid_index", "ok"), ("expert_past_end", "raised raised"),
     ("expert_below_none", "raised raised"), ("tile_mixes_experts", "raised raised"),
     ("tile_starts_with_none", "raised raised"), ("index_past_end", "raised raised"), ("valid_after", "ok"),
-    ("dispatch_layout_unchecked", "ok"), ("dispatch_layout_fewer_experts", "raised"),
+    ("dispatch_layout_unchecked", "ok"), ("dispatch_layout_fewer_experts", "raised"), ("last_call_bad", "raised"),
+    ("dispatch_layout_own_index", "raised"), ("in_place_index_short_rows", "raised"),
 ])
 def test_grouped_gemm_refuses_broken_row_layouts(grouped_layout_job, case, outcome):
     """Before: an expert id past w's experts gave zero rows on GPUs (the weight tile's TMA load

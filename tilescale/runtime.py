@@ -502,8 +502,9 @@ def finalize() -> None:
     """Leave the job: wait for every rank, release every group's state and the process group.
 
     A failure the kernels recorded that the program has not been told of yet (the last call's
-    ranks disagreed, or a wait timed out, and nothing checked since) is raised after the
-    teardown, so the job cannot end with exit code 0; one already raised is not raised again.
+    ranks disagreed, or a wait timed out, or an op's kernel found bad input, and nothing checked
+    since) is raised after the teardown, so the job cannot end with exit code 0; one already
+    raised is not raised again.
     """
     global _runtime
     if _runtime is None:
@@ -518,6 +519,11 @@ def finalize() -> None:
                 check_device_waits()
             except (WaitTimeoutError, ShapeMismatchError) as err:
                 unreported = err
+        try:
+            for check in _device_checks:  # an op's recorded fault (a bad layout of the last calls)
+                check()
+        except Exception as err:  # noqa: BLE001 - raised after the teardown, like the waits' failures
+            unreported = unreported or err
         rt.group.barrier()
     finally:
         _runtime = None

@@ -1,8 +1,10 @@
 """ts.ops.grouped_gemm on row layouts a caller built: a valid one matches torch; each way of
 breaking the contract (expert id past w's experts, a tile mixing experts or starting with
 none, an index past x's rows) raises GroupedLayoutError naming the fault and its first row,
-on every call that makes it; a dispatch's own layout is not checked again, and one used with
-weights of fewer experts than it was made for is refused at once.
+on every call that makes it, and at ``ts.finalize()`` where nothing synchronised after it; a
+dispatch's own layout is not checked again (an index of the caller's own with it is), one used
+with weights of fewer experts than it was made for is refused at once, and an in-place
+dispatch's index with fewer rows than its receive rows too.
 
 Run: ``tilescale run -n 2 --cpu tests/ranks/grouped_layout_check.py`` (or on GPUs, where the
 fault is found on the device and raised at the next synchronisation).
@@ -89,4 +91,33 @@ try:
 except ValueError as e:
     report("dispatch_layout_fewer_experts", "raised" if "dispatch to 2 local experts, but w holds 1" in str(e) else
            f"WRONG MESSAGE {e}")
+
+# A dispatch's layout with an index of the caller's own: the index is checked on the device.
+bad_index = torch.full_like(handle.row_expert, recv.shape[0] + 5)
+outcome = "NOT RAISED"
+for _ in range(2):
+    try:
+        ts.ops.grouped_gemm(recv, w2, handle.row_expert, index=bad_index)
+        ts.synchronize()
+    except ts.GroupedLayoutError as e:
+        outcome = "raised" if "index out of range (first at row 0)" in str(e) else f"WRONG MESSAGE {e}"
+        break
+report("dispatch_layout_own_index", outcome)
+
+# An in-place dispatch's index used with fewer rows than its receive rows: refused at the call.
+recv, _, _, handle = ts.ops.moe_dispatch(tokens, topk_idx, torch.ones(16, 2, device=dev), experts, in_place=True)
+try:
+    ts.ops.grouped_gemm(recv[:-8], w2, handle.row_expert, index=handle.source_row)
+    report("in_place_index_short_rows", "NOT RAISED")
+except ValueError as e:
+    report("in_place_index_short_rows", "raised" if "pass that dispatch's recv_x" in str(e) else f"WRONG {e}")
+
+# A bad layout as the last call, nothing synchronised after it: the job cannot end as if it were fine
+# (on the CPU path the call itself raises; on GPUs ts.finalize() does, after its teardown).
+try:
+    ts.ops.grouped_gemm(x, w, layout((1, 128), (E + 3, 128)))
+    ts.finalize()
+    report("last_call_bad", "NOT RAISED")
+except ts.GroupedLayoutError as e:
+    report("last_call_bad", "raised" if "expert id out of range (first at row 128)" in str(e) else f"WRONG {e}")
 ts.finalize()

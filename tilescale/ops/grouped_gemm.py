@@ -301,7 +301,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     if launch is None:  # the first call of these layouts: every check, then the plan
         launch = op_plans.put(key, _plan(x, w, row_expert, scales, index, tile, small))
     if index is not None:
-        check_in_place_rows(index)  # the index's rows themselves: every call
+        check_in_place_rows(index, x.shape[0])  # the index's rows themselves: every call
     return launch(x, w, row_expert, scales, index)
 
 
@@ -366,9 +366,10 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
                index: torch.Tensor | None) -> torch.Tensor:
         made_for = getattr(row_expert, "_ts_experts", None)  # moe_dispatch's layout: its experts
         row_expert = row_expert.to(torch.int32)
-        if made_for is None:  # a caller's own layout: checked on the device, raised at a later call
+        if made_for is None or (index is not None and getattr(index, "_ts_in_place", None) is None):
+            # A layout or index of the caller's own: checked on the device, raised at a later call.
             check_layout(row_expert, index, cfg.block_M, experts, held)
-        elif made_for > experts:
+        if made_for is not None and made_for > experts:
             raise ValueError(f"grouped_gemm: the layout comes from a dispatch to {made_for} local experts, "
                              f"but w holds {experts}")
         out = torch.empty(rows, n, dtype=w.dtype, device=w.device)

@@ -423,7 +423,7 @@ class Buffer:
         self._calls += 1
         if in_place:
             recv_x = plan.received.view(-1, hidden)
-            source_row._ts_in_place = (self, self._calls)  # for check_in_place_rows
+            source_row._ts_in_place = (self, self._calls, recv_x.shape[0])  # for check_in_place_rows
         return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -494,23 +494,29 @@ class Buffer:
         return out if tokens else out[:0]
 
 
-def check_in_place_rows(index: torch.Tensor) -> None:
+def check_in_place_rows(index: torch.Tensor, rows: int) -> None:
     """Raise RuntimeError if ``index`` is the ``source_row`` of an in-place dispatch whose
     receive rows a later dispatch through the same buffer may have overwritten (peers write
-    that set again once this rank's next dispatch is under way), or whose buffer is released.
+    that set again once this rank's next dispatch is under way), or whose buffer is released;
+    ValueError if the rows it is used with (``rows`` of them) are fewer than that dispatch's
+    receive rows (another tensor than its ``recv_x``: the index would read past its end).
 
     Args:
         index: a grouped GEMM's row index (any other tensor passes).
+        rows: rows of the tensor the index gathers from.
     """
     owner = getattr(index, "_ts_in_place", None)
     if owner is None:
         return
-    buf, call = owner
+    buf, call, received = owner
     if buf.released or buf._calls != call:
         later = "it is released" if buf.released else f"{buf._calls - call} later dispatch(es) went through it"
         raise RuntimeError(f"these rows of an in-place dispatch are no longer valid: {later} ({buf!r}), so peers "
                            "may have written its receive rows again. Use in-place rows before the next dispatch "
                            "through the same buffer, or copy them (recv_x[handle.source_row]) first.")
+    if rows < received:
+        raise ValueError(f"grouped_gemm: index is an in-place dispatch's handle.source_row, into its {received} "
+                         f"receive rows, but x has {rows}: pass that dispatch's recv_x")
 
 
 def _words(device: torch.device, shapes: tuple[tuple[int, ...], ...], floats_last: bool = False,
