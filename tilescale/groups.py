@@ -19,6 +19,8 @@ group's ranks, at the group's first use).
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,11 +58,14 @@ class GroupState:
         comm: The host channel of the group's ranks (exchanges, barriers, tags).
         backend: The group's communication backend (allocation, lowering).
         pinned: Put the wait-status words in pinned host memory that the GPU writes (CUDA).
+        on_release: Called with the state once :meth:`release` has freed it (the runtime drops
+            it from its groups).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, comm: Group, backend: CommBackend,
-                 pinned: bool = False):
+                 pinned: bool = False, on_release: Callable[[GroupState], None] | None = None):
         self.process_group = process_group
+        self.on_release = on_release
         self.whole_job = process_group is None
         self.comm = comm
         self.backend = backend
@@ -146,12 +151,50 @@ class GroupState:
             found = self.exchanges[key] = create()
         return found
 
+    def allocate(self, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A symmetric tensor over the group's ranks (``ts.empty(..., group=)``; tilescale's own
+        buffers): every rank of the group calls it with the same shape and dtype, which are
+        compared across them first.
+
+        Example::
+
+            flags = ts.group_state(tp).allocate((8,), torch.int32)
+
+        Args:
+            dims: the shape.
+            dtype: the element type.
+
+        Returns:
+            This rank's copy (uninitialised).
+
+        Raises:
+            ValueError: ranks of the group asked for different shapes or dtypes.
+        """
+        self.check_live()
+        tag = self.comm.next_tag("alloc")
+        request = [list(dims), str(dtype)]
+        requests = self.comm.exchange(tag, request)
+        if any(r != request for r in requests):
+            groups: dict[str, list[int]] = {}
+            for r, req in zip(self.ranks, requests, strict=True):
+                groups.setdefault(f"shape={tuple(req[0])} dtype={req[1]}", []).append(r)
+            detail = "; ".join(f"ranks {ranks}: {what}" for what, ranks in groups.items())
+            where = "" if self.whole_job else f" of the {self.describe()}"
+            raise ValueError(f"symmetric allocation #{tag.split('/')[1]}{where} differs across ranks: {detail}")
+        nbytes = math.prod(dims) * dtype.itemsize
+        local, allocation = self.backend.allocate(nbytes, tag)
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        self.allocations[key] = SymmetricEntry(allocation, local.device, self)
+        weakref.finalize(storage, _forget, self, key)
+        return local.view(dtype).view(dims)
+
     def check_live(self) -> None:
         """Raise if the group has been released."""
         if self.released:
             raise RuntimeError(f"the tilescale state of the {self.describe()} has been released")
 
-    def release(self, barrier: bool = True) -> None:
+    def release(self, barrier: bool = True, *, finalizing: bool = False) -> None:
         """Free the group's allocations, workspaces and exchanges and its backend's state.
 
         Example::
@@ -166,12 +209,11 @@ class GroupState:
 
         Args:
             barrier: meet the group's ranks first (pass False only where they cannot be reached any more).
+            finalizing: ``tilescale.finalize()``'s call, the only one that releases the whole job's state.
         """
         if self.released:
             return
-        from tilescale import runtime  # runtime imports this module
-
-        if self.whole_job and runtime.is_initialized():
+        if self.whole_job and not finalizing:
             raise RuntimeError("the whole job's tilescale state is released by tilescale.finalize(), not by itself")
         if barrier:
             if self.backend.device_type == "cuda":
@@ -190,4 +232,13 @@ class GroupState:
         # Nor may a state the caller keeps hold the job's store (and so its server) or torch's group.
         self.comm.store = None
         self.process_group = None
-        runtime.forget_group(self)
+        if self.on_release is not None:
+            self.on_release(self)
+
+
+def _forget(state: GroupState, key: int) -> None:
+    # The memory of this copy may now be handed out again: plans that know it by address go.
+    entry = state.allocations.pop(key, None)
+    if entry is not None:
+        entry.allocation.dropped()
+    plans.invalidate()

@@ -170,7 +170,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         _runtime = Runtime(env, dev, group, comm.create(name, group, dev.type), owns,
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
                            tp_plan=os.environ.get("TILESCALE_TP_PLAN") or None, gpus_shared=gpus_shared)
-        _runtime.groups[None] = GroupState(None, group, _runtime.backend, dev.type == "cuda")
+        _runtime.groups[None] = GroupState(None, group, _runtime.backend, dev.type == "cuda", forget_group)
         _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:
         _runtime = None
@@ -340,10 +340,8 @@ def _allocate_sync_workspace(state: GroupState) -> None:
     # Allocated when the group is set up, while its ranks are known to be here, rather than
     # collectively inside the first barrier kernel's launch, where a rank that failed earlier
     # would stall it.
-    from tilescale.symmetric import allocate  # symmetric imports this module
-
     # After the barrier counters, T.agree's call signatures: two slots per rank of the group.
-    state.sync_workspace = allocate(state, (sync_workspace_words(state.size),), torch.int32)
+    state.sync_workspace = state.allocate((sync_workspace_words(state.size),), torch.int32)
     state.pes = torch.tensor(state.ranks, dtype=torch.int32, device=current().device)
 
 
@@ -436,7 +434,7 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
     local = [r for r, (_, n) in enumerate(seen) if n == node]
     comm_group.local_rank, comm_group.local_world_size = local.index(comm_group.rank), len(local)
     state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type, rt.backend),
-                       rt.device.type == "cuda")
+                       rt.device.type == "cuda", forget_group)
     rt.groups[group.group_name] = state
     try:
         _allocate_sync_workspace(state)
@@ -447,7 +445,7 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
 
 
 def forget_group(state: GroupState) -> None:
-    """Drop a released group's state from the runtime (``GroupState.release`` calls this).
+    """Drop a released group's state from the runtime (``GroupState.release`` calls this: its ``on_release``).
 
     Args:
         state: the state :func:`group_state` returned.
@@ -529,7 +527,7 @@ def finalize() -> None:
         _runtime = None
         plans.invalidate()
         for state in reversed(list(rt.groups.values())):  # the whole job's last: it was first
-            state.release(barrier=False)
+            state.release(barrier=False, finalizing=True)
         rt.group.store = None  # a runtime object kept by the caller must not keep the store alive
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -19,14 +19,11 @@ the allocation); peer ranks are ranks within that group.
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from tilescale import plans
 from tilescale.groups import GroupState, SymmetricEntry
 from tilescale.runtime import check_not_capturing, current, group_state, live_groups
 
@@ -66,46 +63,7 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     if device is not None and torch.device(device).type != rt.device.type:
         raise ValueError(f"symmetric tensors of this job live on {rt.device}, not {device}")
-    return allocate(group_state(group), dims, dtype)
-
-
-def allocate(state: GroupState, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """:func:`empty` over the ranks of the group whose state is ``state`` (for tilescale's own buffers).
-
-    Args:
-        state: the group's state (``ts.group_state(group)``).
-        dims: the shape.
-        dtype: the element type.
-
-    Returns:
-        This rank's copy.
-    """
-    state.check_live()
-    tag = state.comm.next_tag("alloc")
-    request = [list(dims), str(dtype)]
-    requests = state.comm.exchange(tag, request)
-    if any(r != request for r in requests):
-        groups: dict[str, list[int]] = {}
-        for r, req in zip(state.ranks, requests, strict=True):
-            groups.setdefault(f"shape={tuple(req[0])} dtype={req[1]}", []).append(r)
-        detail = "; ".join(f"ranks {ranks}: {what}" for what, ranks in groups.items())
-        where = "" if state.whole_job else f" of the {state.describe()}"
-        raise ValueError(f"symmetric allocation #{tag.split('/')[1]}{where} differs across ranks: {detail}")
-    nbytes = math.prod(dims) * dtype.itemsize
-    local, allocation = state.backend.allocate(nbytes, tag)
-    storage = local.untyped_storage()
-    key = storage.data_ptr()
-    state.allocations[key] = SymmetricEntry(allocation, local.device, state)
-    weakref.finalize(storage, _forget, state, key)
-    return local.view(dtype).view(dims)
-
-
-def _forget(state: GroupState, key: int) -> None:
-    # The memory of this copy may now be handed out again: plans that know it by address go.
-    entry = state.allocations.pop(key, None)
-    if entry is not None:
-        entry.allocation.dropped()
-    plans.invalidate()
+    return group_state(group).allocate(dims, dtype)
 
 
 def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32,

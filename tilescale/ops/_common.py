@@ -18,7 +18,7 @@ from tilescale import runtime
 from tilescale.errors import call_signature
 from tilescale.groups import GroupState
 from tilescale.plans import PlanCache
-from tilescale.symmetric import allocate, check_group, lookup
+from tilescale.symmetric import check_group, lookup
 
 TORCH_TO_TL = {
     torch.float32: "float32",
@@ -168,7 +168,7 @@ def workspace(state: GroupState, key: str, numel: int, dtype: torch.dtype) -> to
     k = (key, numel, dtype)
     found = state.workspaces.get(k)
     if found is None:
-        found = state.workspaces[k] = allocate(state, (numel,), dtype)
+        found = state.workspaces[k] = state.allocate((numel,), dtype)
     return found
 
 
@@ -276,7 +276,7 @@ def call_board(state: GroupState) -> torch.Tensor:
     key = ("call board",)
     if key not in state.workspaces:
         runtime.check_not_capturing(f"the call board of the {state.describe()}")
-        state.workspaces[key] = allocate(state, (2 * state.size,), torch.int64)  # 0: no call announced
+        state.workspaces[key] = state.allocate((2 * state.size,), torch.int64)  # 0: no call announced
     return state.workspaces[key]
 
 

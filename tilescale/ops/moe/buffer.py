@@ -43,7 +43,6 @@ from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quant
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
 from tilescale.plans import PlanCache, ReusedOutputs, capturing
-from tilescale.symmetric import allocate
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
 # int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
@@ -166,11 +165,11 @@ class Buffer:
         # Everything peers write into this rank comes in the same sets as the receive rows.
         world, sets = state.size, self.sets
         meta = (sets, world, max_tokens, topk)
-        self._idx, self._w = allocate(state, meta, torch.int32), allocate(state, meta, torch.float32)
-        self._slot = allocate(state, meta, torch.int32)
-        self._counts = allocate(state, (sets, world), torch.int32)
-        self._expert_counts = allocate(state, (sets, world, self.per_rank), torch.int32)
-        self._arrived = allocate(state, (world,), torch.int32)
+        self._idx, self._w = state.allocate(meta, torch.int32), state.allocate(meta, torch.float32)
+        self._slot = state.allocate(meta, torch.int32)
+        self._counts = state.allocate((sets, world), torch.int32)
+        self._expert_counts = state.allocate((sets, world, self.per_rank), torch.int32)
+        self._arrived = state.allocate((world,), torch.int32)
         self._flags = {}  # (ranges, progress) by mode and the plan's (blocks, groups): _flags_of
         self._rows_in: dict[tuple, torch.Tensor] = {}  # dispatch's receive rows by (hidden, dtype)
         self._rows_back: dict[tuple, torch.Tensor] = {}  # combine's two sets of return rows by (hidden, dtype)
@@ -262,8 +261,8 @@ class Buffer:
         if key not in self._flags:
             runtime.check_not_capturing(f"the MoE buffer's flags of {blocks} blocks")
             sets, world = self.sets, self.world
-            self._flags[key] = (allocate(self.state, (sets, world, blocks, groups, 2), torch.int32),
-                                allocate(self.state, (sets, world, blocks), torch.int32))
+            self._flags[key] = (self.state.allocate((sets, world, blocks, groups, 2), torch.int32),
+                                self.state.allocate((sets, world, blocks), torch.int32))
         return self._flags[key]
 
     def _received(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -272,7 +271,7 @@ class Buffer:
         key = (hidden, dtype)
         if key not in self._rows_in:
             runtime.check_not_capturing(f"the MoE buffer's receive rows of {hidden} ({dtype})")
-            self._rows_in[key] = allocate(self.state, (self.sets, self.world, self.max_tokens, hidden), dtype)
+            self._rows_in[key] = self.state.allocate((self.sets, self.world, self.max_tokens, hidden), dtype)
         return self._rows_in[key]
 
     def _returned(self, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -280,7 +279,7 @@ class Buffer:
         key = (hidden, dtype)
         if key not in self._rows_back:
             runtime.check_not_capturing(f"the MoE buffer's return rows of {hidden} ({dtype})")
-            self._rows_back[key] = allocate(self.state, (2, self.world, self.max_tokens, hidden), dtype)
+            self._rows_back[key] = self.state.allocate((2, self.world, self.max_tokens, hidden), dtype)
         return self._rows_back[key]
 
     def dispatch(self, x: Rows, topk_idx: torch.Tensor,

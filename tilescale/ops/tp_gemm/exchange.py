@@ -9,7 +9,7 @@ import torch
 
 from tilescale import runtime
 from tilescale.groups import GroupState
-from tilescale.symmetric import allocate, peer_view
+from tilescale.symmetric import peer_view
 
 
 @dataclass
@@ -42,7 +42,7 @@ def _exchange(state: GroupState, key: tuple, shape: tuple[int, ...], dtype: torc
 
     def create() -> _Exchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        return _Exchange(allocate(state, (2 * shape[0], *shape[1:]), dtype), allocate(state, (flags,), torch.int32),
+        return _Exchange(state.allocate((2 * shape[0], *shape[1:]), dtype), state.allocate((flags,), torch.int32),
                          torch.zeros(3, dtype=torch.int32, device=runtime.device()))
 
     return state.exchange(("tp_gemm", *key), create)
@@ -107,7 +107,7 @@ def _gather_exchange(state: GroupState, key: tuple, rows: int, k: int, dtype: to
 
     def create() -> _GatherExchange:
         runtime.check_not_capturing(f"TP GEMM exchange {key}")
-        buffers, flag = allocate(state, (2 * rows, k), dtype), allocate(state, (flags,), torch.int32)
+        buffers, flag = state.allocate((2 * rows, k), dtype), state.allocate((flags,), torch.int32)
         stream = None
         if buffers.is_cuda:  # high priority: its copies and flag writes go first where kernels wait for them
             stream = torch.cuda.Stream(buffers.device, priority=-1)
