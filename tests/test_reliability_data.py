@@ -179,6 +179,19 @@ def grouped_layout_job():
     return run_cpu(str(RANKS / "grouped_layout_check.py"), 2)
 
 
+def test_grouped_layout_record_stays_on_the_host_under_another_default_device():
+    """The first GPU run of moe_check (torch.set_default_device(cuda)) made the pinned record a
+    CUDA tensor, whose numpy view failed; a meta default device shows the same on the CPU."""
+    import torch
+
+    from tilescale.ops.grouped_layout import _Record
+
+    with torch.device("meta"):
+        record = _Record(torch.device("cpu"))
+        record.raise_recorded()  # nothing recorded: returns
+    assert record.host.device.type == "cpu" and record.host_view.shape == (3,)
+
+
 @needs_nvcc
 def test_grouped_layout_check_compiles_for_sm90a(tmp_path):
     """One block per tile: each fault's first row reduced over the block, then one atomic minimum."""

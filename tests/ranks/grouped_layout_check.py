@@ -18,10 +18,11 @@ from tilescale.ops import grouped_layout
 
 ts.init()
 rank, dev = ts.rank(), ts.device()
+torch.set_default_device(dev)  # as programs do: the check's host record must not follow it
 E, N, K, ROWS = 4, 64, 128, 256
-g = torch.Generator().manual_seed(5 + rank)
-x = torch.randn(ROWS, K, generator=g).to(torch.bfloat16).to(dev)
-w = (torch.randn(E, N, K, generator=g) / K**0.5).to(torch.bfloat16).to(dev)
+g = torch.Generator(device="cpu").manual_seed(5 + rank)
+x = torch.randn(ROWS, K, generator=g, device="cpu").to(torch.bfloat16).to(dev)
+w = (torch.randn(E, N, K, generator=g, device="cpu") / K**0.5).to(torch.bfloat16).to(dev)
 
 
 def layout(*runs: tuple[int, int]) -> torch.Tensor:
@@ -76,8 +77,8 @@ report("valid_after", "ok")
 
 # A dispatch's own layout: no device check (its maker guarantees it), but its expert count still must fit w.
 experts = 2 * ts.world_size()
-tokens = torch.randn(16, K, generator=g).to(torch.bfloat16).to(dev)
-topk_idx = torch.randint(0, experts, (16, 2), generator=g).to(dev)
+tokens = torch.randn(16, K, generator=g, device="cpu").to(torch.bfloat16).to(dev)
+topk_idx = torch.randint(0, experts, (16, 2), generator=g, device="cpu").to(dev)
 recv, _, _, handle = ts.ops.moe_dispatch(tokens, topk_idx, torch.ones(16, 2, device=dev), experts)
 record = grouped_layout._record(torch.device(dev) if isinstance(dev, str) else dev)
 checks = record.calls

@@ -92,7 +92,8 @@ class _Record:
     def __init__(self, device: torch.device):
         self.device = device
         self.words = torch.tensor(_CLEAR, dtype=torch.int32, device=device)
-        self.host = torch.tensor(_CLEAR, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # On the host whatever torch's default device is (programs set it to their GPU).
+        self.host = torch.tensor(_CLEAR, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()  # read before every grouped GEMM: no torch dispatch
         self.calls = 0  # checks launched, for the message
 
@@ -103,8 +104,9 @@ class _Record:
             return
         found = "; ".join(f"{fault} (first at row {row})" for fault, row in zip(FAULTS, view.tolist(), strict=True)
                           if row != NO_ROW)
-        self.words.copy_(torch.tensor(_CLEAR, dtype=torch.int32))
-        self.host.copy_(torch.tensor(_CLEAR, dtype=torch.int32))
+        clear = torch.tensor(_CLEAR, dtype=torch.int32, device="cpu")
+        self.words.copy_(clear)
+        self.host.copy_(clear)
         calls, self.calls = self.calls, 0
         raise GroupedLayoutError(
             f"grouped_gemm on {self.device} was given a row layout that breaks its contract, in one of the last "
