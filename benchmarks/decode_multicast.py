@@ -35,7 +35,7 @@ import argparse
 import tilelang
 import tilelang.language as T
 import torch
-from harness import Report, check_close, graphed, time_interleaved
+from harness import Report, check_close, columns_against, replays_against
 
 # Batch rows x input features x output columns of one rank's decode GEMM (Llama-3-70B at TP 2:
 # K = 14336, N = 8192; Qwen2.5-72B at TP 4 rounded to whole K steps: K = 7168).
@@ -205,11 +205,7 @@ def measure(shape: tuple[int, int, int], iters: int) -> dict:
         calls[name] = lambda kernel=kernel, out=outs[name]: kernel(a, w, out)
         calls[name]()
         row["checks"].append(check_close(f"{row['shape']} {name}", outs[name], expected, rtol=1e-2, atol=1e-2))
-    timings = time_interleaved({name: graphed(fn) for name, fn in calls.items()}, rounds=5, iters=iters)
-    for name, timing in timings.items():
-        row[f"{name}_us"] = timing.median_ms * 1e3
-    for name in kernels:
-        row[f"{name}_vs_cublas"] = row[f"{name}_us"] / row["cublas_us"]
+    replays_against(row, calls, "cublas", iters)
     return row
 
 
@@ -219,8 +215,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first shape")
     args = parser.parse_args()
     kernels = ["unicast", "two_consumers", *HAND_WRITTEN]
-    report = Report("decode-multicast", columns=["shape", "shared", "stages", "cublas_us",
-                                                 *[f"{k}_us" for k in kernels], *[f"{k}_vs_cublas" for k in kernels]])
+    report = Report("decode-multicast", columns=["shape", "shared", "stages", *columns_against(kernels, "cublas")])
     for shape in SHAPES[:1] if args.quick else SHAPES:
         report.add(measure(shape, args.iters))
         report.save()  # after every shape: a cut-off run keeps what it measured

@@ -29,7 +29,7 @@ this file took it into functions): ``benchmarks/results/ar-two-consumers-nvidia-
 import argparse
 
 import torch
-from harness import Report, check_close, graphed, time_interleaved
+from harness import Report, check_close, columns_against, replays_against
 
 import tilescale as ts
 from tilescale.ops._gemm import TileConfig
@@ -69,11 +69,7 @@ def measure(shape: tuple[int, int, int], iters: int, timed: bool, names: list[st
     for name in tiles:
         row["checks"].append(check_close(f"{row['shape']} {name}", calls[name](), want, rtol=2e-2, atol=2e-2))
     if timed:
-        for name, timing in time_interleaved({nm: graphed(fn) for nm, fn in calls.items()}, rounds=5,
-                                             iters=iters).items():
-            row[f"{name}_us"] = timing.median_ms * 1e3
-        for name in tiles:
-            row[f"{name}_vs_cublas"] = row[f"{name}_us"] / row["cublas_us"]
+        replays_against(row, calls, "cublas", iters)
     return row
 
 
@@ -85,8 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     names = args.tiles.split(",")
     ts.init()
-    report = Report("decode-tiles", columns=["shape", "today", "cublas_us", *[f"{n}_us" for n in names],
-                                             *[f"{n}_vs_cublas" for n in names]])
+    report = Report("decode-tiles", columns=["shape", "today", *columns_against(names, "cublas")])
     shapes = HALVES_SHAPES if "halves" in names else SHAPES
     for shape in [(192, 512, 128)] if args.small else shapes:
         row = measure(shape, args.iters, not args.small, names)

@@ -248,6 +248,42 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
+def columns_against(names: list[str], baseline: str) -> list[str]:
+    """The report columns :func:`replays_against` fills: the baseline's time, each call's, then
+    each call's ratio to the baseline.
+
+    >>> columns_against(["ours"], "cublas")
+    ['cublas_us', 'ours_us', 'ours_vs_cublas']
+    """
+    return [f"{baseline}_us", *[f"{n}_us" for n in names], *[f"{n}_vs_{baseline}" for n in names]]
+
+
+def replays_against(row: dict[str, Any], calls: dict[str, Callable[[], object]], baseline: str, iters: int,
+                    rounds: int = 5) -> None:
+    """Each of ``calls`` captured once in a CUDA graph (:func:`graphed`), the replays timed
+    taking turns (:func:`time_interleaved`): into ``row`` as ``{name}_us`` (median) and, for
+    every call but ``baseline``, ``{name}_vs_{baseline}`` (its time over the baseline's).
+
+    Example::
+
+        replays_against(row, {"cublas": lambda: a @ w.T, "ours": lambda: ours(a, w)}, "cublas", iters=50)
+        row["ours_vs_cublas"]
+
+    Args:
+        row: The report row to fill.
+        calls: Name -> the GPU work of one call (outputs checked before).
+        baseline: The name in ``calls`` the others are divided by.
+        iters: Replays per call, over all rounds.
+        rounds: Rounds of taking turns.
+    """
+    for name, timing in time_interleaved({n: graphed(fn) for n, fn in calls.items()}, rounds=rounds,
+                                         iters=iters).items():
+        row[f"{name}_us"] = timing.median_ms * 1e3
+    for name in calls:
+        if name != baseline:
+            row[f"{name}_vs_{baseline}"] = row[f"{name}_us"] / row[f"{baseline}_us"]
+
+
 def _default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype in _TOLERANCES:
         return _TOLERANCES[dtype]
