@@ -204,6 +204,17 @@ def test_grouped_layout_check_compiles_for_sm90a(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_moe_combine_of_different_dispatches_raises_on_every_rank(moe_job):
+    """Before: same shapes, so the ranks agreed, and rank 0 summed rows that rank 1 sent along
+    another dispatch's routes; now the combine signs its dispatch's number."""
+    assert moe_job.returncode == 0, moe_job.stdout[-3000:] + moe_job.stderr[-3000:]
+    found = markers(moe_job.stdout, "MISMATCH")
+    for rank in (0, 1):
+        numbers = re.findall(r"rank [01]: moe_combine \(2, 2, 8, 32\) float32 topk=2 of dispatch #(\d+)",
+                             found["moe_combine_other_dispatch", rank])
+        assert sorted(map(int, numbers)) == [1, 2], found["moe_combine_other_dispatch", rank]
+
+
 def test_constant_peer_out_of_range_is_a_short_error(tmp_path):
     """Before: ~165 lines of TileLang's generated builder source, then the IndexError."""
     program = textwrap.dedent("""

@@ -51,6 +51,49 @@ def call_signature(description: str) -> int:
     return sig
 
 
+# Numbered signatures: a call's signature combined with the number of what it acts on (which
+# dispatch a combine brings back). Modulo the prime 2**31 - 1 the combination inverts, so a
+# peer's numbered signature decodes to its call without any record of the numbers signed.
+_NUMBERED_MOD = 0x7FFFFFFF
+_NUMBERED_MUL = 0x5BD1E995 % _NUMBERED_MOD
+_NUMBERED_INV = pow(_NUMBERED_MUL, -1, _NUMBERED_MOD)
+_last_numbers: dict[str, int] = {}  # per kind (e.g. "dispatch"), the last number this process signed with
+
+
+def numbered_signature(sig: int, number: int, kind: str) -> int:
+    """``sig`` (:func:`call_signature`) for a call acting on ``kind`` number ``number``, so that
+    ranks acting on different ones disagree (``T.agree``) although their shapes match.
+
+    Example::
+
+        sig = numbered_signature(combine_sig, handle.dispatch, "dispatch")   # which dispatch is combined
+
+    Args:
+        sig: The call's signature.
+        number: The number of what it acts on, counted alike on every rank (>= 0).
+        kind: What is numbered, for messages ("... of dispatch #5").
+
+    Returns:
+        int: A positive 31-bit number; :class:`ShapeMismatchError` messages decode it back.
+    """
+    _last_numbers[kind] = number
+    return (sig * _NUMBERED_MUL + number) % _NUMBERED_MOD or _NUMBERED_MOD
+
+
+def _description(sig: int) -> str | None:
+    """What ``sig`` stands for: a call this process signed, or one numbered within 256 of the
+    last number of its kind this process used (None if neither)."""
+    found = _described.get(sig)
+    if found is not None:
+        return found
+    for kind, last in _last_numbers.items():
+        for number in range(max(0, last - 256), last + 257):
+            base = (sig % _NUMBERED_MOD - number) * _NUMBERED_INV % _NUMBERED_MOD
+            if base in _described:
+                return f"{_described[base]} of {kind} #{number}"
+    return None
+
+
 def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeout_s: float | None = None) -> str:
     """The message of a :class:`WaitTimeoutError` for one status record.
 
@@ -79,8 +122,8 @@ def describe_timeout(record: dict[str, int], flag_name: str | None = None, timeo
 def describe_mismatch(record: dict[str, int]) -> str:
     """The message of a :class:`ShapeMismatchError` for one status record."""
     mine, theirs = record["expected"], record["observed"]
-    own = _described.get(mine, f"a call with signature {mine:#x}")
-    other = _described.get(theirs)
+    own = _description(mine) or f"a call with signature {mine:#x}"
+    other = _description(theirs)
     peer = f"rank {record['address']}"
     passed = f"{peer}: {other}" if other is not None else \
         f"{peer} passed a different shape, dtype or operation (signature {theirs:#x}, not a call this rank has made)"

@@ -7,6 +7,7 @@ Markers (one line each, checked by tests/test_reliability_data.py):
 ``IDS-OK rank=<r>``                                          a dispatch after them still routes right
 ``EMPTY-OK rank=<r>``                                        zero tokens on every rank: empty results
 ``MISMATCH case=<op> rank=<r> msg=<message>``                every rank, every disagreeing call
+(the last: ranks combining different dispatches of the same shapes)
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def main() -> None:
     recv_x, recv_w, _, handle = handles[16]
     out = recv_x if rank == 0 else recv_x[:, :16].contiguous()  # hidden 32 on rank 0, 16 on rank 1
     expect_mismatch("moe_combine", lambda: ts.ops.moe_combine(out, recv_w, handle))
+
+    # Two dispatches of the same shapes; rank 0 combines the first, rank 1 the second: the
+    # routes differ, so the sums would be wrong; the combine signs which dispatch it brings back.
+    # A buffer of its own: the calls above left their buffers' counts apart (see expect_mismatch).
+    buf = ts.ops.moe.Buffer(None, max_tokens=8, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS, dtype=torch.float32)
+    x, idx, w = routing(8, rank)
+    first, second = buf.dispatch(x, idx, w), buf.dispatch(x, idx.flip(1), w)
+    recv_x, recv_w, _, handle = first if rank == 0 else second
+    expect_mismatch("moe_combine_other_dispatch", lambda: buf.combine(recv_x, recv_w, handle))
     ts.finalize()
 
 

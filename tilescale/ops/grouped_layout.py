@@ -102,6 +102,10 @@ class _Record:
         view = self.host_view
         if view.min() == NO_ROW:
             return
+        if self.words.is_cuda and not torch.cuda.is_current_stream_capturing():
+            # Checks still queued copy the record again: let them land first, so none of them
+            # writes the fault back over the cleared copy (and the message has all of them).
+            torch.cuda.synchronize(self.device)
         found = "; ".join(f"{fault} (first at row {row})" for fault, row in zip(FAULTS, view.tolist(), strict=True)
                           if row != NO_ROW)
         clear = torch.tensor(_CLEAR, dtype=torch.int32, device="cpu")
@@ -120,7 +124,9 @@ _records: dict[torch.device, _Record] = {}
 
 def _record(device: torch.device) -> _Record:
     found = _records.get(device)
-    if found is None:
+    if found is None:  # its words are copied in from the host: not inside a CUDA graph capture
+        runtime.check_not_capturing(f"grouped_gemm with a row layout of the caller's own on {device} (the layout "
+                                    "check's record)")
         found = _records[device] = _Record(device)
     return found
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tilescale import runtime
+from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
 from tilescale.ops._common import (
     call_identity,
@@ -95,6 +96,9 @@ class DispatchHandle:
     source_row: torch.Tensor  # (grouped rows,) received row (source * capacity + slot) of each, -1 if none
     group: dist.ProcessGroup | None = None  # the expert-parallel group the dispatch ran over (None: the whole job)
     buffer: Buffer | None = None  # the buffer it went through (None: nothing was exchanged)
+    # The dispatch's number through its buffer, alike on every rank: a combine signs it, so ranks
+    # combining different dispatches (of the same shapes) get a ShapeMismatchError, not wrong sums.
+    dispatch: int = 0
 
     @property
     def rows_per_expert(self) -> float:
@@ -336,7 +340,7 @@ class Buffer:
                                 dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
                                 expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
                                 position=position, counts=counts, offsets=offsets, row_expert=row_expert,
-                                source_row=source_row, group=self.group, buffer=self)
+                                source_row=source_row, group=self.group, buffer=self, dispatch=self._calls)
         if not in_capture:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
@@ -488,6 +492,7 @@ class Buffer:
                 back, signature("moe_combine", back, f"topk={self.topk}"))
             launch_together(self.state, "moe_combine", (self._serial, hidden, expert_out.dtype))
         kernel, back, sig = plan
+        sig = numbered_signature(sig, handle.dispatch, "dispatch")  # which dispatch: ranks must agree on it too
         kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
                handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
         return out if tokens else out[:0]
