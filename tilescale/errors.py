@@ -30,7 +30,7 @@ class GroupedLayoutError(ValueError):
     """``ts.ops.grouped_gemm`` was given a row layout of the caller's own that breaks its
     contract (an expert id past the weights', a tile mixing experts, an index past ``x``'s
     rows): the rows the message names came out wrong. Found on the device, without a host
-    synchronisation; raised at the next grouped GEMM or ``ts.synchronize()``.
+    synchronisation; raised at the next grouped GEMM, ``ts.synchronize()`` or ``ts.finalize()``.
     """
 
 

@@ -307,14 +307,19 @@ def add_device_check(check: Callable[[], None]) -> None:
     _device_checks.append(check)
 
 
+def _check_op_faults() -> None:
+    """Raise the first fault an op's kernels recorded (:func:`add_device_check`)."""
+    for check in _device_checks:
+        check()
+
+
 def synchronize() -> None:
     """Wait for this rank's queued GPU work, then raise if a device-side wait timed out or an
     op's kernel recorded a fault (:func:`add_device_check`)."""
     if current().device.type == "cuda":
         torch.cuda.synchronize()
     check_device_waits()
-    for check in _device_checks:
-        check()
+    _check_op_faults()
 
 
 def barrier(timeout_s: float | None = None, *, group: dist.ProcessGroup | None = None) -> None:
@@ -518,8 +523,7 @@ def finalize() -> None:
             except (WaitTimeoutError, ShapeMismatchError) as err:
                 unreported = err
         try:
-            for check in _device_checks:  # an op's recorded fault (a bad layout of the last calls)
-                check()
+            _check_op_faults()  # e.g. a bad grouped-GEMM layout in the last calls
         except Exception as err:  # noqa: BLE001 - raised after the teardown, like the waits' failures
             unreported = unreported or err
         rt.group.barrier()

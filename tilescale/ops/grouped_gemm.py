@@ -262,7 +262,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     A layout of the caller's own (not a dispatch's ``handle.row_expert``) is checked on the
     device for that contract, without a synchronisation (``ts.ops.grouped_layout``: one small
     kernel per call); a breach raises :class:`tilescale.GroupedLayoutError` at the next grouped
-    GEMM or ``ts.synchronize()``.
+    GEMM, ``ts.synchronize()`` or ``ts.finalize()``.
 
     Args:
         x: (rows, K) rows in ``w``'s dtype, or FP8 values (``torch.float8_e4m3fn``, e.g. an

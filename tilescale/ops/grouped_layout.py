@@ -6,10 +6,10 @@ contract where ``moe_dispatch``'s never does: an expert id past the weights' las
 TMA weight load falls out of bounds and reads zeros), a tile mixing experts (rows computed
 with another expert's weights), an index past ``x``'s rows. Each gives wrong rows and no
 error, so layouts not made by ``moe_dispatch`` are checked on the device, without a host
-synchronisation (CUDA graphs capture it): one block per tile counts the rows that break the
-contract in a record kept in device memory, copied after every check, in stream order, to
-pinned host memory, which the host reads before each grouped GEMM and at
-``ts.synchronize()`` and raises :class:`tilescale.GroupedLayoutError` from.
+synchronisation (CUDA graphs capture it): one block per tile records the first row showing
+each fault in a record kept in device memory, copied after every check, in stream order, to
+pinned host memory, which the host reads before each grouped GEMM, at ``ts.synchronize()``
+and at ``ts.finalize()`` and raises :class:`tilescale.GroupedLayoutError` from.
 
 Example::
 
@@ -35,7 +35,7 @@ _CLEAR = [NO_ROW] * len(FAULTS)
 
 @jit
 def check_layout_kernel(rows: int, block_M: int, experts: int, sources: int):
-    """Counts the rows of a grouped GEMM's layout that break its contract (:data:`FAULTS`):
+    """Records the first row of a grouped GEMM's layout showing each breach of its contract (:data:`FAULTS`):
     an expert id outside -1 to ``experts - 1``, a row of an expert in a tile whose first row
     names another (or none), an index outside -1 to ``sources - 1`` (``sources`` 0: no index).
 
