@@ -212,15 +212,43 @@ def gemm_tile(A, a_row, W, w_row, C, c_row, c_col, K, dtype, stages, cfg=DEFAULT
         cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
         c_segment: The output segment where ``C`` is 3-D (default None: ``C`` is 2-D).
     """
-    a = T.alloc_shared((cfg.block_M, cfg.block_K), dtype)
-    w = T.alloc_shared((cfg.block_N, cfg.block_K), dtype)
     acc = T.alloc_fragment((cfg.block_M, cfg.block_N), "float32")
     T.clear(acc)
-    for k in T.Pipelined(T.ceildiv(K, cfg.block_K), num_stages=stages):
-        T.copy(A[a_row, k * cfg.block_K], a)
-        T.copy(W[w_row, k * cfg.block_K], w)
-        T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
+    accumulate_tile(A, a_row, W, w_row, acc, 0, K, dtype, stages, cfg)
     store_tile(acc, C, c_row, c_col, dtype, cfg, c_segment)
+
+
+@T.macro
+def accumulate_tile(A, a_row, W, w_row, acc, k_first, K, dtype, stages, cfg=DEFAULT):
+    """``acc += A[a_row:+BM, k_first:+K] @ W[w_row:+BN, k_first:+K].T``: one tile's K loop, in
+    TileLang's pipeline (on sm_90 warp-specialised: TMA loads, wgmma). For a ``cfg.swap_ab``
+    tile ``acc`` holds the tile transposed, (block_N, block_M): the MMA computes ``W @ A.T``.
+
+    Example (the K half ``s`` of a tile, as the decode all-reduce splits K)::
+
+        accumulate_tile(A, by * bm, W, bx * bn, acc, s * (K // 2), K // 2, dtype, cfg.stages, cfg)
+
+    Args:
+        A: The (M, K) operand; rows from ``a_row``.
+        a_row: First row of ``A``.
+        W: The (N, K) weight; rows from ``w_row``.
+        w_row: First row of ``W``.
+        acc: The fp32 accumulator fragment, added to.
+        k_first: First column of ``A`` and ``W`` the loop reads.
+        K: Columns it reads (from ``k_first``).
+        dtype: TileLang dtype of the operands.
+        stages: Pipeline depth of the K loop.
+        cfg: The tile (:class:`TileConfig`; default ``DEFAULT``).
+    """
+    a = T.alloc_shared((cfg.block_M, cfg.block_K), dtype)
+    w = T.alloc_shared((cfg.block_N, cfg.block_K), dtype)
+    for k in T.Pipelined(T.ceildiv(K, cfg.block_K), num_stages=stages):
+        T.copy(A[a_row, k_first + k * cfg.block_K], a)
+        T.copy(W[w_row, k_first + k * cfg.block_K], w)
+        if cfg.swap_ab:  # the weight's rows in the wgmma's M, A's rows in its N
+            T.gemm(w, a, acc, transpose_B=True, policy=cfg.warp_policy)
+        else:
+            T.gemm(a, w, acc, transpose_B=True, policy=cfg.warp_policy)
 
 
 @T.macro

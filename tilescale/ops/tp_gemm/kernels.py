@@ -15,7 +15,7 @@ target, and its last block advances ``state``; a call's second kernel reads the 
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._gemm import THREADS, TileConfig, check_unswapped, gemm_tile, tile_coords
+from tilescale.ops._gemm import THREADS, TileConfig, accumulate_tile, check_unswapped, gemm_tile, tile_coords
 
 
 @jit
@@ -231,7 +231,7 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     check_unswapped(tile_cfg, "gemm_push_kernel")
-    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
     seg_rows = M // owners
     padded = -(-seg_rows // bm) * bm
     m_tiles = padded // bm
@@ -253,15 +253,11 @@ def gemm_push_kernel(world: int, dtype: str, M: int, K: int, N: int, owners: int
                 T.count_call(state, arrivals, call)
                 tile_row, part = by // splits, by % splits
                 seg = (rank + 1 + tile_row // m_tiles) % owners
-                a = T.alloc_shared((bm, bk), dtype)
-                w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
                 out = T.alloc_shared((bm, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
-                    T.copy(A[seg * seg_rows + (tile_row % m_tiles) * bm, part * k_part + k * bk], a)
-                    T.copy(W[bx * bn, part * k_part + k * bk], w)
-                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                accumulate_tile(A, seg * seg_rows + (tile_row % m_tiles) * bm, W, bx * bn, acc, part * k_part, k_part,
+                                dtype, tile_cfg.stages, tile_cfg)
                 T.copy(acc, out)
                 slot_row = ((_buffer_of(call[0]) * world + rank) * splits + part) * padded + (tile_row % m_tiles) * bm
                 if owners > 1:
@@ -312,7 +308,7 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     check_unswapped(tile_cfg, "gemm_reduce_scatter_kernel")
-    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
     seg_rows = M // world
     padded = -(-seg_rows // bm) * bm
     m_tiles, n_tiles = padded // bm, -(-N // bn)
@@ -332,15 +328,10 @@ def gemm_reduce_scatter_kernel(world: int, dtype: str, M: int, K: int, N: int, t
                 # Synchronises the block: thread 0 announced; the consumer warps signal (release) after it.
                 T.count_call(state, tile_cfg.threads // 32, call)
                 seg, row = (rank + 1 + by // m_tiles) % world, by % m_tiles
-                a = T.alloc_shared((bm, bk), dtype)
-                w = T.alloc_shared((bn, bk), dtype)
                 acc = T.alloc_fragment((bm, bn), "float32")
                 tile_out = T.alloc_shared((bm, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(K, bk), num_stages=tile_cfg.stages):
-                    T.copy(A[seg * seg_rows + row * bm, k * bk], a)
-                    T.copy(W[bx * bn, k * bk], w)
-                    T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                accumulate_tile(A, seg * seg_rows + row * bm, W, bx * bn, acc, 0, K, dtype, tile_cfg.stages, tile_cfg)
                 if seg == rank:
                     part = T.alloc_fragment((bm, bn), dtype)
                     for p in T.serial(world - 1):
@@ -467,7 +458,7 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
-    bm, bn, bk = tile_cfg.block_M, tile_cfg.block_N, tile_cfg.block_K
+    bm, bn = tile_cfg.block_M, tile_cfg.block_N
     if padded_rows % bm:
         raise ValueError(f"all_reduce_gemm_kernel: padded_rows {padded_rows} is not a multiple of block_M {bm}")
     slot_rows = slot_rows or padded_rows
@@ -491,20 +482,12 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                 # Synchronises the block: thread 0 announced; the consumer warps signal (release) after it.
                 T.count_call(state, splits * (tile_cfg.threads // 32), call)
                 by, s = bz // splits, bz % splits
-                a = T.alloc_shared((bm, bk), dtype)
-                w = T.alloc_shared((bn, bk), dtype)
-                acc = T.alloc_fragment((bn, bm) if swap else (bm, bn), "float32")
+                acc = T.alloc_fragment((bn, bm) if swap else (bm, bn), "float32")  # swapped: transposed
                 mine = T.alloc_shared((rows, bn), dtype)  # this block's share of the tile, as the peers get it
                 total = T.alloc_fragment((rows, bn), "float32")
                 part = T.alloc_fragment((rows, bn), dtype)
                 T.clear(acc)
-                for k in T.Pipelined(T.ceildiv(k_part, bk), num_stages=tile_cfg.stages):
-                    T.copy(A[by * bm, s * k_part + k * bk], a)
-                    T.copy(W[bx * bn, s * k_part + k * bk], w)
-                    if swap:  # the tile transposed: the weight's rows in the wgmma's M, A's rows in its N
-                        T.gemm(w, a, acc, transpose_B=True, policy=tile_cfg.warp_policy)
-                    else:
-                        T.gemm(a, w, acc, transpose_B=True, policy=tile_cfg.warp_policy)
+                accumulate_tile(A, by * bm, W, bx * bn, acc, s * k_part, k_part, dtype, tile_cfg.stages, tile_cfg)
                 if splits == 1:
                     if swap:
                         for j, i in T.Parallel(bn, bm):
