@@ -51,6 +51,15 @@ def test_decode_tile_alternatives_match_torch():
     assert "decode-tiles" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_decode_loop_probe_matches_torch():
+    """benchmarks/decode_epilogue.py --small: the decode all-reduce's grid and K loop alone (swapped,
+    K split in two, and a 128x256 tile) sums to torch's product, as the fused op does."""
+    proc = run_cpu("benchmarks/decode_epilogue.py", 1, args=("--small",))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "decode-epilogue" in proc.stdout
+
+
 KERNELS = {
     "all_gather_gemm": lambda: tp_gemm.ag_own_gemm_kernel.__wrapped__(2, "bfloat16", 4000, 4096, 1024, 2048, 16,
                                                                        DEFAULT),
