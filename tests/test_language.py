@@ -283,7 +283,8 @@ def test_source_signature_calls_and_no_placeholders(name, world):
     assert body.count("tilescale::grid_barrier(") == body.count(barrier) == spec.barriers
     agree = f"tilescale::grid_agree(ts_sync_peers, ts_rank, {world}, ts_status, ts_timeout_ns, sig);"
     assert body.count("tilescale::grid_agree(") == body.count(agree) == spec.agrees
-    assert body.count("tilescale::block_signal(") == spec.signals
+    # A signal of this rank's own flag (no pe) takes the GPU-scope helper.
+    assert body.count("tilescale::block_signal(") + body.count("tilescale::local_block_signal(") == spec.signals
     assert body.count("tilescale::block_wait(") == spec.waits
     for leftover in ("call_extern", "tirx", "T.", "address_of", "tvm_", "None", "<undefined>"):
         assert leftover not in body, leftover
@@ -362,9 +363,10 @@ def test_signal_and_wait_arguments():
     body = kernel_body(src)
     assert "tilescale::block_signal((&(((int*)v_1)[ts_rank])), 1, 1);" in body  # op "add"
     assert "tilescale::block_wait((&(flags[2])), 3, 7, ts_status, ts_rank, ts_timeout_ns);" in body  # "gt"
-    assert "tilescale::block_signal((&(flags[3])), 5, 0);" in body  # pe=None: this rank's flag, op "set"
+    # pe=None: this rank's own flag, op "set", released at GPU scope (only this GPU's blocks wait on it).
+    assert "tilescale::local_block_signal((&(flags[3])), 5, 0);" in body
     order = [body.index(s) for s in ("dst__peers[", "tilescale::block_fence();", "tilescale::block_signal((&(((",
-                                     "tilescale::block_wait(", "tilescale::block_signal((&(flags[3]",
+                                     "tilescale::block_wait(", "tilescale::local_block_signal((&(flags[3]",
                                      "tilescale::grid_barrier(")]
     assert order == sorted(order)
 
@@ -398,6 +400,9 @@ def test_prelude_has_the_system_scope_ptx(name):
         assert ptx in src, ptx
     for helper in ("block_signal(int* addr", "block_wait(const int* addr", "grid_barrier(const void* peer_table"):
         assert helper in src
+    # A signal of this rank's own flag releases at GPU scope: only this GPU's blocks wait on it.
+    local = src[src.index("void local_release("):src.index("void local_block_signal(")]
+    assert "fence.acq_rel.gpu" in local and "red.release.gpu.global.add.s32" in local and ".sys" not in local
 
 
 @pytest.mark.parametrize("world", [3, 5])
@@ -529,8 +534,11 @@ def test_nvcc_compiles_generated_sources(tmp_path):
         out = (tmp_path / f"{name}_{world}.{kind}").read_bytes()
         if kind == "cubin":
             assert out[:4] == b"\x7fELF" and b"main_kernel" in out
-    # The PTX keeps the system-scope synchronisation the prelude writes in inline assembly.
+    # The PTX keeps the system-scope synchronisation the prelude writes in inline assembly (the
+    # peer's signal adds; the kernel's one "set" is of its own flag: GPU scope).
     ptx = (tmp_path / "put_fence_signal_wait_barrier_2.ptx").read_text()
     assert ".entry main_kernel" in ptx and ".target sm_90a" in ptx
     for instruction in SYSTEM_SCOPE_PTX:
-        assert instruction in ptx, instruction
+        if instruction != "st.release.sys.global.s32":
+            assert instruction in ptx, instruction
+    assert "st.release.gpu.global.s32" in ptx and "fence.acq_rel.gpu" in ptx

@@ -358,7 +358,9 @@ def test_decode_all_reduce_swapped_tile_puts_the_batch_in_the_wgmma_n(tmp_path):
     assert "float* __restrict__ parts" in src and "(q * 1048576)" in src  # K part q's 256 x 4096 fp32 slot
     # Stored and signalled on this rank, then read back once every part has arrived.
     read_back = re.search(r"float4 \w+ = \*\(float4\*\)\(parts", src).start()  # the parts' vector loads
-    assert src.index("parts[") < src.index("tilescale::warp_signal(") < read_back < src.index("recv__peers[")
+    # The K parts meet in this rank's own flag, released at GPU scope; the peers' at system scope.
+    assert src.index("parts[") < src.index("tilescale::local_warp_signal(") < read_back < src.index("recv__peers[")
+    assert read_back < src.index("tilescale::warp_signal(")
     proc = nvcc(src, tmp_path / "all_reduce_gemm_swapped.cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -603,9 +603,9 @@ class _Block:
         role = self.launch.kernel.device_roles.get(name)
         if role is not None:
             self.device_call(role, args)
-        elif name == ADDRESS_HELPERS["signal"]:
+        elif name in (ADDRESS_HELPERS["signal"], ADDRESS_HELPERS["local_signal"]):
             self.signal(self.pointer(args[0]), int(self.eval(args[1])), int(self.eval(args[2])))
-        elif name == ADDRESS_HELPERS["warp_signal"]:  # each warp of the block signals once
+        elif name in (ADDRESS_HELPERS["warp_signal"], ADDRESS_HELPERS["local_warp_signal"]):  # once per warp
             op = int(self.eval(args[2]))
             value = int(self.eval(args[1])) * (self.launch.kernel.warps if op == 1 else 1)
             self.signal(self.pointer(args[0]), value, op)

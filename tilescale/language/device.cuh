@@ -144,6 +144,27 @@ __device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
   }
 }
 
+// T.signal with no pe: this rank's own flag, which only this GPU's blocks wait on (T.wait
+// reads this rank's flags only). Released at GPU scope: a system-scope fence would also wait
+// for the writes to reach peers and the host, which nobody ordered by this flag reads.
+__device__ __forceinline__ void local_release(int* addr, int value, int op) {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if (op == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
+  else asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void local_block_signal(int* addr, int value, int op) {
+  complete_writes();
+  __syncthreads();
+  if (is_leader()) local_release(addr, value, op);
+}
+
+__device__ __forceinline__ void local_warp_signal(int* addr, int value, int op) {
+  complete_writes();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) local_release(addr, value, op);
+}
+
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
                                            int rank, long long timeout_ns, const void* board = nullptr,
                                            int world = 0, long long ident = 0) {

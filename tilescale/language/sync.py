@@ -52,6 +52,7 @@ SIGNAL_SCOPES = ("block", "warp")
 # (tilescale.comm.base): the interpreter runs either lowering's calls by these roles.
 ADDRESS_HELPERS = {
     "signal": "tilescale::block_signal", "warp_signal": "tilescale::warp_signal",
+    "local_signal": "tilescale::local_block_signal", "local_warp_signal": "tilescale::local_warp_signal",
     "wait": "tilescale::block_wait", "warp_wait": "tilescale::warp_wait", "fence": "tilescale::block_fence",
     "barrier": "tilescale::grid_barrier", "agree": "tilescale::grid_agree", "announce": "tilescale::announce",
 }
@@ -86,7 +87,10 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
         T.signal(flags[bx], 1, pe=peer, op="add")
 
     Everything this block wrote before (local or remote, TMA included) is visible to whoever
-    observes the new value. ``pe=None`` signals this rank's own copy.
+    observes the new value. ``pe=None`` signals this rank's own copy, which only this GPU's
+    blocks wait on (``T.wait`` reads this rank's flags): it is released at GPU scope, in any
+    lowering, where a flag of a peer (``pe`` given, even this rank) takes a system-scope
+    release that also waits for the block's writes to reach the other GPUs.
 
     ``scope="warp"``: every warp that runs the statement signals once, after its own writes,
     without synchronising the block: ``op="add"`` then adds ``value`` per warp (a block of
@@ -116,15 +120,16 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     if scope not in SIGNAL_SCOPES:
         raise ValueError(f"T.signal scope must be one of {SIGNAL_SCOPES}, got {scope!r}")
     flag = _int32_flag(flag, "T.signal")
+    if pe is None:  # this rank's own flag: GPU-scope release, the same helper in every lowering
+        name = ADDRESS_HELPERS["local_signal" if scope == "block" else "local_warp_signal"]
+        return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op])
     lowering = current_context().lowering
     if lowering is not None:  # device calls: this rank's address of the flag, and the peer's global rank
-        if pe is not None:
-            check_remote(flag.buffer, pe, "T.signal's flag")
-        target = current_context().global_pe(pe if pe is not None else current_context().rank)
+        check_remote(flag.buffer, pe, "T.signal's flag")
         name = lowering.signal if scope == "block" else lowering.warp_signal
-        return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op], target)
-    if pe is not None:
-        flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
+        return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op],
+                              current_context().global_pe(pe))
+    flag = tirx.BufferLoad(remote_buffer(flag.buffer, pe, "T.signal's flag"), flag.indices)
     name = ADDRESS_HELPERS["signal" if scope == "block" else "warp_signal"]
     return tl.call_extern("handle", name, tl.address_of(flag), value, SIGNAL_OPS[op])
 

@@ -503,7 +503,7 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                     else:
                         T.copy(acc, parts[s * slot_rows + by * bm, bx * bn])
                     own = (rank * m_tiles + by) * n_tiles + bx
-                    T.signal(flags[own], 1, pe=rank, op="add", scope="warp")
+                    T.signal(flags[own], 1, op="add", scope="warp")  # this rank's: GPU-scope release
                     T.wait(flags[own], "ge", call[1], scope="warp", agree=(board, ident))
                     k_sum = T.alloc_fragment((rows, bn), "float32")
                     T.clear(k_sum)
