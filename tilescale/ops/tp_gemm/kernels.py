@@ -497,32 +497,19 @@ def all_reduce_gemm_kernel(world: int, dtype: str, padded_rows: int, K: int, N: 
                 else:
                     # The K parts meet in this rank's own flag: each block's fp32 partial, then
                     # the sum of its row slice over them, rounded once.
-                    # Block s sums row slice s: it stores only the other slices of its partial
-                    # and keeps its own in registers (half the fp32 traffic of storing it whole).
-                    for q in T.unroll(splits, explicit=True):
-                        if q != s:
-                            if swap:
-                                for j, i in T.Parallel(bn, rows):
-                                    parts[s * slot_rows + by * bm + q * rows + i, bx * bn + j] = acc[j, q * rows + i]
-                            else:
-                                for i, j in T.Parallel(rows, bn):
-                                    parts[s * slot_rows + by * bm + q * rows + i, bx * bn + j] = acc[q * rows + i, j]
+                    if swap:
+                        for j, i in T.Parallel(bn, bm):
+                            parts[s * slot_rows + by * bm + i, bx * bn + j] = acc[j, i]
+                    else:
+                        T.copy(acc, parts[s * slot_rows + by * bm, bx * bn])
                     own = (rank * m_tiles + by) * n_tiles + bx
                     T.signal(flags[own], 1, op="add", scope="warp")  # this rank's: GPU-scope release
                     T.wait(flags[own], "ge", call[1], scope="warp", agree=(board, ident))
                     k_sum = T.alloc_fragment((rows, bn), "float32")
                     T.clear(k_sum)
-                    for q in T.unroll(splits, explicit=True):  # in K-part order: every rank rounds the same sum
-                        if q == s:
-                            if swap:
-                                for i, j in T.Parallel(rows, bn):
-                                    k_sum[i, j] += acc[j, q * rows + i]
-                            else:
-                                for i, j in T.Parallel(rows, bn):
-                                    k_sum[i, j] += acc[q * rows + i, j]
-                        else:
-                            for i, j in T.Parallel(rows, bn):
-                                k_sum[i, j] += parts[q * slot_rows + by * bm + s * rows + i, bx * bn + j]
+                    for q in T.serial(splits):
+                        for i, j in T.Parallel(rows, bn):
+                            k_sum[i, j] += parts[q * slot_rows + by * bm + s * rows + i, bx * bn + j]
                     T.copy(k_sum, mine)
                 share = by * bm + s * rows  # the first row of this block's share in a sender's slot
                 for p in T.serial(world - 1):
