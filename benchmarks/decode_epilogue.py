@@ -11,8 +11,8 @@ checked against cuBLAS first:
 * ``cublas``: ``a @ w.T``;
 * ``fused``: the op's one kernel at one rank (``plan="fused"``, the tile ``choose_tile`` picks);
 * ``loop``: :func:`loop_kernel`, the same grid and tile (``reduce_grid``) and the same K loop
-  (``accumulate_tile``), each block storing its K part of the tile straight from registers, as
-  the fused kernel stages it, and nothing else.
+  (``accumulate_tile``), each block storing its K part of the tile straight from registers (in
+  bf16), and nothing else.
 
 So ``fused - loop`` is what the epilogue costs at each shape, ``loop / cublas`` what the main
 loop does. The shapes are the TP floor's decode all-reduces (``tp_shapes.FLOOR_SHAPES``)::
