@@ -30,7 +30,7 @@ kernel's time, its ratio to cuBLAS and ``epilogue_us``.
 import argparse
 
 import torch
-from harness import Report, check_close, columns_against, replays_against
+from harness import Report, check_close, columns_against, measure_shapes, replays_against
 from tp_shapes import FLOOR_SHAPES
 
 import tilescale as ts
@@ -116,12 +116,8 @@ def main() -> None:
     ts.init()
     report = Report("decode-epilogue", columns=["shape", "tile", "k_splits", *columns_against(["fused", "loop"],
                                                                                               "cublas"), "epilogue_us"])
-    for shape in SMALL_SHAPES if args.small else DECODE_SHAPES:
-        row = measure(shape, args.iters, not args.small)
-        if not args.small:
-            report.add(row)
-            report.save()  # after every shape: a cut-off run keeps what it measured
-    report.print_table()
+    measure_shapes(report, SMALL_SHAPES if args.small else DECODE_SHAPES,
+                   lambda shape: measure(shape, args.iters, not args.small), not args.small)
     ts.finalize()
 
 

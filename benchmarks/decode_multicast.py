@@ -35,7 +35,7 @@ import argparse
 import tilelang
 import tilelang.language as T
 import torch
-from harness import Report, check_close, columns_against, replays_against
+from harness import Report, check_close, columns_against, measure_shapes, replays_against
 
 # Batch rows x input features x output columns of one rank's decode GEMM (Llama-3-70B at TP 2:
 # K = 14336, N = 8192; Qwen2.5-72B at TP 4 rounded to whole K steps: K = 7168).
@@ -216,10 +216,7 @@ def main() -> None:
     args = parser.parse_args()
     kernels = ["unicast", "two_consumers", *HAND_WRITTEN]
     report = Report("decode-multicast", columns=["shape", "shared", "stages", *columns_against(kernels, "cublas")])
-    for shape in SHAPES[:1] if args.quick else SHAPES:
-        report.add(measure(shape, args.iters))
-        report.save()  # after every shape: a cut-off run keeps what it measured
-    report.print_table()
+    measure_shapes(report, SHAPES[:1] if args.quick else SHAPES, lambda shape: measure(shape, args.iters))
 
 
 if __name__ == "__main__":

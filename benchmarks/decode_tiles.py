@@ -29,7 +29,7 @@ this file took it into functions): ``benchmarks/results/ar-two-consumers-nvidia-
 import argparse
 
 import torch
-from harness import Report, check_close, columns_against, replays_against
+from harness import Report, check_close, columns_against, measure_shapes, replays_against
 
 import tilescale as ts
 from tilescale.ops._gemm import TileConfig
@@ -83,12 +83,8 @@ def main() -> None:
     ts.init()
     report = Report("decode-tiles", columns=["shape", "today", *columns_against(names, "cublas")])
     shapes = HALVES_SHAPES if "halves" in names else SHAPES
-    for shape in [(192, 512, 128)] if args.small else shapes:
-        row = measure(shape, args.iters, not args.small, names)
-        if not args.small:
-            report.add(row)
-            report.save()  # after every shape: a cut-off run keeps what it measured
-    report.print_table()
+    measure_shapes(report, [(192, 512, 128)] if args.small else shapes,
+                   lambda shape: measure(shape, args.iters, not args.small, names), not args.small)
     ts.finalize()
 
 

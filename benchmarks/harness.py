@@ -284,6 +284,30 @@ def replays_against(row: dict[str, Any], calls: dict[str, Callable[[], object]],
             row[f"{name}_vs_{baseline}"] = row[f"{name}_us"] / row[f"{baseline}_us"]
 
 
+def measure_shapes(report: Report, shapes: Iterable[Any], measure: Callable[[Any], dict[str, Any]],
+                   timed: bool = True) -> None:
+    """``measure(shape)`` for each of ``shapes``; with ``timed``, each row added to ``report`` and
+    the report saved after every shape (a run cut off at its time limit keeps what it measured);
+    the table printed at the end.
+
+    Example::
+
+        measure_shapes(report, SHAPES, lambda shape: measure(shape, args.iters, not args.small), not args.small)
+
+    Args:
+        report: The report the rows go to.
+        shapes: The shapes, in order.
+        measure: One shape's row (its checks run first, and raise on a mismatch).
+        timed: Whether the rows are timings to report (False: a check-only run, e.g. on the CPU path).
+    """
+    for shape in shapes:
+        row = measure(shape)
+        if timed:
+            report.add(row)
+            report.save()
+    report.print_table()
+
+
 def _default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype in _TOLERANCES:
         return _TOLERANCES[dtype]

@@ -296,3 +296,25 @@ def test_only_rank0_saves_under_torch_distributed(tmp_path):
     data = json.loads((tmp_path / "two.json").read_text())
     assert data["distributed"]["world_size"] == 2
     assert [row["rank"] for row in data["rows"]] == [0]
+
+
+def test_measure_shapes_saves_after_every_shape_and_checks_only_when_untimed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    seen = []
+
+    def measure(shape):
+        seen.append(shape)
+        if shape == 3:
+            raise AssertionError("shape 3: mismatch")
+        return {"shape": shape, "us": shape * 1.5}
+
+    report = harness.Report("shapes", columns=["shape", "us"])
+    with pytest.raises(AssertionError, match="shape 3"):
+        harness.measure_shapes(report, [1, 2, 3, 4], measure)
+    assert seen == [1, 2, 3]  # a failed check stops the run, and what came before is saved
+    assert [row["shape"] for row in json.loads(report.path.read_text())["rows"]] == [1, 2]
+
+    checks = harness.Report("checks", columns=["shape", "us"])
+    harness.measure_shapes(checks, [1, 2], measure, timed=False)
+    assert checks.rows == [] and checks.path is None and list(tmp_path.iterdir()) == [report.path]
+    assert "shape" in capsys.readouterr().out  # the table (its header) is printed either way
