@@ -31,12 +31,13 @@ shape (``choose_push_blocks``) against each count it chooses from, forced (see
 import argparse
 import json
 import math
+from pathlib import Path
 
 import tilelang
 import torch
 import torch.distributed as dist
 from gemm_tiles import Variant, build
-from harness import Report, check_close, graphed, progress, time_interleaved
+from harness import Report, check_close, device_info, graphed, progress, time_interleaved
 from tp_shapes import AG_SHAPES, AR_SHAPES, FLOOR_SHAPES, RS_SHAPES
 
 import tilescale as ts
@@ -417,10 +418,14 @@ def floor_summary(rows: list[dict]) -> dict:
     return summary
 
 
-def plot_floor(report: Report) -> None:
-    """fused / cuBLAS per shape and plan, with the goal line (rank 0 only)."""
-    if not report.path:
-        return
+def measured_on(device: dict) -> str:
+    """The device a run's rows were measured on, from its metadata (``harness.device_info``)."""
+    return device["gpus"][0] if device["gpus"] else device["cpu"]
+
+
+def plot_floor(rows: list[dict], png: Path, device: str) -> None:
+    """fused / cuBLAS per shape and plan of a floor run's ``rows`` measured on ``device``, with
+    the goal line, into ``png``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -433,21 +438,20 @@ def plot_floor(report: Report) -> None:
     ax = fig.add_subplot()
     width = 0.8 / len(series)
     for i, (key, label) in enumerate(zip(series, labels, strict=True)):
-        points = [(j, r[key]) for j, r in enumerate(report.rows) if key in r]
+        points = [(j, r[key]) for j, r in enumerate(rows) if key in r]
         if points:
             ax.bar([j + i * width for j, _ in points], [y for _, y in points], width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(FLOOR_GOAL, color="gray", linestyle="--", linewidth=0.8, label=f"goal ({FLOOR_GOAL}x, >= 1024 rows)")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(report.rows))])
-    ax.set_xticklabels([f"{r['op']} {r['M']}x{r['K']}x{r['N']}" for r in report.rows], rotation=40, ha="right",
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['op']} {r['M']}x{r['K']}x{r['N']}" for r in rows], rotation=40, ha="right",
                        fontsize=7)
     ax.set_ylabel("fused / cuBLAS (one rank's GEMM)")
-    ax.set_ylim(0.8, max(1.3, *(r.get(k, 0) for r in report.rows for k in series)) + 0.05)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    ax.set_ylim(0.8, max(1.3, *(r.get(k, 0) for r in rows for k in series)) + 0.05)
     ax.set_title(f"TP GEMM floor: fused plans vs cuBLAS, one-rank job on one {device}, bf16 (lower is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(report.path.with_suffix(".png"), dpi=120)
+    fig.savefig(png, dpi=120)
 
 
 def selected(shapes: list[tuple[str, tuple[int, int, int]]], wanted: str) -> list[tuple[str, tuple[int, int, int]]]:
@@ -486,7 +490,8 @@ def run_floor(args: argparse.Namespace) -> None:
     report.add({"op": "summary", "M": 0, "K": 0, "N": 0, **summary})
     report.save()
     report.rows.pop()
-    plot_floor(report)
+    if report.path:  # rank 0 saved it
+        plot_floor(report.rows, report.path.with_suffix(".png"), measured_on(device_info()))
 
 
 def run_predicted(args: argparse.Namespace) -> None:
@@ -533,10 +538,16 @@ def main() -> None:
     parser.add_argument("--part", default="", help="--floor: only shapes i, i + n, ... of the list (i/n)")
     parser.add_argument("--shapes", default="", help="--floor, --predicted, --pushers: only these (op:MxKxN,...)")
     parser.add_argument("--compile-only", action="store_true", help="--floor: build and check, no timing")
+    parser.add_argument("--plot", default="", help="plot a saved --floor run's JSON (the PNG beside it) and exit")
     parser.add_argument("--predicted", action="store_true", help="two ranks: check the 2-GPU prediction per shape")
     parser.add_argument("--pushers", action="store_true", help="two or more ranks: the all-gather's pushers, "
                         "chosen per shape against each count forced")
     args = parser.parse_args()
+    if args.plot:  # a saved floor run's plot, again (no GPU needed)
+        data = json.loads(Path(args.plot).read_text())
+        rows = [r for r in data["rows"] if r["op"] != "summary"]  # run_floor saves its summary as a last row
+        plot_floor(rows, Path(args.plot).with_suffix(".png"), measured_on(data["device"]))
+        return
     ts.init()
     if args.floor:
         run_floor(args)

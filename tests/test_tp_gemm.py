@@ -1,11 +1,12 @@
 """Fused TP GEMMs and TP layers: CPU-path correctness with 2 and 4 ranks, CUDA lowering and nvcc."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from cpu_jobs import run_cpu
+from cpu_jobs import run_cpu, run_python
 from cuda_build import lower_cuda, needs_nvcc, nvcc
 
 from tilescale.language import build_options
@@ -58,6 +59,20 @@ def test_decode_loop_probe_matches_torch():
     proc = run_cpu("benchmarks/decode_epilogue.py", 1, args=("--small",))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "decode-epilogue" in proc.stdout
+
+
+def test_floor_plot_from_a_saved_run(tmp_path):
+    """benchmarks/tp_gemm.py --plot: a saved floor run's JSON plotted again beside it, its summary row
+    left out, titled with the device the rows were measured on."""
+    saved = tmp_path / "tp-gemm-floor-demo.json"
+    rows = [{"op": "ag", "M": 1024, "K": 512, "N": 256, "fused_sm_pushers_vs_cublas": 1.05,
+             "fused_copy_engine_vs_cublas": 1.02},
+            {"op": "ar", "M": 128, "K": 512, "N": 256, "fused_vs_cublas": 1.1, "graph_fused_vs_cublas": 1.04},
+            {"op": "summary", "M": 0, "K": 0, "N": 0, "decode": []}]
+    saved.write_text(json.dumps({"device": {"gpus": ["NVIDIA H200"], "cpu": "x"}, "rows": rows}))
+    proc = run_python("benchmarks/tp_gemm.py", "--plot", saved)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert saved.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 KERNELS = {
