@@ -20,7 +20,9 @@ Memory ordering, and why it holds (PTX memory model):
   (``cp.async.bulk.wait_group 0``) and fences the async proxy, so the data is written.
 * ``__syncthreads`` then makes all threads' writes precede thread 0's
   ``fence.acq_rel.sys`` + ``st/red.release.sys``: release is cumulative, so a peer
-  that observes the flag with ``ld.acquire.sys`` observes the whole block's data.
+  that observes the flag with ``ld.acquire.sys`` observes the whole block's data. A
+  signal of this rank's own flag (no ``pe``), which only this GPU's blocks observe,
+  releases at GPU scope (``fence.acq_rel.gpu`` + ``st/red.release.gpu``).
 * After a wait succeeds, ``__syncthreads`` orders the acquiring thread before all others,
   and ``fence.proxy.async`` lets later TMA loads see what the generic proxy acquired.
 
@@ -89,8 +91,10 @@ def signal(flag: tirx.BufferLoad, value: int | tirx.PrimExpr = 1, *, pe: int | t
     Everything this block wrote before (local or remote, TMA included) is visible to whoever
     observes the new value. ``pe=None`` signals this rank's own copy, which only this GPU's
     blocks wait on (``T.wait`` reads this rank's flags): it is released at GPU scope, in any
-    lowering, where a flag of a peer (``pe`` given, even this rank) takes a system-scope
-    release that also waits for the block's writes to reach the other GPUs.
+    lowering, and publishes what the block wrote to this GPU's memory; puts to peers before
+    it are ordered by a signal of the peer's flag or a ``T.fence()``, not by it. A flag of a
+    peer (``pe`` given, even this rank) takes a system-scope release (in the device-call
+    lowering, after a quiet) that covers the puts too.
 
     ``scope="warp"``: every warp that runs the statement signals once, after its own writes,
     without synchronising the block: ``op="add"`` then adds ``value`` per warp (a block of
