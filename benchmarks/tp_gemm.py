@@ -42,7 +42,14 @@ from tp_shapes import AG_SHAPES, AR_SHAPES, FLOOR_SHAPES, RS_SHAPES
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT, NARROW, THIN, WIDE, TileConfig
-from tilescale.ops.tp_gemm import PUSH_CHOICES, choose_push_blocks, choose_tile, default_producer, reduce_grid
+from tilescale.ops.tp_gemm import (
+    PUSH_CHOICES,
+    choose_push_blocks,
+    choose_tile,
+    default_producer,
+    reduce_grid,
+    scatter_tile,
+)
 
 TILES = {DEFAULT: "128x128", WIDE: "128x256", NARROW: "128x64"}
 
@@ -138,7 +145,7 @@ def measure(op: str, shape: tuple[int, int, int], iters: int, push_blocks: tuple
     operand, unfused, fused = _plans(op, a, weight)
     expected = unfused().clone()
     world = ts.world_size()
-    chosen = choose_tile(m // world, n, split_k=True, kernels=(world,)) if op == "rs" else \
+    chosen = scatter_tile(m // world, n, world) if op == "rs" else \
         choose_tile(m, n, split_k=True, k=k) if op == "ar" else choose_tile(m // world, n, kernels=(1, world - 1))
     row = {"op": op, "M": m, "K": k, "N": n, "tile": tile_label(chosen), "checks": []}
     timings = {"gemm_alone": lambda: operand @ weight.T, "nccl_cublas": unfused}

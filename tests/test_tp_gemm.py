@@ -484,3 +484,12 @@ def test_fused_plan_on_gpus_takes_two_byte_dtypes(monkeypatch):
     rt.tp_plan = "fused"
     with pytest.raises(TypeError, match="use plan='unfused'"):
         plan._choose(None, 4096, True, None, torch.float32)
+
+
+def test_reduce_scatter_tiles_are_never_swapped(monkeypatch):
+    """A group of one rank has one segment, as the decode all-reduce: its reduce-scatter GEMM
+    still takes an unswapped tile (its kernels refuse swapped ones)."""
+    monkeypatch.setattr(plan, "sm_count", lambda: 132)
+    assert tp_gemm.choose_tile(64, 1024, split_k=True, kernels=(1,)).swap_ab  # the all-reduce's
+    for rows, world in ((64, 1), (200, 1), (64, 2), (16, 8)):
+        assert not tp_gemm.scatter_tile(rows, 1024, world).swap_ab

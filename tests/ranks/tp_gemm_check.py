@@ -172,7 +172,7 @@ if next(cases) % PARTS == PART:  # each fused plan's calls are counted by its ow
     from expect import counted_calls
 
     from tilescale.ops._common import sm_count
-    from tilescale.ops.tp_gemm import choose_tile, reduce_grid
+    from tilescale.ops.tp_gemm import reduce_grid, scatter_tile
 
     a, a2, a3 = (torch.randn(rows, k, dtype=torch.bfloat16)
                  for rows, k in ((64, 96), (world * 64, 96), (world * 16, 256)))
@@ -180,7 +180,7 @@ if next(cases) % PARTS == PART:  # each fused plan's calls are counted by its ow
     # SHORT tiles outnumber the SMs: the gathering plan.
     w4 = torch.randn(64 * (sm_count() // world + 1), 96, dtype=torch.bfloat16)
     # K = 256 is split where a segment's one tile leaves SMs idle (the GEMM, then the reduction).
-    split = reduce_grid(world * 16, 256, 96, world, choose_tile(16, 96, split_k=True, kernels=(world,))).splits > 1
+    split = reduce_grid(world * 16, 256, 96, world, scatter_tile(16, 96, world)).splits > 1
     kernels = {"all_gather_gemm sm": (lambda: ts.ops.all_gather_gemm(a, w, plan="fused", producer="sm"), 2),
                "gemm_reduce_scatter": (lambda: ts.ops.gemm_reduce_scatter(a2, w, plan="fused"), 1),
                "gemm_reduce_scatter split K": (lambda: ts.ops.gemm_reduce_scatter(a3, w3, plan="fused"), 1 + split),

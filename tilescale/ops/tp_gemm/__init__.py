@@ -65,6 +65,7 @@ from tilescale.ops.tp_gemm.plan import (
     one_kernel_wins,
     own_kernel_us,
     reduce_grid,
+    scatter_tile,
     useful_share,
     wave_efficiency,
 )
@@ -75,4 +76,4 @@ __all__ = ["COPY_ENGINE_MIN_BYTES", "FUSED_MIN_ROWS", "PRODUCERS", "PUSH_CHOICES
            "all_reduce_gemm_kernel", "announce_kernel", "choose_push_blocks", "choose_tile", "chunk_tiles",
            "default_producer", "gather_segments_kernel", "gemm_all_reduce", "gemm_push_kernel",
            "gemm_reduce_scatter", "gemm_reduce_scatter_kernel", "k_splits", "kernel_tiles", "one_kernel_wins",
-           "own_kernel_us", "reduce_grid", "sum_received_kernel", "useful_share", "wave_efficiency"]
+           "own_kernel_us", "reduce_grid", "scatter_tile", "sum_received_kernel", "useful_share", "wave_efficiency"]

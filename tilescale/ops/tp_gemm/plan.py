@@ -231,6 +231,18 @@ def choose_tile(rows: int, n: int, split_k: bool = False, kernels: tuple[int, ..
     return DEFAULT
 
 
+def scatter_tile(rows: int, n: int, world: int) -> TileConfig:
+    """The reduce-scatter GEMM's tile for ``rows`` output rows per rank (``world`` owners):
+    :func:`choose_tile`'s, never a swapped one (only the one-kernel decode all-reduce takes
+    those), also over a group of one rank, whose one segment looks like the all-reduce's.
+
+    Example::
+
+        scatter_tile(64, 1024, 1)        # THIN or NARROW, not swapped_tile(64)
+    """
+    return choose_tile(rows, n, split_k=True, kernels=(world,), swapped=False)
+
+
 def choose_push_blocks(rows: int, k: int, n: int, world: int, tile: TileConfig, elem_bytes: int) -> int:
     """Pusher blocks of the all-gather GEMM's first kernel (``producer="sm"``): of
     ``PUSH_CHOICES`` the one whose kernel ends first by :func:`own_kernel_us` (ties: the one

@@ -41,6 +41,7 @@ from tilescale.ops.tp_gemm.plan import (
     gemm_alone,
     one_kernel_wins,
     reduce_grid,
+    scatter_tile,
 )
 from tilescale.plans import capturing
 
@@ -122,7 +123,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     check_same_across_ranks(state, "gemm_reduce_scatter", [m, k, n, str(a.dtype)], every_call=m == 0)
     if m == 0:
         return a.new_empty(0, n)
-    tile = tile or choose_tile(m // world, n, split_k=True, kernels=(world,))
+    tile = tile or scatter_tile(m // world, n, world)
     grid = reduce_grid(m, k, n, world, tile)
     padded, tiles, splits = grid.padded, grid.tiles, grid.splits
     wins = _fused_wins(2 * m * k * n, [world * tiles * splits], (world - 1) * m * n * a.element_size() / world)
@@ -213,7 +214,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     one_kernel = grid.tiles * grid.splits <= sm_count()  # one kernel needs every block resident
     gather = False
     if not one_kernel and m % world == 0:
-        scattered = reduce_grid(m, k, n, world, tile or choose_tile(m // world, n, split_k=True, kernels=(world,)))
+        scattered = reduce_grid(m, k, n, world, tile or scatter_tile(m // world, n, world))
         if scattered.splits == 1:  # each owner's tile holds the whole sum
             grid, gather = scattered, True
     # On GPUs the one-kernel plan (decode) is fused where it moves no more than NCCL (two
