@@ -10,9 +10,7 @@ kernel under a ``DistributedKernel`` are measured in the same run, interleaved w
 as ``JITKernel.__call__``, as the compiled module's entry function that ``DistributedKernel``
 calls (``tilescale.jit._fastest_launch``), and compiled by TileLang's cython backend. The
 goals of the host-path issue are printed at the end. The TP ops and layers run their fused
-plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks. Each call's host time
-is also measured with every kernel launched through TileLang's entry function
-(``entry_host_us``: launch templates off, ``tilescale.launches``), in the same rounds.
+plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks.
 
     tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
     tilescale run -n 1 benchmarks/host_cost.py --calls 500
@@ -31,7 +29,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import tilescale as ts
 from tilescale.jit import _fastest_launch
-from tilescale.launches import set_mode as launches_mode
 from tilescale.ops import p2p
 from tilescale.ops._common import sm_count
 
@@ -166,7 +163,6 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         print(f"cython backend not measured: {type(err).__name__}: {err}", flush=True)
     return calls | {
         "DistributedKernel (put)": lambda: kernel(x4k, y4k, right),
-        "DistributedKernel.launch (put)": lambda: kernel.launch(x4k, y4k, right),
         "ops.put 4 KiB": lambda: ts.ops.put(x4k, y4k, right),
         "ops.get 4 KiB": lambda: ts.ops.get(y4k, x4k, right),
         "ops.all_gather 4 KiB": lambda: ts.ops.all_gather(x4k),
@@ -224,27 +220,21 @@ def main() -> None:
             fn()
         counts = {name: launches(fn) for name, fn in fns.items()}
         host: dict[str, list[float]] = {name: [] for name in fns}
-        entry: dict[str, list[float]] = {name: [] for name in fns}  # every kernel through TileLang's entry
         for _ in range(3):  # interleaved rounds: a drift of clocks moves every row alike
             for name, fn in fns.items():
-                previous = launches_mode("0")
-                entry[name].append(host_us(fn, args.calls))
-                launches_mode(previous)
                 host[name].append(host_us(fn, args.calls))
         torch_launch = statistics.median(host["torch add_ (one launch)"])
-        report = Report("host_cost", columns=["call", "kernels", "host_us", "entry_host_us", "budget_us",
-                                              "vs_budget", "eager_us", "graph_us", "eager_vs_graph"])
+        report = Report("host_cost", columns=["call", "kernels", "host_us", "budget_us", "vs_budget",
+                                              "eager_us", "graph_us", "eager_vs_graph"])
         for name, fn in fns.items():
             us = statistics.median(host[name])
             budget = 1.3 * torch_launch * max(counts[name], 1)
             eager = time_fn(fn, warmup=3, iters=50).median_ms * 1e3
             replay = capturable(fn) if name.startswith(("ops.", "nn.")) else None
             graph = time_fn(replay, warmup=3, iters=50).median_ms * 1e3 if replay is not None else None
-            report.add({"call": name, "kernels": counts[name], "host_us": us,
-                        "entry_host_us": statistics.median(entry[name]), "budget_us": budget,
+            report.add({"call": name, "kernels": counts[name], "host_us": us, "budget_us": budget,
                         "vs_budget": us / budget, "eager_us": eager, "graph_us": graph,
-                        "eager_vs_graph": eager / graph if graph else None, "host_us_rounds": host[name],
-                        "entry_host_us_rounds": entry[name]})
+                        "eager_vs_graph": eager / graph if graph else None, "host_us_rounds": host[name]})
     report.print_table()
     report.save()
     print_goals({row["call"]: row for row in report.rows})

@@ -57,7 +57,6 @@ from tilescale.language.scale import (
     build_options,
     requested_remote,
 )
-from tilescale.launches import LaunchTemplates
 from tilescale.plans import PlanCache
 from tilescale.symmetric import check_group, lookup, peer_table
 from tilescale.tir_fixes import coherent_reads, guard_unit_loops, keep_index_arithmetic
@@ -80,20 +79,6 @@ def _grid_blocks(func: tirx.PrimFunc) -> int | None:
     for v in extents.values():
         blocks *= v
     return blocks
-
-
-def _buffer(func: tirx.PrimFunc, name: str) -> tirx.Buffer | None:
-    """The buffer of ``func``'s parameter ``name`` (None: a scalar)."""
-    for p in func.params:
-        buf = func.buffer_map.get(p)
-        if (buf.name if buf is not None else p.name) == name:
-            return buf
-    return None
-
-
-def _has_dynamic_shape(func: tirx.PrimFunc, name: str) -> bool:
-    buf = _buffer(func, name)
-    return buf is not None and any(not isinstance(d, tirx.IntImm) for d in buf.shape)
 
 
 def _user_params(func: tirx.PrimFunc, hidden: dict[str, str]) -> list[str]:
@@ -177,11 +162,6 @@ class DistributedKernel:
         # Hidden arguments by (group, addresses of the symmetric arguments), see __call__.
         self._plans = PlanCache()
         self._launch: Callable[..., Any] = self._first_launch
-        # Launch templates (launch()) by the key of the hidden arguments' plan; None: not on GPUs.
-        templated = not _runs_on_cpu(compile_kwargs) and not outputs and any(
-            _buffer(func, n) is not None for n in self.inputs)  # a tensor argument names the launch's stream
-        self._templates: PlanCache | None = PlanCache() if templated else None
-        self._dynamic = [i for i, name in enumerate(self.inputs) if _has_dynamic_shape(func, name)]
 
     def get_kernel_source(self) -> str:
         """The generated device source (CUDA C++ for GPU targets)."""
@@ -224,39 +204,6 @@ class DistributedKernel:
         waits and disagreeing ranks in."""
         if not self.hidden:
             return self._launch(*args)
-        hidden, _ = self._plan(args, group)
-        return self._launch(*args, *hidden)
-
-    def launch(self, *args: Any, group: Any = None) -> None:
-        """Launch on ``args`` as a call does, for callers that guarantee what TileLang's host code
-        checks per call: every tensor of the dtype, device and contiguous layout the kernel
-        was built for, its static dimensions as built (tilescale's ops: their plans are keyed
-        by these). Its dynamic dimensions may change. Then, from a shape's third call on, the
-        kernel is launched from a template of its parameters (:mod:`tilescale.launches`)
-        instead of TileLang's entry function; elsewhere (the CPU path, kernels that return
-        outputs) this is the call.
-
-        Example::
-
-            kernel.launch(a, weight, out, *ident, group=group)    # in an op's plan: args checked by its key
-        """
-        if self._templates is None:
-            self(*args, group=group)
-            return
-        hidden, plan = self._plan(args, group) if self.hidden else ((), ())
-        if plan is None:  # hidden arguments kept for no later call: nothing to key a template by
-            self._launch(*args, *hidden)
-            return
-        templates = self._templates.get(plan)
-        if templates is None:
-            if self._launch == self._first_launch:
-                self._launch = _fastest_launch(self.kernel)
-            templates = self._templates.put(plan, LaunchTemplates(self._launch, len(args), self._dynamic))
-        templates.launch((*args, *hidden), runtime.device())
-
-    def _plan(self, args: tuple, group: Any) -> tuple[list[Any], tuple]:
-        """The hidden arguments of a call on ``args`` over ``group`` and the key of their plan
-        (``tilescale.plans``; None: a call that keeps no plan), the call's failures checked."""
         rt = runtime.current()
         runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads per group)
         if len(args) != len(self.inputs):
@@ -270,12 +217,10 @@ class DistributedKernel:
             plan = self._bind(args, group)
             if key is not None and all(key[1:]):  # address 0: a tensor with no elements, nothing to key by
                 self._plans.put(key, plan)
-            else:
-                key = None
         hidden, spans = plan
         # Arguments reached by address are not part of the key: their spans are this call's.
         rt.last_kernel_spans = spans + _spans(self.inputs, args, self._by_address) if self._by_address else spans
-        return hidden, key
+        return self._launch(*args, *hidden)
 
     def _bind(self, args: tuple, group: Any) -> tuple[list[Any], tuple[tuple[str, int, int, int], ...]]:
         """The hidden arguments of a call on ``args`` over ``group``, every argument and the group

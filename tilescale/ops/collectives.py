@@ -212,7 +212,7 @@ def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None, group: dist.Proc
     rows, result, sig = target.view(world, n), target.view(shape), signature("all_gather", x)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        kernel.launch(x.view(1, n), rows, sig, group=group)
+        kernel(x.view(1, n), rows, sig, group=group)
         return out if out is not None else result.clone()
 
     launch_together(state, "all_gather", key)
@@ -260,7 +260,7 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None,
         if staged is not None:
             staged.copy_(x)
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        kernel.launch((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
+        kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
         return out
 
     launch_together(state, "reduce_scatter", key)
@@ -324,10 +324,10 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None, group: dist.Process
     def launch(x: torch.Tensor) -> torch.Tensor:
         if buffer is None:
             src = x.view(rows, chunk)
-            kernel.launch(src, scratch if one_shot else src[:1], sig, group=group)
+            kernel(src, scratch if one_shot else src[:1], sig, group=group)
             return x
         staged.copy_(x)
-        kernel.launch(staged_rows, staged_out, sig, group=group)
+        kernel(staged_rows, staged_out, sig, group=group)
         x.copy_(staged)
         return x
 

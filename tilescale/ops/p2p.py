@@ -89,7 +89,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan, get
             raise IndexError(f"peer {peer} out of range for the {state.describe()} of size {state.size}")
         kernel = transfer_kernel(tl_dtype(src), vector_width(src.numel(), src), plan, sm_count(), get, group=group)
         op_plans.put(key, kernel)
-    kernel.launch(flat(src), flat(dst), peer, group=group)
+    kernel(flat(src), flat(dst), peer, group=group)
 
 
 def put(src: torch.Tensor, dst: torch.Tensor, peer: int, plan: CopyPlan = DEFAULT_PLAN, *,

@@ -419,7 +419,7 @@ class Buffer:
         recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         board, ident = call_identity(self.state, plan.signature)
         ranges, progress = plan.flags
-        plan.send.launch(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
+        plan.send(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
                   routes["expert_counts"], plan.received, self._idx, self._w, self._slot, self._counts,
                   self._expert_counts, ranges, progress, self._arrived, self._sends, counts, offsets,
                   received_counts, position, weight, source_row, row_expert, recv_x, board, ident, group=self.group)
@@ -493,7 +493,7 @@ class Buffer:
             launch_together(self.state, "moe_combine", (self._serial, hidden, expert_out.dtype))
         kernel, back, sig = plan
         sig = numbered_signature(sig, handle.dispatch, "dispatch")  # which dispatch: ranks must agree on it too
-        kernel.launch(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
+        kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
                handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
         return out if tokens else out[:0]
 
@@ -545,8 +545,6 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     """This rank's shapes (checked locally; the ranks' agreement is the buffer's and the kernels'); its tokens.
     FP8 values (``fp8``) may have any strides: ``pack`` moves them into byte rows where they are not already."""
     check_input(x, "x", contiguous=not fp8)
-    check_input(topk_idx, "topk_idx", contiguous=False)  # the kernels' arguments must be on this rank's device
-    check_input(topk_weights, "topk_weights", contiguous=False)
     if x.dim() != 2:
         raise ValueError(f"moe_dispatch: x must be (tokens, hidden), got {tuple(x.shape)}")
     if topk_idx.shape != topk_weights.shape or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:

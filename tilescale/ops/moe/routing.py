@@ -279,9 +279,9 @@ class Routing:
     def __call__(self, topk_idx: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
                  expert_slot: torch.Tensor, expert_counts: torch.Tensor, bad: torch.Tensor, ids: torch.Tensor,
                  counts: torch.Tensor, bad_host: int) -> None:
-        self.count.launch(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+        self.count(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
         if self.finish is not None:
-            self.finish.launch(slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+            self.finish(slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
 
 
 def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32",

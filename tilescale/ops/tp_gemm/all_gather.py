@@ -74,7 +74,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     padded = -(-m // bm) * bm
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
     if world == 1:  # nothing to gather, no peer to agree with
-        return lambda a_shard, weight, out: own.launch(a_shard, weight, out, group=group)
+        return lambda a_shard, weight, out: own(a_shard, weight, out, group=group)
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
     ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
@@ -107,10 +107,10 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
             main = torch.cuda.current_stream()
             ex.stream.wait_stream(main)  # a_shard is ready, and the previous call is done with the buffers
             with torch.cuda.stream(ex.stream):  # before the own GEMM, so that it gets an SM before the GEMM takes all
-                announce.launch(*ident, group=group)
+                announce(*ident, group=group)
         else:
-            announce.launch(*ident, group=group)
-        own.launch(a_shard, weight, out, group=group)
+            announce(*ident, group=group)
+        own(a_shard, weight, out, group=group)
         if on_gpu:
             with torch.cuda.stream(ex.stream):
                 for rows, dsts, flag in copies:
@@ -121,7 +121,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
             for rows, dsts, (flags, index) in copies:
                 dsts[buffer_set].copy_(a_shard[rows])
                 flags[index] = epoch
-        peers.launch(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, group=group)
+        peers(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, group=group)
 
     return launch
 
@@ -149,9 +149,9 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        own.launch(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+        own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
         if peers is not None:
-            peers.launch(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+            peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
 
     return launch
 

@@ -67,9 +67,9 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        push.launch(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
+        push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
         out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-        reduce.launch(received, out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
+        reduce(received, out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
         return out
 
     return launch
@@ -151,7 +151,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
         out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        kernel.launch(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
 
     return _fused_plan(state, key, "gemm_reduce_scatter", launch)(a, weight)
@@ -259,7 +259,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        kernel.launch(a, weight, ex.buffers, out, parts, ex.flags, ex.state, *ident, group=group)
+        kernel(a, weight, ex.buffers, out, parts, ex.flags, ex.state, *ident, group=group)
         return out
 
     return _fused_plan(state, key, "gemm_all_reduce", launch)(a, weight)
@@ -283,9 +283,9 @@ def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tenso
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        kernel.launch(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         if copy_in is not None:
-            copy_in.launch(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
+            copy_in(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
         return out
 
     return launch
