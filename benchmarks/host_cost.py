@@ -14,6 +14,12 @@ plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks.
 
     tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
     tilescale run -n 1 benchmarks/host_cost.py --calls 500
+    tilescale run -n 1 benchmarks/host_cost.py --breakdown     # where each op's host time goes
+
+``--breakdown`` splits each ``ts.ops`` call's host time, in interleaved rounds: the whole call,
+the ``DistributedKernel`` calls it makes (replayed with the arguments one call passed them), and
+those kernels' TileLang entry functions with the hidden arguments filled in; the differences are
+the op's own Python (checks, plan lookup, allocations) and ``DistributedKernel``'s.
 """
 
 import argparse
@@ -28,7 +34,7 @@ from harness import Report, graphed, time_fn
 from torch.profiler import ProfilerActivity, profile
 
 import tilescale as ts
-from tilescale.jit import _fastest_launch
+from tilescale.jit import DistributedKernel, _fastest_launch
 from tilescale.ops import p2p
 from tilescale.ops._common import sm_count
 
@@ -202,9 +208,66 @@ def print_goals(rows: dict[str, dict]) -> None:
         print(f"GOAL {name} eager <= {limit}x its replay: {verdict}")
 
 
+def kernel_calls(fn: Callable[[], object]) -> list[tuple[DistributedKernel, tuple, object]]:
+    """The ``DistributedKernel`` calls one call of ``fn`` makes: (kernel, arguments, group)."""
+    calls = []
+    call = DistributedKernel.__call__
+
+    def recording(kernel: DistributedKernel, *args: object, group: object = None) -> object:
+        calls.append((kernel, args, group))
+        return call(kernel, *args, group=group)
+
+    DistributedKernel.__call__ = recording
+    try:
+        fn()
+    finally:
+        DistributedKernel.__call__ = call
+    return calls
+
+
+def entries(calls: list[tuple[DistributedKernel, tuple, object]]) -> Callable[[], None]:
+    """The TileLang entry functions of ``calls`` with their hidden arguments, as a call launches them."""
+    launches_ = []
+    for kernel, args, group in calls:
+        hidden = kernel._plans.get((group, *[args[i].data_ptr() for i in kernel._tables]))[0] if kernel.hidden else []
+        launches_.append((kernel._launch, (*args, *hidden)))
+    return lambda: [launch(*a) for launch, a in launches_]
+
+
+def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
+    """Print and save where each op's host time goes (see the module's docstring)."""
+    layers = {}
+    for name, fn in fns.items():
+        if name.startswith("ops."):
+            recorded = kernel_calls(fn)
+            layers[name] = {"op": fn, "kernels": len(recorded)}
+            if recorded:  # an op launching its kernels another way (cuBLAS, TileLang's own call) is not split
+                layers[name] |= {"kernel calls": lambda r=recorded: [k(*a, group=g) for k, a, g in r],
+                                 "entry functions": entries(recorded)}
+    layers["torch add_"] = {"op": fns["torch add_ (one launch)"]}
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(3):  # rounds interleaved
+        for name, parts in layers.items():
+            for part, fn in parts.items():
+                if part != "kernels":
+                    samples.setdefault((name, part), []).append(host_us(fn, calls))
+    report = Report("host_breakdown", columns=["call", "kernels", "op_us", "kernel_calls_us", "entries_us",
+                                               "op_python_us", "kernel_python_us"])
+    for name, parts in layers.items():
+        us = {part: statistics.median(samples[(name, part)]) for part in parts if part != "kernels"}
+        kc, en = us.get("kernel calls"), us.get("entry functions")
+        report.add({"call": name, "kernels": parts.get("kernels", 1), "op_us": us["op"], "kernel_calls_us": kc,
+                    "entries_us": en, "op_python_us": us["op"] - kc if kc is not None else None,
+                    "kernel_python_us": kc - en if kc is not None else None,
+                    "rounds": {part: samples[(name, part)] for part in us}})
+    report.print_table()
+    report.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="back-to-back calls per host-time sample")
+    parser.add_argument("--breakdown", action="store_true", help="split each op's host time (module docstring)")
     args = parser.parse_args()
     # The TP ops and layers on their fused plans, as they run over several ranks (a group of one
     # rank would run the GEMM alone), unless the environment asks for another plan.
@@ -218,6 +281,10 @@ def main() -> None:
     with torch.no_grad():
         for fn in fns.values():  # kernels built, buffers allocated, before anything is timed
             fn()
+        if args.breakdown:
+            breakdown(fns, args.calls)
+            ts.finalize()
+            return
         counts = {name: launches(fn) for name, fn in fns.items()}
         host: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(3):  # interleaved rounds: a drift of clocks moves every row alike
