@@ -401,8 +401,10 @@ def test_prelude_has_the_system_scope_ptx(name):
     for helper in ("block_signal(int* addr", "block_wait(const int* addr", "grid_barrier(const void* peer_table"):
         assert helper in src
     # A signal of this rank's own flag releases at GPU scope: only this GPU's blocks wait on it.
-    local = src[src.index("void local_release("):src.index("void local_block_signal(")]
+    release = src[src.index("void release("):src.index("void block_release(")]
+    local = release[release.index("} else {"):]
     assert "fence.acq_rel.gpu" in local and "red.release.gpu.global.add.s32" in local and ".sys" not in local
+    assert "local_block_signal(int* addr, int value, int op) {\n  block_release<false>(" in src
 
 
 @pytest.mark.parametrize("world", [3, 5])

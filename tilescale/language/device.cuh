@@ -123,46 +123,50 @@ __device__ __forceinline__ bool spin(const int* addr, int cmp, int expected, lon
   return !disagrees(board, world, ident, status_addr, rank);
 }
 
-__device__ __forceinline__ void block_signal(int* addr, int value, int op) {
-  complete_writes();
-  __syncthreads();
-  if (is_leader()) {
+// A flag's release once the writes it publishes are done. kSystem: a flag that peers or the
+// host read (system scope). Otherwise this rank's own flag (T.signal with no pe), which only
+// this GPU's blocks wait on (T.wait reads this rank's flags only): released at GPU scope, since
+// a system-scope fence would also wait for the writes to reach peers and the host, which
+// nobody ordered by this flag reads.
+template <bool kSystem>
+__device__ __forceinline__ void release(int* addr, int value, int op) {
+  if (kSystem) {
     asm volatile("fence.acq_rel.sys;" ::: "memory");
     if (op == 0) store_release(addr, value); else add_release(addr, value);
+  } else {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    if (op == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
+    else asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
   }
+}
+
+// T.signal(..., scope="block"): the block's leader signals after every thread's writes.
+template <bool kSystem>
+__device__ __forceinline__ void block_release(int* addr, int value, int op) {
+  complete_writes();
+  __syncthreads();
+  if (is_leader()) release<kSystem>(addr, value, op);
 }
 
 // T.signal(..., scope="warp"): lane 0 of each warp that runs it signals after the warp's
-// writes (__syncwarp orders them before lane 0's system-scope release, as __syncthreads
-// does for the block). Safe where only some warps of the block run the statement.
-__device__ __forceinline__ void warp_signal(int* addr, int value, int op) {
+// writes (__syncwarp orders them before lane 0's release, as __syncthreads does for the
+// block). Safe where only some warps of the block run the statement.
+template <bool kSystem>
+__device__ __forceinline__ void warp_release(int* addr, int value, int op) {
   complete_writes();
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) {
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-    if (op == 0) store_release(addr, value); else add_release(addr, value);
-  }
+  if ((threadIdx.x & 31) == 0) release<kSystem>(addr, value, op);
 }
 
-// T.signal with no pe: this rank's own flag, which only this GPU's blocks wait on (T.wait
-// reads this rank's flags only). Released at GPU scope: a system-scope fence would also wait
-// for the writes to reach peers and the host, which nobody ordered by this flag reads.
-__device__ __forceinline__ void local_release(int* addr, int value, int op) {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  if (op == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
-  else asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(value) : "memory");
-}
-
+// The helpers the lowering names: a signal of a peer's flag (or any read at system scope),
+// and of this rank's own flag.
+__device__ __forceinline__ void block_signal(int* addr, int value, int op) { block_release<true>(addr, value, op); }
+__device__ __forceinline__ void warp_signal(int* addr, int value, int op) { warp_release<true>(addr, value, op); }
 __device__ __forceinline__ void local_block_signal(int* addr, int value, int op) {
-  complete_writes();
-  __syncthreads();
-  if (is_leader()) local_release(addr, value, op);
+  block_release<false>(addr, value, op);
 }
-
 __device__ __forceinline__ void local_warp_signal(int* addr, int value, int op) {
-  complete_writes();
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) local_release(addr, value, op);
+  warp_release<false>(addr, value, op);
 }
 
 __device__ __forceinline__ void block_wait(const int* addr, int cmp, int expected, long long status_addr,
