@@ -400,6 +400,11 @@ def _tp2_producer(m: int, k: int) -> str:
     return next(label for label, p in _PRODUCER_LABELS.items() if p == producer)
 
 
+def shape_rows(rows: list[dict]) -> list[dict]:
+    """A floor run's rows of shapes: ``run_floor`` saves its summary (:func:`floor_summary`) as a last row."""
+    return [r for r in rows if r["op"] != "summary"]
+
+
 def floor_summary(rows: list[dict]) -> dict:
     """Worst and geometric-mean fused/cuBLAS over the shapes with >= 1024 rows, per plan, and
     the decode all-reduces against their goals."""
@@ -496,9 +501,8 @@ def run_floor(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
     report.add({"op": "summary", "M": 0, "K": 0, "N": 0, **summary})
     report.save()
-    report.rows.pop()
     if report.path:  # rank 0 saved it
-        plot_floor(report.rows, report.path.with_suffix(".png"), measured_on(device_info()))
+        plot_floor(shape_rows(report.rows), report.path.with_suffix(".png"), measured_on(device_info()))
 
 
 def run_predicted(args: argparse.Namespace) -> None:
@@ -552,8 +556,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot:  # a saved floor run's plot, again (no GPU needed)
         data = json.loads(Path(args.plot).read_text())
-        rows = [r for r in data["rows"] if r["op"] != "summary"]  # run_floor saves its summary as a last row
-        plot_floor(rows, Path(args.plot).with_suffix(".png"), measured_on(data["device"]))
+        plot_floor(shape_rows(data["rows"]), Path(args.plot).with_suffix(".png"), measured_on(data["device"]))
         return
     ts.init()
     if args.floor:
