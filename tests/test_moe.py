@@ -68,6 +68,12 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
             assert rows.data_ptr() == values.data_ptr() and rows.is_contiguous()  # the views' own bytes: no copy
             assert tuple(rows.shape) == (tokens, moe.fp8.packed_width(hidden))
             assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
+            assert moe.fp8.pack((values, scales)) is rows  # unpack's pair: its rows at once
+            other_values, other_scales = moe.quantize_fp8(x * 2)
+            mixed = moe.fp8.pack((values, other_scales))  # views of two sets of rows: packed by copy
+            assert mixed.data_ptr() not in (rows.data_ptr(), other_values.data_ptr())
+            assert torch.equal(mixed[:, :hidden], rows[:, :hidden])
+            assert torch.equal(mixed[:, hidden:], moe.fp8.pack((other_values, other_scales))[:, hidden:])
             assert torch.equal(moe.dequantize_fp8(values, scales), moe.dequantize_fp8(want_values, want_scales))
             # DeepEP's round_scale: each scale rounded up to a power of two, the values divided by it
             values, scales = moe.quantize_fp8(x, round_scale=True)
