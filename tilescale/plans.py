@@ -167,13 +167,8 @@ class ReusedOutputs:
 
 
 def _holders(tensors: tuple[torch.Tensor, ...], storage: int) -> tuple[int, ...]:
-    """References to each of ``tensors`` (Python, then C++), then to their storage. Counted by
-    ``map`` over C functions, not a Python loop: this runs at every call of an op with kept outputs
-    (about half the host time of a check of 15 tensors on a GPU host)."""
-    return (*map(sys.getrefcount, tensors), *map(_use_count, tensors), torch._C._storage_Use_Count(storage))
-
-
-_use_count = torch.Tensor._use_count
+    """References to each of ``tensors`` (Python and C++), then to their storage."""
+    return (*[sys.getrefcount(t) + t._use_count() for t in tensors], torch._C._storage_Use_Count(storage))
 
 
 def _unheld(tensors: tuple[torch.Tensor, ...], storage: int, holders: tuple[int, ...]) -> bool:
