@@ -69,6 +69,13 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
             assert tuple(rows.shape) == (tokens, moe.fp8.packed_width(hidden))
             assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
             assert moe.fp8.pack((values, scales)) is rows  # unpack's pair: its rows at once
+            reshaped, reshaped_scales = moe.quantize_fp8(x)
+            reshaped.t_()  # no longer the layout unpack made: checked (and refused) as any other pair
+            try:
+                moe.fp8.pack((reshaped, reshaped_scales))
+                raise AssertionError("a transposed FP8 pair was packed")
+            except ValueError as err:
+                assert "FP8 scales must be" in str(err)
             other_values, other_scales = moe.quantize_fp8(x * 2)
             mixed = moe.fp8.pack((values, other_scales))  # views of two sets of rows: packed by copy
             assert mixed.data_ptr() not in (rows.data_ptr(), other_values.data_ptr())

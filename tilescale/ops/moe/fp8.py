@@ -147,9 +147,9 @@ def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     A pair that already is views of such rows (:func:`unpack`'s, e.g. a dispatch's output)
     gives those bytes back without a copy."""
     values, scales = x
-    rows = getattr(values, "_ts_rows", None)
-    if rows is not None and getattr(scales, "_ts_rows", None) is rows:  # both views unpack made of these rows
-        return rows
+    marked = getattr(values, "_ts_rows", None)
+    if marked is not None and getattr(scales, "_ts_rows", None) is marked and _layout(values, scales) == marked[1]:
+        return marked[0]  # both views as unpack made them of these rows (no in-place reshape since)
     if values.dim() != 2 or values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
         raise TypeError(f"FP8 rows are (values: float8_e4m3fn (tokens, hidden), scales: float32 (tokens, hidden // "
                         f"{BLOCK})), got {values.dtype} {tuple(values.shape)} and {scales.dtype}")
@@ -195,7 +195,14 @@ def unpack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
         float32 scales, views of ``rows``.
     """
     values, scales = rows[:, :hidden].view(torch.float8_e4m3fn), rows[:, hidden:].view(torch.float32)
-    # pack() gives the rows back from this pair at once (the checks of any other pair cost several
-    # microseconds of each dispatch's host time); a tensor made from either view has no such mark.
-    values._ts_rows = scales._ts_rows = rows
+    # pack() gives the rows back from this pair at once while both keep this layout (the checks of
+    # any other pair cost several microseconds of each dispatch's host time); a tensor made from
+    # either view has no such mark.
+    values._ts_rows = scales._ts_rows = (rows, _layout(values, scales))
     return values, scales
+
+
+def _layout(values: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """What an in-place reshape (``t_``, ``as_strided_``, ...) of an FP8 pair's views would change."""
+    return (values.shape, values.stride(), values.storage_offset(),
+            scales.shape, scales.stride(), scales.storage_offset())
