@@ -10,13 +10,16 @@ kernel under a ``DistributedKernel`` are measured in the same run, interleaved w
 as ``JITKernel.__call__``, as the compiled module's entry function that ``DistributedKernel``
 calls (``tilescale.jit._fastest_launch``), and compiled by TileLang's cython backend. The
 goals of the host-path issue are printed at the end. The TP ops and layers run their fused
-plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks.
+plans (``TILESCALE_TP_PLAN=fused`` unless set), as over several ranks. Each call's host time is
+also measured with every kernel launched through TileLang's entry function (``entry_host_us``:
+native launches off, ``tilescale.op_launch``), in the same rounds.
 
     tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
     tilescale run -n 1 benchmarks/host_cost.py --calls 500
     tilescale run -n 1 benchmarks/host_cost.py --breakdown     # where each op's host time goes
 
-``--breakdown`` splits each ``ts.ops`` call's host time, in interleaved rounds: the whole call,
+``--breakdown`` splits each ``ts.ops`` call's host time with native launches off (and gives the
+call with them on beside it), in interleaved rounds: the whole call,
 the ``DistributedKernel`` calls it makes (replayed with the arguments one call passed them), and
 those kernels' TileLang entry functions with the hidden arguments filled in; the differences are
 the op's own Python (checks, plan lookup, allocations) and ``DistributedKernel``'s.
@@ -34,6 +37,7 @@ from harness import Report, graphed, time_fn
 from torch.profiler import ProfilerActivity, profile
 
 import tilescale as ts
+from tilescale import op_launch
 from tilescale.jit import DistributedKernel, _fastest_launch
 from tilescale.ops import p2p
 from tilescale.ops._common import sm_count
@@ -209,29 +213,44 @@ def print_goals(rows: dict[str, dict]) -> None:
 
 
 def kernel_calls(fn: Callable[[], object]) -> list[tuple[DistributedKernel, tuple, object]]:
-    """The ``DistributedKernel`` calls one call of ``fn`` makes: (kernel, arguments, group)."""
+    """The kernel calls one call of ``fn`` makes through TileLang's entry functions (native launches
+    off): (kernel, arguments, group), from ``DistributedKernel`` calls and ops' ``OpLaunch`` calls."""
     calls = []
-    call = DistributedKernel.__call__
+    originals = {"__call__": DistributedKernel.__call__, "prepare": DistributedKernel.prepare}
 
-    def recording(kernel: DistributedKernel, *args: object, group: object = None) -> object:
-        calls.append((kernel, args, group))
-        return call(kernel, *args, group=group)
+    def recorder(name: str) -> Callable[..., object]:
+        def recording(kernel: DistributedKernel, *args: object, group: object = None) -> object:
+            calls.append((kernel, args, group))
+            return originals[name](kernel, *args, group=group)
+        return recording
 
-    DistributedKernel.__call__ = recording
+    previous = op_launch.set_mode("0")
+    for name in originals:
+        setattr(DistributedKernel, name, recorder(name))
     try:
         fn()
     finally:
-        DistributedKernel.__call__ = call
+        for name, original in originals.items():
+            setattr(DistributedKernel, name, original)
+        op_launch.set_mode(previous)
     return calls
 
 
 def entries(calls: list[tuple[DistributedKernel, tuple, object]]) -> Callable[[], None]:
     """The TileLang entry functions of ``calls`` with their hidden arguments, as a call launches them."""
-    launches_ = []
-    for kernel, args, group in calls:
-        hidden = kernel._plans.get((group, *[args[i].data_ptr() for i in kernel._tables]))[0] if kernel.hidden else []
-        launches_.append((kernel._launch, (*args, *hidden)))
+    launches_ = [kernel.prepare(*args, group=group) for kernel, args, group in calls]
     return lambda: [launch(*a) for launch, a in launches_]
+
+
+def entry_path(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every kernel launched through TileLang's entry function (native launches off)."""
+    def call() -> object:
+        previous = op_launch.set_mode("0")
+        try:
+            return fn()
+        finally:
+            op_launch.set_mode(previous)
+    return call
 
 
 def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
@@ -240,7 +259,7 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
     for name, fn in fns.items():
         if name.startswith("ops."):
             recorded = kernel_calls(fn)
-            layers[name] = {"op": fn, "kernels": len(recorded)}
+            layers[name] = {"op": entry_path(fn), "op, native launches": fn, "kernels": len(recorded)}
             if recorded:  # an op launching its kernels another way (cuBLAS, TileLang's own call) is not split
                 layers[name] |= {"kernel calls": lambda r=recorded: [k(*a, group=g) for k, a, g in r],
                                  "entry functions": entries(recorded)}
@@ -252,13 +271,14 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
                 if part != "kernels":
                     samples.setdefault((name, part), []).append(host_us(fn, calls))
     report = Report("host_breakdown", columns=["call", "kernels", "op_us", "kernel_calls_us", "entries_us",
-                                               "op_python_us", "kernel_python_us"])
+                                               "op_python_us", "kernel_python_us", "op_native_us"])
     for name, parts in layers.items():
         us = {part: statistics.median(samples[(name, part)]) for part in parts if part != "kernels"}
         kc, en = us.get("kernel calls"), us.get("entry functions")
         report.add({"call": name, "kernels": parts.get("kernels", 1), "op_us": us["op"], "kernel_calls_us": kc,
                     "entries_us": en, "op_python_us": us["op"] - kc if kc is not None else None,
                     "kernel_python_us": kc - en if kc is not None else None,
+                    "op_native_us": us.get("op, native launches"),
                     "rounds": {part: samples[(name, part)] for part in us}})
     report.print_table()
     report.save()
@@ -287,21 +307,26 @@ def main() -> None:
             return
         counts = {name: launches(fn) for name, fn in fns.items()}
         host: dict[str, list[float]] = {name: [] for name in fns}
+        entry: dict[str, list[float]] = {name: [] for name in fns}  # every kernel through TileLang's entry
         for _ in range(3):  # interleaved rounds: a drift of clocks moves every row alike
             for name, fn in fns.items():
+                entry[name].append(host_us(entry_path(fn), args.calls))
                 host[name].append(host_us(fn, args.calls))
         torch_launch = statistics.median(host["torch add_ (one launch)"])
-        report = Report("host_cost", columns=["call", "kernels", "host_us", "budget_us", "vs_budget",
-                                              "eager_us", "graph_us", "eager_vs_graph"])
+        report = Report("host_cost", columns=["call", "kernels", "host_us", "entry_host_us", "budget_us",
+                                              "vs_budget", "eager_us", "graph_us", "eager_vs_graph"])
         for name, fn in fns.items():
             us = statistics.median(host[name])
             budget = 1.3 * torch_launch * max(counts[name], 1)
             eager = time_fn(fn, warmup=3, iters=50).median_ms * 1e3
             replay = capturable(fn) if name.startswith(("ops.", "nn.")) else None
             graph = time_fn(replay, warmup=3, iters=50).median_ms * 1e3 if replay is not None else None
-            report.add({"call": name, "kernels": counts[name], "host_us": us, "budget_us": budget,
+            report.add({"call": name, "kernels": counts[name], "host_us": us,
+                        "entry_host_us": statistics.median(entry[name]), "budget_us": budget,
                         "vs_budget": us / budget, "eager_us": eager, "graph_us": graph,
-                        "eager_vs_graph": eager / graph if graph else None, "host_us_rounds": host[name]})
+                        "eager_vs_graph": eager / graph if graph else None, "host_us_rounds": host[name],
+                        "entry_host_us_rounds": entry[name]})
+    print(f"native launches: {op_launch.counts()}", flush=True)
     report.print_table()
     report.save()
     print_goals({row["call"]: row for row in report.rows})

@@ -204,6 +204,24 @@ class DistributedKernel:
         waits and disagreeing ranks in."""
         if not self.hidden:
             return self._launch(*args)
+        return self._launch(*args, *self._hidden_of(args, group))
+
+    def prepare(self, *args: Any, group: Any = None) -> tuple[Callable[..., Any], tuple]:
+        """What a call on ``args`` would launch, without launching: the compiled kernel's launch
+        and its whole argument list (``args`` then the hidden arguments), every check a call
+        makes done. ``tilescale.op_launch`` learns a kernel's parameters from it.
+
+        Example::
+
+            launch, full = kernel.prepare(a, weight, out, group=group)
+            launch(*full)                                  # the same as kernel(a, weight, out, group=group)
+        """
+        if self._launch == self._first_launch:
+            self._launch = _fastest_launch(self.kernel)
+        return self._launch, (*args, *(self._hidden_of(args, group) if self.hidden else ()))
+
+    def _hidden_of(self, args: tuple, group: Any) -> list[Any]:
+        """The hidden arguments of a call on ``args`` over ``group`` (looked up, or checked and kept)."""
         rt = runtime.current()
         runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads per group)
         if len(args) != len(self.inputs):
@@ -220,7 +238,7 @@ class DistributedKernel:
         hidden, spans = plan
         # Arguments reached by address are not part of the key: their spans are this call's.
         rt.last_kernel_spans = spans + _spans(self.inputs, args, self._by_address) if self._by_address else spans
-        return self._launch(*args, *hidden)
+        return hidden
 
     def _bind(self, args: tuple, group: Any) -> tuple[list[Any], tuple[tuple[str, int, int, int], ...]]:
         """The hidden arguments of a call on ``args`` over ``group``, every argument and the group

@@ -68,6 +68,7 @@ def counted_calls(op: Callable[[], object], calls: int) -> tuple[int, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tilescale.jit import DistributedKernel
+    from tilescale.op_launch import OpLaunch
     from tilescale.ops.tp_gemm.exchange import _Exchange
 
     states = [ex.state for ex in ts.group_state().exchanges.values() if isinstance(ex, _Exchange)]
@@ -82,24 +83,28 @@ def counted_calls(op: Callable[[], object], calls: int) -> tuple[int, int]:
                     touched.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    launch = DistributedKernel.__call__
+    def counting(launch):
+        def counted(self, *args, **kwargs):  # the kernel itself runs as always
+            launched[0] += 1
+            inside[0] = True
+            try:
+                return launch(self, *args, **kwargs)
+            finally:
+                inside[0] = False
+        return counted
 
-    def counted(self, *args, **kwargs):  # the kernel itself runs as always
-        launched[0] += 1
-        inside[0] = True
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            inside[0] = False
-
+    # A kernel is launched by its call, or by an op's OpLaunch (from C++ once learned).
+    launches = {cls: cls.__call__ for cls in (DistributedKernel, OpLaunch)}
     before = exchange_states()
-    DistributedKernel.__call__ = counted
+    for cls, launch in launches.items():
+        cls.__call__ = counting(launch)
     try:
         with HostOps():
             for _ in range(calls):
                 op()
     finally:
-        DistributedKernel.__call__ = launch
+        for cls, launch in launches.items():
+            cls.__call__ = launch
     after = exchange_states()
     changed = [key for key in after if after[key] != before.get(key)]
     assert len(changed) == 1, (before, after)

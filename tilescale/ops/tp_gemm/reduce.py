@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from tilescale import runtime
 from tilescale.groups import GroupState
+from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
+    call_board,
     call_identity,
     check_same_across_ranks,
     op_plans,
@@ -147,12 +149,13 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
                    world * tiles)
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
     kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
+    board = call_board(state)
+    call = OpLaunch(kernel, lambda t, out, s: (*t, ex.buffers, out[0], ex.flags, ex.state, board, s[0]),
+                    [(m // world, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
-        out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-        return out
+        # Every call has an identity of its own: the kernel checks the ranks agree on it.
+        return call((a, weight), (call_identity(state, sig)[1],))
 
     return _fused_plan(state, key, "gemm_reduce_scatter", launch)(a, weight)
 
@@ -255,12 +258,13 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     parts = _local_buffer(state, ("ar-in-gemm parts", parts_shape(splits, slot, n, tile.block_N)), torch.float32)
     # Any m of its tiles.
     kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, slot, group=group)
+    board = call_board(state)
+    call = OpLaunch(kernel, lambda t, out, s: (*t, ex.buffers, out[0], parts, ex.flags, ex.state, board, s[0]),
+                    [(m, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ident = call_identity(state, sig)  # every call: the kernel checks the ranks agree on it
-        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        kernel(a, weight, ex.buffers, out, parts, ex.flags, ex.state, *ident, group=group)
-        return out
+        # Every call has an identity of its own: the kernel checks the ranks agree on it.
+        return call((a, weight), (call_identity(state, sig)[1],))
 
     return _fused_plan(state, key, "gemm_all_reduce", launch)(a, weight)
 

@@ -1,0 +1,83 @@
+"""Rank program (GPUs): ops' kernels launched from C++ (``tilescale.op_launch``) against TileLang's entry function.
+
+Every op runs several calls with new inputs and new output addresses in mode ``check``: each
+native launch's parameter bytes are compared with those the entry function makes for the
+same arguments before it is launched from C++, and every result with torch's; then the same
+calls in the default mode, and replayed from a CUDA graph. Prints the launches learned and
+``NATIVE-OK`` at the end.
+
+    tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import tilescale as ts
+from tilescale import op_launch
+from tilescale.testing import assert_close
+
+os.environ.setdefault("TILESCALE_TP_PLAN", "fused")
+ts.init()
+world, rank, dev = ts.world_size(), ts.rank(), ts.device()
+torch.manual_seed(1234 + rank)
+CALLS = 5
+
+
+def summed(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def gathered(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(world * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x)
+    return out
+
+
+def cases():
+    """(name, op on a, reference on a, a's shape, weight)."""
+    for m, k, n in ((128, 1024, 1024), (40, 512, 768), (16, 4096, 1024)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        yield (f"gemm_all_reduce {m}x{k}x{n}", lambda a, w=w: ts.ops.gemm_all_reduce(a, w),
+               lambda a, w=w: summed(a.float() @ w.float().T), (m, k))
+    for m, k, n in ((1024, 1024, 512), (world * 96, 512, 640)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+
+        def rs_ref(a, w=w, m=m):
+            return summed(a.float() @ w.float().T)[rank * m // world:(rank + 1) * m // world]
+        yield f"gemm_reduce_scatter {m}x{k}x{n}", lambda a, w=w: ts.ops.gemm_reduce_scatter(a, w), rs_ref, (m, k)
+    for m, k, n in ((256, 512, 512), (1000, 512, 1024)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        yield (f"all_gather_gemm {m}x{k}x{n}", lambda a, w=w: ts.ops.all_gather_gemm(a, w),
+               lambda a, w=w: gathered(a).float() @ w.float().T, (m, k))
+
+
+def run(mode: str) -> None:
+    op_launch.set_mode(mode)
+    for name, op, ref, shape in cases():
+        for _ in range(CALLS):
+            a = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+            keep = op(a)  # kept: the next call's output lands elsewhere
+            assert_close(keep.float(), ref(a), atol=0.05, rtol=0.02)
+        a = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = op(a)
+        for _ in range(3):
+            a.copy_(torch.randn(*shape, device=dev, dtype=torch.bfloat16))
+            graph.replay()
+            assert_close(y.float(), ref(a), atol=0.05, rtol=0.02)
+        print(f"[rank {rank}] {mode} {name} ok", flush=True)
+
+
+run("check")
+run("1")
+counts = op_launch.counts()
+print(f"[rank {rank}] native launches: {counts}", flush=True)
+assert counts["learned"] > 0 and counts["native launches"] > 0 and counts.get("checked launches", 0) > 0, counts
+dist.barrier()
+print(f"[rank {rank}] NATIVE-OK", flush=True)
+ts.finalize()

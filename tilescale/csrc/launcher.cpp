@@ -1,0 +1,257 @@
+// A kernel launch learned once from TileLang's entry function, made again from C++: each call
+// writes its tensors' addresses (directly or into TMA descriptors) and its scalars into the
+// learned parameter bytes, allocates the op's output and calls cuLaunchKernelEx. What fills the
+// learned bytes and which of them belong to which argument is tilescale/op_launch.py's work.
+//
+// No CUDA headers: the driver's few structures are laid out here (CUDA 12.4's) and its entry
+// points looked up through cuGetProcAddress, so the same source builds against a CPU torch.
+#include <torch/extension.h>
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kCudaVersion = 12040;
+constexpr size_t kTensorMapBytes = 128;
+
+struct LaunchAttribute {  // CUlaunchAttribute
+  unsigned id;
+  unsigned char pad[4];
+  unsigned char value[64];
+};
+
+struct LaunchConfig {  // CUlaunchConfig
+  unsigned grid[3];
+  unsigned block[3];
+  unsigned shared_bytes;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+
+using LaunchKernelEx = int (*)(const LaunchConfig*, void*, void**, void**);
+using TensorMapReplaceAddress = int (*)(void*, void*);
+using GetErrorString = int (*)(int, const char**);
+using GetProcAddress = int (*)(const char*, void**, int, uint64_t, int*);
+
+struct Driver {
+  LaunchKernelEx launch = nullptr;
+  TensorMapReplaceAddress replace_address = nullptr;
+  GetErrorString error_string = nullptr;
+  std::string missing;  // why the driver is not usable ("" when it is)
+};
+
+const Driver& driver() {
+  static const Driver found = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.missing = "libcuda.so.1 could not be loaded (no NVIDIA driver)";
+      return d;
+    }
+    auto lookup = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
+    if (lookup == nullptr) {
+      d.missing = "the CUDA driver has no cuGetProcAddress_v2";
+      return d;
+    }
+    auto get = [&](const char* name) -> void* {
+      void* address = nullptr;
+      int status = 0;
+      return lookup(name, &address, kCudaVersion, 0, &status) == 0 ? address : nullptr;
+    };
+    d.launch = reinterpret_cast<LaunchKernelEx>(get("cuLaunchKernelEx"));
+    d.replace_address = reinterpret_cast<TensorMapReplaceAddress>(get("cuTensorMapReplaceAddress"));
+    d.error_string = reinterpret_cast<GetErrorString>(get("cuGetErrorString"));
+    if (d.launch == nullptr || d.replace_address == nullptr || d.error_string == nullptr) {
+      d.missing = "the CUDA driver lacks cuLaunchKernelEx or cuTensorMapReplaceAddress (older than CUDA 12.4)";
+    }
+    return d;
+  }();
+  return found;
+}
+
+const Driver& usable_driver() {
+  const Driver& d = driver();
+  TORCH_CHECK(d.missing.empty(), "tilescale launcher: ", d.missing);
+  return d;
+}
+
+std::string error_text(const Driver& d, int rc) {
+  const char* text = nullptr;
+  d.error_string(rc, &text);
+  return std::string(text != nullptr ? text : "unknown error") + " (" + std::to_string(rc) + ")";
+}
+
+// Where an argument goes: (argument index, byte offset) for addresses; scalars also carry a size.
+struct Place {
+  int64_t arg;
+  int64_t offset;
+};
+
+struct ScalarPlace {
+  int64_t arg;
+  int64_t offset;
+  int64_t size;
+};
+
+class Launcher {
+ public:
+  // func: the CUfunction; params: each parameter's byte offset; blob: the parameters' bytes as
+  // learned; attrs: (CUlaunchAttributeID, value bytes); pointers / tensor_maps: where each
+  // address argument goes (arguments are the call's tensors, then its outputs); scalars: where
+  // each scalar argument goes; outputs: the shapes of the tensors each call allocates (the
+  // first tensor's dtype and device unless out_dtype is given).
+  Launcher(int64_t func, std::vector<int64_t> grid, std::vector<int64_t> block, int64_t shared_bytes,
+           std::vector<std::pair<int64_t, std::string>> attrs, std::vector<int64_t> params, const std::string& blob,
+           std::vector<std::pair<int64_t, int64_t>> pointers, std::vector<std::pair<int64_t, int64_t>> tensor_maps,
+           std::vector<std::tuple<int64_t, int64_t, int64_t>> scalars, std::vector<std::vector<int64_t>> outputs,
+           std::optional<at::ScalarType> out_dtype)
+      : func_(reinterpret_cast<void*>(func)), size_(blob.size()), outputs_(std::move(outputs)),
+        out_dtype_(out_dtype) {
+    TORCH_CHECK(grid.size() == 3 && block.size() == 3, "grid and block need three dimensions");
+    // CUtensorMap parameters must stay 64-byte aligned: their offsets are, so the base is.
+    storage_.reset(new unsigned char[size_ + 64]);
+    auto start = reinterpret_cast<uintptr_t>(storage_.get());
+    base_ = storage_.get() + ((64 - start % 64) % 64);
+    std::memcpy(base_, blob.data(), size_);
+    for (int64_t offset : params) {
+      TORCH_CHECK(offset >= 0 && static_cast<size_t>(offset) < std::max<size_t>(size_, 1), "parameter offset out of range");
+      param_pointers_.push_back(base_ + offset);
+    }
+    for (auto [arg, offset] : pointers) pointers_.push_back({arg, check_place(arg, offset, 8)});
+    for (auto [arg, offset] : tensor_maps) {
+      TORCH_CHECK(offset % 64 == 0, "a TMA descriptor's offset must be 64-byte aligned");
+      tensor_maps_.push_back({arg, check_place(arg, offset, kTensorMapBytes)});
+    }
+    for (auto [arg, offset, size] : scalars) {
+      TORCH_CHECK(size == 4 || size == 8, "scalar parameters are 4 or 8 bytes");
+      scalars_.push_back({arg, check_place(arg, offset, size), size});
+    }
+    maps_at_.assign(tensor_maps_.size(), 0);
+    attrs_.resize(attrs.size());
+    for (size_t i = 0; i < attrs.size(); ++i) {
+      TORCH_CHECK(attrs[i].second.size() <= sizeof(attrs_[i].value), "launch attribute value too large");
+      std::memset(&attrs_[i], 0, sizeof(LaunchAttribute));
+      attrs_[i].id = static_cast<unsigned>(attrs[i].first);
+      std::memcpy(attrs_[i].value, attrs[i].second.data(), attrs[i].second.size());
+    }
+    for (int i = 0; i < 3; ++i) {
+      config_.grid[i] = static_cast<unsigned>(grid[i]);
+      config_.block[i] = static_cast<unsigned>(block[i]);
+    }
+    config_.shared_bytes = static_cast<unsigned>(shared_bytes);
+    config_.attrs = attrs_.empty() ? nullptr : attrs_.data();
+    config_.num_attrs = static_cast<unsigned>(attrs_.size());
+  }
+
+  // Write the arguments (addresses of the call's tensors then its outputs; scalars) into the
+  // parameters without launching; false if a TMA descriptor refused an address.
+  bool write(const std::vector<int64_t>& addresses, const std::vector<int64_t>& scalars) {
+    TORCH_CHECK(addresses.size() == address_count(), "launcher: ", address_count(), " addresses expected, got ",
+                addresses.size());
+    TORCH_CHECK(scalars.size() == scalar_count(), "launcher: ", scalar_count(), " scalars expected, got ",
+                scalars.size());
+    for (const Place& p : pointers_) std::memcpy(base_ + p.offset, &addresses[p.arg], 8);
+    for (size_t i = 0; i < tensor_maps_.size(); ++i) {
+      int64_t address = addresses[tensor_maps_[i].arg];
+      if (maps_at_[i] == address) continue;  // descriptors keep an address until it changes
+      if (usable_driver().replace_address(base_ + tensor_maps_[i].offset, reinterpret_cast<void*>(address)) != 0) {
+        maps_at_[i] = 0;
+        return false;
+      }
+      maps_at_[i] = address;
+    }
+    for (const ScalarPlace& s : scalars_) std::memcpy(base_ + s.offset, &scalars[s.arg], s.size);  // little endian
+    return true;
+  }
+
+  // One call: the outputs allocated, every argument written, the kernel enqueued on stream.
+  // Returns the output (None if the launch makes none; a list if several).
+  py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
+    TORCH_CHECK(!tensors.empty(), "launcher: a call needs its tensors");
+    std::vector<at::Tensor> made;
+    made.reserve(outputs_.size());
+    auto options = tensors[0].options();
+    if (out_dtype_) options = options.dtype(*out_dtype_);
+    for (const auto& shape : outputs_) made.push_back(at::empty(shape, options));
+    std::vector<int64_t> addresses;
+    addresses.reserve(tensors.size() + made.size());
+    for (const auto& t : tensors) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    for (const auto& t : made) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    // A refused address (a TMA descriptor's alignment) is the caller's to route through the entry function.
+    if (!write(addresses, scalars)) throw py::value_error("cuTensorMapReplaceAddress refused an address");
+    launch(stream);
+    if (made.empty()) return py::none();
+    if (made.size() == 1) return py::cast(made[0]);
+    return py::cast(made);
+  }
+
+  void launch(int64_t stream) {
+    const Driver& d = usable_driver();
+    config_.stream = reinterpret_cast<void*>(stream);
+    int rc = d.launch(&config_, func_, param_pointers_.data(), nullptr);
+    TORCH_CHECK(rc == 0, "cuLaunchKernelEx failed: ", error_text(d, rc));
+  }
+
+  // The parameters' bytes as they stand.
+  py::bytes blob() const { return py::bytes(reinterpret_cast<const char*>(base_), size_); }
+
+  // Forget the addresses the descriptors hold: the next write puts every one again.
+  void forget_addresses() { std::fill(maps_at_.begin(), maps_at_.end(), 0); }
+
+ private:
+  int64_t check_place(int64_t arg, int64_t offset, size_t bytes) const {
+    TORCH_CHECK(arg >= 0 && offset >= 0 && static_cast<size_t>(offset) + bytes <= size_,
+                "launcher: a parameter place is outside the parameters");
+    return offset;
+  }
+
+  size_t address_count() const {
+    int64_t most = -1;
+    for (const Place& p : pointers_) most = std::max(most, p.arg);
+    for (const Place& p : tensor_maps_) most = std::max(most, p.arg);
+    return static_cast<size_t>(most + 1);
+  }
+
+  size_t scalar_count() const {
+    int64_t most = -1;
+    for (const ScalarPlace& s : scalars_) most = std::max(most, s.arg);
+    return static_cast<size_t>(most + 1);
+  }
+
+  void* func_;
+  size_t size_;
+  std::unique_ptr<unsigned char[]> storage_;
+  unsigned char* base_ = nullptr;
+  std::vector<void*> param_pointers_;
+  std::vector<Place> pointers_;
+  std::vector<Place> tensor_maps_;
+  std::vector<int64_t> maps_at_;
+  std::vector<ScalarPlace> scalars_;
+  std::vector<std::vector<int64_t>> outputs_;
+  std::optional<at::ScalarType> out_dtype_;
+  std::vector<LaunchAttribute> attrs_;
+  LaunchConfig config_{};
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("driver_missing", [] { return driver().missing; }, "Why the CUDA driver cannot be used ('' if it can).");
+  py::class_<Launcher>(m, "Launcher")
+      .def(py::init<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                    std::vector<std::pair<int64_t, std::string>>, std::vector<int64_t>, const std::string&,
+                    std::vector<std::pair<int64_t, int64_t>>, std::vector<std::pair<int64_t, int64_t>>,
+                    std::vector<std::tuple<int64_t, int64_t, int64_t>>, std::vector<std::vector<int64_t>>,
+                    std::optional<at::ScalarType>>())
+      .def("write", &Launcher::write)
+      .def("call", &Launcher::call)
+      .def("launch", &Launcher::launch)
+      .def("blob", &Launcher::blob)
+      .def("forget_addresses", &Launcher::forget_addresses);
+}
