@@ -104,45 +104,46 @@ def perturbed(value: int, index: int) -> int:
 
 
 def map_params(params: Sequence[tuple[int, int]], blob: bytes, changed: bytes, tensors: dict[int, int],
-               scalars: dict[int, int], holds_address: Callable[[bytes, int], bool]) -> ParamMap | None:
-    """The :class:`ParamMap` of a kernel's parameters, or None where they cannot be told apart.
+               scalars: dict[int, tuple[int, int]], holds_address: Callable[[bytes, int], bool]) -> ParamMap | str:
+    """The :class:`ParamMap` of a kernel's parameters, or why they cannot be told apart.
 
     Args:
         params: (offset, size) of each parameter.
         blob: The parameters' bytes of a launch.
-        changed: Those of the same launch with every scalar argument ``i`` changed to ``perturbed(value, i)``.
+        changed: Those of the same launch with every scalar argument changed.
         tensors: Address of each tensor argument that changes between calls, by argument index.
-        scalars: Value of each integer argument that changes between calls, by argument index.
+        scalars: (value, changed value) of each integer argument that changes between calls, by argument index.
         holds_address: Whether a TMA descriptor's bytes hold a given address.
 
     Returns:
-        The map; None if a parameter changed that no one scalar explains, an address is two
-        arguments', an argument has no address (an empty tensor), or an argument is nowhere.
+        The map; or the reason (a str) if a parameter changed that no one scalar explains, an
+        address is two arguments', an argument has no address (an empty tensor), or an argument
+        is in no parameter.
     """
     addresses = list(tensors.values())
     if 0 in addresses or len(set(addresses)) != len(addresses):
-        return None
+        return "an empty tensor, or two tensors at one address"
     by_address = {a: i for i, a in tensors.items()}
     pointers, tensor_maps, found_scalars = [], [], []
     for offset, size in params:
         now, then = blob[offset:offset + size], changed[offset:offset + size]
         if now != then:
-            matches = [i for i, v in scalars.items() if size in (4, 8) and now == scalar_bytes(v, size)
-                       and then == scalar_bytes(perturbed(v, i), size)]
+            matches = [i for i, (v, w) in scalars.items() if size in (4, 8) and now == scalar_bytes(v, size)
+                       and then == scalar_bytes(w, size)]
             if len(matches) != 1:
-                return None
+                return f"the parameter at byte {offset} ({size} bytes) changed with {len(matches)} scalars"
             found_scalars.append((matches[0], offset, size))
         elif size == 8 and int.from_bytes(now, "little") in by_address:
             pointers.append((by_address[int.from_bytes(now, "little")], offset))
         elif size == TENSOR_MAP_BYTES:
             holders = [i for i, a in tensors.items() if holds_address(now, a)]
             if len(holders) > 1:
-                return None
+                return f"the TMA descriptor at byte {offset} holds {len(holders)} arguments' addresses"
             if holders:
                 tensor_maps.append((holders[0], offset))
     placed = {i for i, _ in pointers} | {i for i, _ in tensor_maps} | {i for i, _, _ in found_scalars}
     if placed != set(tensors) | set(scalars):
-        return None
+        return f"arguments {sorted(set(tensors) | set(scalars) - placed)} are in no parameter"
     return ParamMap(tuple(pointers), tuple(tensor_maps), tuple(found_scalars))
 
 
@@ -175,6 +176,37 @@ class _Places:
         for i, n in self.scalar_number.items():
             scalars[n] = values[i]
         return tensors, scalars
+
+
+def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+              scalars: Sequence[int]) -> _Places | None:
+    """Where a call's tensors, outputs and scalars stand in ``full``, the kernel's whole argument
+    list that ``arguments(tensors, outputs, scalars)`` began. A tensor stands where it, or a view
+    of it at its address (an output reshaped), is passed. None where one is passed twice, another
+    argument is a view of one elsewhere in its memory (that address would change unseen), or a
+    scalar cannot be placed (found by calling ``arguments`` with every scalar changed)."""
+    varying = (*tensors, *outputs)
+    moved = arguments(tensors, outputs, [perturbed(v, j) for j, v in enumerate(scalars)])
+    storages = [t.untyped_storage().data_ptr() for t in varying]
+    positions: list[list[int]] = [[] for _ in varying]
+    for i, a in enumerate(full[:len(moved)]):
+        if not isinstance(a, torch.Tensor) or a.untyped_storage().data_ptr() not in storages:
+            continue
+        owners = [n for n, t in enumerate(varying) if a is t or (storages[n] == a.untyped_storage().data_ptr()
+                                                                  and a.data_ptr() == t.data_ptr())]
+        if len(owners) != 1:
+            return None
+        positions[owners[0]].append(i)
+    if any(len(p) != 1 for p in positions):
+        return None
+    scalar_at = [i for i, (a, b) in enumerate(zip(full, moved, strict=False))
+                 if not isinstance(a, torch.Tensor) and a != b]
+    if len(scalar_at) != len(scalars) or any(full[i] != v for i, v in zip(scalar_at, scalars, strict=True)):
+        return None
+    return _Places(addresses={p[0]: full[p[0]].data_ptr() for p in positions},
+                   values={i: full[i] for i in scalar_at},
+                   tensor_number={p[0]: n for n, p in enumerate(positions)},
+                   scalar_number={i: j for j, i in enumerate(scalar_at)})
 
 
 class OpLaunch:
@@ -233,30 +265,6 @@ class OpLaunch:
             launch(*full)
         return None if not outputs else outputs[0] if len(outputs) == 1 else outputs
 
-    def _places(self, full: tuple, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                scalars: Sequence[int]) -> _Places | None:
-        """Where the call's tensors, outputs and scalars stand in ``full``; None where a tensor is
-        passed twice, another argument is a view of one of them (its address would change
-        unseen), or a scalar cannot be placed."""
-        varying = (*tensors, *outputs)
-        moved = self.arguments(tensors, outputs, [perturbed(v, j) for j, v in enumerate(scalars)])
-        positions = [[i for i in range(len(moved)) if full[i] is t] for t in varying]
-        if any(len(p) != 1 for p in positions):
-            return None
-        placed = {p[0] for p in positions}
-        storages = {t.untyped_storage().data_ptr() for t in varying}
-        if any(isinstance(a, torch.Tensor) and i not in placed and a.untyped_storage().data_ptr() in storages
-               for i, a in enumerate(full[:len(moved)])):
-            return None
-        scalar_at = [i for i, (a, b) in enumerate(zip(full, moved, strict=False))
-                     if not isinstance(a, torch.Tensor) and a != b]
-        if len(scalar_at) != len(scalars) or any(full[i] != v for i, v in zip(scalar_at, scalars, strict=True)):
-            return None
-        return _Places(addresses={p[0]: full[p[0]].data_ptr() for p in positions},
-                       values={i: full[i] for i in scalar_at},
-                       tensor_number={p[0]: n for n, p in enumerate(positions)},
-                       scalar_number={i: j for j, i in enumerate(scalar_at)})
-
     def _learn(self, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
         """At the first call: its capture. At the second: the launcher, checked against both calls."""
@@ -265,7 +273,7 @@ class OpLaunch:
             self._learning = _entry("no C++ launcher")
             return
         device = tensors[0].device
-        places = self._places(full, tensors, outputs, scalars)
+        places = places_of(self.arguments, full, tensors, outputs, scalars)
         if places is None:
             self._learning = _entry("arguments not placed")
             return
@@ -293,10 +301,10 @@ class OpLaunch:
         if (first_places.tensor_number, first_places.scalar_number) != (places.tensor_number, places.scalar_number):
             self._learning = _entry("the first call's arguments stand elsewhere")
             return
-        found = map_params(captured.params, captured.blob, changed.blob, places.addresses, places.values,
-                           _holds_address)
-        if found is None:
-            self._learning = _entry("parameters not told apart")
+        moved = {i: (v, changed_full[i]) for i, v in places.values.items()}
+        found = map_params(captured.params, captured.blob, changed.blob, places.addresses, moved, _holds_address)
+        if isinstance(found, str):
+            self._learning = _entry(f"parameters not told apart: {found}")
             return
         tn, sn = places.tensor_number, places.scalar_number
         native = module.Launcher(

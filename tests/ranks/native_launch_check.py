@@ -73,8 +73,26 @@ def run(mode: str) -> None:
         print(f"[rank {rank}] {mode} {name} ok", flush=True)
 
 
+def moe(mode: str) -> None:
+    """Dispatch + combine with identity experts: the combine gives each token's weighted sum back."""
+    op_launch.set_mode(mode)
+    hidden, topk, experts = 512, 4, 8 * world
+    for low_latency, tokens in ((True, 64), (False, 200)):
+        for call in range(CALLS):
+            t = tokens - (call % 2) * 3 * rank  # the ranks' counts differ on some calls
+            x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+            idx = torch.stack([torch.randperm(experts, device=dev)[:topk] for _ in range(t)])
+            w = torch.rand(t, topk, device=dev)
+            recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, idx, w, experts, low_latency=low_latency)
+            y = ts.ops.moe_combine(recv_x, recv_w, handle)
+            assert_close(y.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
+        print(f"[rank {rank}] {mode} moe low_latency={low_latency} ok", flush=True)
+
+
 run("check")
+moe("check")
 run("1")
+moe("1")
 counts = op_launch.counts()
 print(f"[rank {rank}] native launches: {counts}", flush=True)
 assert counts["learned"] > 0 and counts["native launches"] > 0 and counts.get("checked launches", 0) > 0, counts

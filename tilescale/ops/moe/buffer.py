@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
+from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
     call_identity,
     check_input,
@@ -183,7 +184,8 @@ class Buffer:
         # Sends by (tokens, hidden, dtype, mode, ...): a few host objects per token count (the
         # kernels are shared), the most recent counts' kept.
         self._plans = PlanCache(PLANS_KEPT)
-        self._combines_by: dict[tuple, tuple] = {}  # combine's (kernel, return rows, signature) by (hidden, dtype)
+        # combine's (kernel, return rows, signature, its OpLaunch per token count) by (hidden, dtype)
+        self._combines_by: dict[tuple, tuple] = {}
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
         received = self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
         for low_latency in (False, True):
@@ -481,7 +483,6 @@ class Buffer:
             raise ValueError(f"expert_out must be ({self.rows}, hidden) and recv_weights ({self.rows},), got "
                              f"{tuple(expert_out.shape)} and {tuple(recv_weights.shape)}")
         tokens = handle.tokens
-        out = torch.empty(max(tokens, 1), hidden, dtype=expert_out.dtype, device=expert_out.device)
         key = (hidden, expert_out.dtype)
         plan = self._combines_by.get(key)
         if plan is None:  # the first combine of these rows: its kernel (any token count), return rows and signature
@@ -489,12 +490,17 @@ class Buffer:
             plan = self._combines_by[key] = (
                 combine_kernel(self.world, self.max_tokens, hidden, self.topk, rows, tl_dtype(expert_out), self.sms,
                                group=self.group),
-                back, signature("moe_combine", back, f"topk={self.topk}"))
+                back, signature("moe_combine", back, f"topk={self.topk}"), {})
             launch_together(self.state, "moe_combine", (self._serial, hidden, expert_out.dtype))
-        kernel, back, sig = plan
+        kernel, back, sig, calls = plan
+        call = calls.get(tokens)
+        if call is None:  # per token count: the output's rows (and the kernel's count) differ
+            call = calls[tokens] = OpLaunch(
+                kernel, lambda t, o, s: (*t[:6], back, o[0], self._combines, s[0]), [(max(tokens, 1), hidden)],
+                group=self.group)
         sig = numbered_signature(sig, handle.dispatch, "dispatch")  # which dispatch: ranks must agree on it too
-        kernel(expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts,
-               handle.dest, handle.slot, back, out, self._combines, sig, group=self.group)
+        out = call((expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts, handle.dest,
+                    handle.slot), (sig,))
         return out if tokens else out[:0]
 
 

@@ -10,6 +10,7 @@ from tilescale import runtime
 from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
+from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
     call_board,
     call_identity,
@@ -37,8 +38,8 @@ from tilescale.symmetric import peer_ptrs
 
 _stream_writes: _StreamWrites | None = None
 
-# A plan's per-call part: (a_shard, weight, out) -> None, ``out`` (world, M_local, N_local) filled.
-GatherLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# A plan's per-call part: (a_shard, weight) -> the output, (world * M_local, N_local).
+GatherLaunch = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, tile: TileConfig,
@@ -73,8 +74,10 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     bm, dtype = tile.block_M, tl_dtype(a_shard)
     padded = -(-m // bm) * bm
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
+    # Each segment's tiles are clipped at its end: the output's rows need no copy.
+    own_call = OpLaunch(own, lambda t, o, s: (*t, o[0].view(world, m, n)), [(world * m, n)], group=group)
     if world == 1:  # nothing to gather, no peer to agree with
-        return lambda a_shard, weight, out: own(a_shard, weight, out, group=group)
+        return lambda a_shard, weight: own_call((a_shard, weight))
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
     chunks = -(-(padded // bm) // per_copy)
     ex = _gather_exchange(state, ("ag-ce", padded, k, a_shard.dtype, bm, per_copy), world * padded, k, a_shard.dtype,
@@ -99,7 +102,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
             copies.append((rows, dsts, flag))
     gathered = [ex.buffers[s * world * padded:(s + 1) * world * padded] for s in (0, 1)]
 
-    def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ident = call_identity(state, sig)  # every call: the peer kernel checks the ranks agree on it
         ex.calls += 1
         epoch, buffer_set = ex.calls, ex.calls % 2
@@ -110,7 +113,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
                 announce(*ident, group=group)
         else:
             announce(*ident, group=group)
-        own(a_shard, weight, out, group=group)
+        out = own_call((a_shard, weight))
         if on_gpu:
             with torch.cuda.stream(ex.stream):
                 for rows, dsts, flag in copies:
@@ -121,7 +124,8 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
             for rows, dsts, (flags, index) in copies:
                 dsts[buffer_set].copy_(a_shard[rows])
                 flags[index] = epoch
-        peers(gathered[buffer_set], weight, out, ex.flags, epoch, *ident, group=group)
+        peers(gathered[buffer_set], weight, out.view(world, m, n), ex.flags, epoch, *ident, group=group)
+        return out
 
     return launch
 
@@ -144,14 +148,21 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
     ex = _exchange(state, ("ag", padded, k, a_shard.dtype, bm), (world * padded, k), a_shard.dtype,
                    world * padded // bm)
     peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(call_board(state))  # peer tables
-    own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group)
-    peers = ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group) if world > 1 else None
+    board = call_board(state)
+    # Each segment's tiles are clipped at its end: the output's rows need no copy.
+    own = OpLaunch(ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group),
+                   lambda t, o, s: (t[0], ex.buffers, t[1], o[0].view(world, m, n), ex.flags, ex.state, board, s[0]),
+                   [(world * m, n)], group=group)
+    peers = OpLaunch(ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group),
+                     lambda t, o, s: (ex.buffers, t[0], t[1].view(world, m, n), ex.flags, ex.state, board, s[0]),
+                     group=group) if world > 1 else None
 
-    def launch(a_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        own(a_shard, ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+    def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ident = call_identity(state, sig)[1]  # every call: the kernels check the ranks agree on it
+        out = own((a_shard, weight), (ident,))
         if peers is not None:
-            peers(ex.buffers, weight, out, ex.flags, ex.state, *ident, group=group)
+            peers((weight, out), (ident,))
+        return out
 
     return launch
 
@@ -283,9 +294,4 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
     else:
         gather = _sm_gather(state, a_shard, weight, tile, push_blocks, sig)
 
-    def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(world * m, n, dtype=a_shard.dtype, device=a_shard.device)
-        gather(a_shard, weight, out.view(world, m, n))  # each segment's tiles clipped at its end: no copy
-        return out
-
-    return _fused_plan(state, key, "all_gather_gemm", launch)(a_shard, weight)
+    return _fused_plan(state, key, "all_gather_gemm", gather)(a_shard, weight)

@@ -1,0 +1,132 @@
+"""Native launches (``tilescale.op_launch``, ``tilescale/csrc/launcher.cpp``): how a kernel's
+parameter bytes are told apart, where a call's arguments stand, and the C++ launcher's writes.
+
+The GPU side (captures, ``cuLaunchKernelEx``, every native launch's bytes compared with the entry
+function's, results against torch's, graph replays) runs in ``tests/ranks/native_launch_check.py``."""
+
+import struct
+
+import pytest
+import torch
+
+from tilescale import op_launch
+from tilescale.native import launcher_module, launcher_unavailable
+from tilescale.op_launch import ParamMap, map_params, perturbed, places_of, scalar_bytes
+
+A, B = 0x7F00_0000_1000, 0x7F00_0020_0000  # two tensor arguments' addresses
+MAP_A = bytes([0xA5]) * 8 + A.to_bytes(8, "little") + bytes(112)  # a "TMA descriptor" that holds A
+
+
+def holds(tensor_map: bytes, address: int) -> bool:
+    return tensor_map[8:16] == address.to_bytes(8, "little")
+
+
+def blob_of(params, values) -> bytes:
+    out = bytearray(max(o + s for o, s in params))
+    for (o, s), v in zip(params, values, strict=True):
+        out[o:o + s] = v
+    return bytes(out)
+
+
+# A kernel's parameters as TVM lays them out: TMA descriptor, pointer, pointer, int64, int32.
+PARAMS = [(0, 128), (128, 8), (136, 8), (144, 8), (152, 4)]
+
+
+def launch_bytes(ident: int, rows: int = 128) -> bytes:
+    return blob_of(PARAMS, [MAP_A, B.to_bytes(8, "little"), (0x1234).to_bytes(8, "little"),
+                            scalar_bytes(ident, 8), scalar_bytes(rows, 4)])
+
+
+IDENT = (5 << 32) | 123
+
+
+def test_parameters_are_found_by_descriptor_address_and_change():
+    moved = {8: (IDENT, perturbed(IDENT, 0))}
+    found = map_params(PARAMS, launch_bytes(IDENT), launch_bytes(perturbed(IDENT, 0)), {0: A, 3: B}, moved, holds)
+    # A is in a descriptor, B a pointer, the ident the 8-byte scalar; 0x1234 (a hidden table) and rows stay.
+    assert found == ParamMap(pointers=((3, 128),), tensor_maps=((0, 0),), scalars=((8, 144, 8),))
+
+
+def test_what_cannot_be_told_apart_is_said():
+    moved = {8: (IDENT, perturbed(IDENT, 0))}
+    changed = bytearray(launch_bytes(perturbed(IDENT, 0)))
+    changed[152] ^= 1  # a parameter no scalar explains changed too
+    assert "changed with 0 scalars" in map_params(PARAMS, launch_bytes(IDENT), bytes(changed), {0: A}, moved, holds)
+    same = launch_bytes(perturbed(IDENT, 0))
+    assert "one address" in map_params(PARAMS, launch_bytes(IDENT), same, {0: A, 1: A}, moved, holds)
+    assert "empty tensor" in map_params(PARAMS, launch_bytes(IDENT), same, {0: 0}, moved, holds)
+    # A tensor argument the kernel does not take (or takes in a form not recognised) is refused.
+    assert "in no parameter" in map_params(PARAMS, launch_bytes(IDENT), same, {0: A, 5: 0x9999000}, moved, holds)
+
+
+def test_scalar_bytes_wrap():
+    assert scalar_bytes(-1, 4) == b"\xff\xff\xff\xff"
+    assert scalar_bytes((1 << 40) + 3, 8) == ((1 << 40) + 3).to_bytes(8, "little")
+    assert perturbed(5, 0) != 5 and perturbed(5, 0) != perturbed(5, 1)
+
+
+def test_a_calls_arguments_are_placed_and_views_of_them_refused():
+    fixed = torch.zeros(4)
+    a, w, out = torch.ones(3), torch.ones(2), torch.empty(3)
+
+    def arguments(t, o, s):
+        return (t[0], t[1], fixed, o[0], 7, s[0])
+
+    full = (*arguments((a, w), (out,), (IDENT,)), "hidden", 0x1234)
+    places = places_of(arguments, full, (a, w), (out,), (IDENT,))
+    assert places.tensor_number == {0: 0, 1: 1, 3: 2} and places.scalar_number == {5: 0}
+    assert places.values == {5: IDENT} and places.addresses[3] == out.data_ptr()
+    assert places.ordered(places.addresses, places.values) == ([a.data_ptr(), w.data_ptr(), out.data_ptr()], [IDENT])
+    # An output passed reshaped stands where its view is.
+    view = out.view(3, 1)
+    places = places_of(lambda t, o, s: (t[0], view, s[0]), (a, view, IDENT), (a,), (out,), (IDENT,))
+    assert places.tensor_number == {0: 0, 1: 1} and places.addresses[1] == out.data_ptr()
+    # A view elsewhere in an output's memory: its address would change unseen with each call's output.
+    assert places_of(lambda t, o, s: (t[0], o[0], o[0][1:], s[0]), (a, out, out[1:], IDENT),
+                     (a,), (out,), (IDENT,)) is None
+    # The same view twice.
+    assert places_of(lambda t, o, s: (t[0], view, view, s[0]), (a, view, view, IDENT), (a,), (out,), (IDENT,)) is None
+    # A tensor passed twice.
+    assert places_of(lambda t, o, s: (t[0], t[0], s[0]), (a, a, IDENT), (a,), (), (IDENT,)) is None
+
+
+def test_mode_is_checked_and_restored():
+    previous = op_launch.set_mode("0")
+    try:
+        assert op_launch.mode() == "0"
+        with pytest.raises(ValueError, match="native launch mode"):
+            op_launch.set_mode("fast")
+    finally:
+        op_launch.set_mode(previous)
+    assert op_launch.mode() == previous
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    module = launcher_module()
+    if module is None:
+        pytest.fail(f"the C++ launcher did not build: {launcher_unavailable()}")
+    return module
+
+
+def test_launcher_writes_addresses_and_scalars_where_learned(launcher):
+    params = [(0, 8), (8, 8), (16, 8), (24, 4)]
+    blob = blob_of(params, [bytes(8), (0x1234).to_bytes(8, "little"), bytes(8), bytes(4)])
+    native = launcher.Launcher(0, [1, 1, 1], [128, 1, 1], 0, [], [o for o, _ in params], blob,
+                               [(0, 0), (1, 16)], [], [(0, 24, 4)], [[3, 5]], torch.float32)
+    assert native.write([A, B], [(1 << 33) + 7])  # a 4-byte scalar keeps the low bytes
+    assert native.blob() == blob_of(params, [A.to_bytes(8, "little"), (0x1234).to_bytes(8, "little"),
+                                             B.to_bytes(8, "little"), struct.pack("<I", 7)])
+    with pytest.raises(RuntimeError, match="2 addresses expected"):
+        native.write([A], [1])
+    with pytest.raises(RuntimeError, match="outside the parameters"):
+        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0], bytes(8), [(0, 4)], [], [], [], None)
+
+
+def test_launcher_without_a_driver_says_so(launcher):
+    if not launcher.driver_missing():
+        pytest.skip("this host has a CUDA driver: the GPU rank program launches")
+    native = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(0, 0), (1, 8)], [], [], [[2]],
+                               None)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        native.call([torch.zeros(2)], [], 0)
