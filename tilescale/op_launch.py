@@ -307,11 +307,15 @@ class OpLaunch:
             self._learning = _entry(f"parameters not told apart: {found}")
             return
         tn, sn = places.tensor_number, places.scalar_number
-        native = module.Launcher(
-            captured.func, list(captured.grid), list(captured.block), captured.shared_bytes, captured.attributes,
-            [o for o, _ in captured.params], captured.blob, [(tn[i], o) for i, o in found.pointers],
-            [(tn[i], o) for i, o in found.tensor_maps], [(sn[i], o, size) for i, o, size in found.scalars],
-            self.outputs, self.dtype)
+        try:
+            native = module.Launcher(
+                captured.func, list(captured.grid), list(captured.block), captured.shared_bytes, captured.attributes,
+                [o for o, _ in captured.params], captured.blob, [(tn[i], o) for i, o in found.pointers],
+                [(tn[i], o) for i, o in found.tensor_maps], [(sn[i], o, size) for i, o, size in found.scalars],
+                self.outputs, self.dtype)
+        except RuntimeError as e:  # a layout the launcher does not take
+            self._learning = _entry(f"launcher refused: {e} (parameters {captured.params}, map {found})"[:400])
+            return
         for record, at in ((first, first_places), (captured, places)):  # both calls' bytes, rebuilt
             native.forget_addresses()
             if not native.write(*places.ordered(at.addresses, at.values)) or native.blob() != record.blob:
