@@ -130,3 +130,11 @@ def test_launcher_without_a_driver_says_so(launcher):
                                None)
     with pytest.raises(RuntimeError, match="libcuda"):
         native.call([torch.zeros(2)], [], 0)
+
+
+def test_launcher_takes_descriptors_off_a_64_byte_boundary_if_they_agree(launcher):
+    # A kernel's parameter space starts off 64 bytes: its descriptors sit at 112, 240, ... (GPU runs).
+    launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 240], bytes(368), [], [(0, 112), (1, 240)], [], [], None)
+    with pytest.raises(RuntimeError, match="agree modulo 64"):
+        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 256], bytes(384), [], [(0, 112), (1, 256)], [], [],
+                          None)

@@ -81,6 +81,15 @@ def _grid_blocks(func: tirx.PrimFunc) -> int | None:
     return blocks
 
 
+def _has_dynamic_shape(func: tirx.PrimFunc, name: str) -> bool:
+    """Whether ``func``'s tensor parameter ``name`` has a dimension that is not a constant."""
+    for p in func.params:
+        buf = func.buffer_map.get(p)
+        if buf is not None and buf.name == name:
+            return any(not isinstance(d, tirx.IntImm) for d in buf.shape)
+    return False
+
+
 def _user_params(func: tirx.PrimFunc, hidden: dict[str, str]) -> list[str]:
     names = []
     for p in func.params:
@@ -156,6 +165,10 @@ class DistributedKernel:
         self._slots = [pos for pos, h in enumerate(self._layout) if isinstance(h, _TableOf)]  # where their tables go
         # User arguments reached by address through device calls: symmetric, but no table to bind.
         self._by_address = [self.inputs.index(str(n)) for n in attrs.get("tilescale.symmetric", [])]
+        # What a launch learned once (tilescale.op_launch) must key on: the user arguments whose
+        # addresses select hidden arguments, and those whose shapes give the kernel sizes.
+        self.peer_arguments = (*self._tables, *self._by_address)
+        self.dynamic_arguments = tuple(i for i, name in enumerate(self.inputs) if _has_dynamic_shape(func, name))
         # Per group this kernel has run over (checked at its first call there): the hidden
         # arguments with its fixed values filled in, the tables' slots still None.
         self._fixed: dict[int, tuple[GroupState, list[Any]]] = {}

@@ -213,6 +213,12 @@ class OpLaunch:
     """One kernel call of an op's plan: through the kernel's entry function at its first two
     calls, which teach its parameters, then from C++ (see the module's docstring).
 
+    A learned launch holds what the entry function derived from the call's tensors besides their
+    addresses: the sizes of dimensions the kernel leaves dynamic, and the peer tables of
+    symmetric tensors. So launches are learned and kept per key of those: the shapes of the
+    tensors with dynamic dimensions and the addresses of the symmetric ones (``LEARNED_KEYS``
+    keys at most; calls of further keys go through the entry function).
+
     Args:
         kernel: The ``tilescale.jit`` kernel.
         arguments: ``arguments(tensors, outputs, scalars)``: the kernel's arguments for a call
@@ -224,29 +230,36 @@ class OpLaunch:
         dtype: The outputs' dtype, if not the first tensor's.
     """
 
+    LEARNED_KEYS = 16
+
     def __init__(self, kernel: Any, arguments: Arguments, outputs: Sequence[Sequence[int]] = (), *,
                  group: Any = None, dtype: torch.dtype | None = None):
         self.kernel, self.arguments, self.group = kernel, arguments, group
         self.outputs = [tuple(s) for s in outputs]
         self.dtype = dtype
-        self._native: Any = None  # the C++ launcher once learned
-        self._device: int | None = None  # its CUDA device's index
-        self._spans: tuple = ()  # what the kernel's calls put in Runtime.last_kernel_spans
-        self._first: tuple | None = None  # the first call's capture, addresses and scalars
-        self._learning = runtime.device().type == "cuda" and not getattr(kernel, "_by_address", None)
+        self._natives: dict[tuple, tuple[Any, tuple]] = {}  # by key: the C++ launcher, the kernel's spans
+        self._first: dict[tuple, tuple] = {}  # by key: the first call's capture and places
+        self._shaped: tuple[int, ...] = ()  # the tensors (by number) whose shapes key a launch
+        self._symmetric: tuple[int, ...] = ()  # those whose addresses key it
+        self._device: int | None = None  # the CUDA device's index
+        self._learning = runtime.device().type == "cuda"
+
+    def _key(self, tensors: Sequence[torch.Tensor]) -> tuple:
+        return (*[tensors[n].shape for n in self._shaped], *[tensors[n].data_ptr() for n in self._symmetric])
 
     def __call__(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Any:
         """Launch on ``tensors`` and ``scalars``; returns the output (None if none, a list if several)."""
-        native = self._native
-        if native is not None and _MODE == "1":
-            runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
-            runtime.current().last_kernel_spans = self._spans
-            try:
-                out = native.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
-            except ValueError:  # a TMA descriptor refused an address: the entry function says why
-                return self._entry_call(tensors, scalars)
-            _counts["native launches"] += 1
-            return out
+        if self._natives and _MODE == "1":
+            found = self._natives.get(self._key(tensors))
+            if found is not None:
+                runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
+                native, runtime.current().last_kernel_spans = found
+                try:
+                    out = native.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
+                except ValueError:  # a TMA descriptor refused an address: the entry function says why
+                    return self._entry_call(tensors, scalars)
+                _counts["native launches"] += 1
+                return out
         return self._entry_call(tensors, scalars)
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -257,33 +270,39 @@ class OpLaunch:
         outputs = self._allocate(tensors)
         args = self.arguments(tensors, outputs, scalars)
         launch, full = self.kernel.prepare(*args, group=self.group)
-        if self._native is not None and _MODE == "check" and not torch.cuda.is_current_stream_capturing():
-            self._check(launch, full, tensors, outputs, scalars)
+        found = self._natives.get(self._key(tensors)) if self._natives else None
+        if found is not None and _MODE == "check" and not torch.cuda.is_current_stream_capturing():
+            self._check(found[0], launch, full, tensors, outputs, scalars)
         else:
-            if self._learning and _MODE != "0" and not torch.cuda.is_current_stream_capturing():
+            if (self._learning and found is None and _MODE != "0" and len(self._natives) < self.LEARNED_KEYS
+                    and not torch.cuda.is_current_stream_capturing()):
                 self._learn(launch, full, tensors, outputs, scalars)
             launch(*full)
         return None if not outputs else outputs[0] if len(outputs) == 1 else outputs
 
     def _learn(self, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
-        """At the first call: its capture. At the second: the launcher, checked against both calls."""
+        """At a key's first call: its capture. At its second: the launcher, checked against both calls."""
         module = launcher_module()
         if module is None:
             self._learning = _entry("no C++ launcher")
             return
-        device = tensors[0].device
         places = places_of(self.arguments, full, tensors, outputs, scalars)
         if places is None:
             self._learning = _entry("arguments not placed")
             return
+        at = {i: n for i, n in places.tensor_number.items() if n < len(tensors)}  # the call's tensors' positions
+        self._shaped = tuple(sorted(n for i, n in at.items() if i in self.kernel.dynamic_arguments))
+        self._symmetric = tuple(sorted(n for i, n in at.items() if i in self.kernel.peer_arguments))
+        key = self._key(tensors)
+        device = tensors[0].device
         try:
             captured = cuda_driver.capture_kernel(lambda: launch(*full), device)
             if captured is None:
                 self._learning = _entry("the entry function enqueues other than one kernel")
                 return
-            if self._first is None:
-                self._first = (captured, places)
+            if key not in self._first:
+                self._first[key] = (captured, places)
                 return
             changed_full = list(full)
             for i, v in places.values.items():
@@ -292,8 +311,7 @@ class OpLaunch:
         except Exception as e:  # noqa: BLE001 - the entry refused changed scalars, or the driver a call
             self._learning = _entry(f"{type(e).__name__}: {e}"[:200])
             return
-        first, first_places = self._first
-        self._first = None
+        first, first_places = self._first.pop(key)
         if (changed is None or changed.params != captured.params or first.params != captured.params
                 or (first.func, first.grid, first.block) != (captured.func, captured.grid, captured.block)):
             self._learning = _entry("the launch differs between calls")
@@ -316,22 +334,20 @@ class OpLaunch:
         except RuntimeError as e:  # a layout the launcher does not take
             self._learning = _entry(f"launcher refused: {e} (parameters {captured.params}, map {found})"[:400])
             return
-        for record, at in ((first, first_places), (captured, places)):  # both calls' bytes, rebuilt
+        for record, at_call in ((first, first_places), (captured, places)):  # both calls' bytes, rebuilt
             native.forget_addresses()
-            if not native.write(*places.ordered(at.addresses, at.values)) or native.blob() != record.blob:
+            if not native.write(*places.ordered(at_call.addresses, at_call.values)) or native.blob() != record.blob:
                 self._learning = _entry("the map does not rebuild the calls' parameters")
                 return
-        self._native, self._device = native, device.index
-        self._spans = runtime.current().last_kernel_spans
-        self._learning = False
+        self._natives[key] = (native, runtime.current().last_kernel_spans)
+        self._device = device.index
         _counts["learned"] += 1
 
-    def _check(self, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
+    def _check(self, native: Any, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
-        """Write the call into the learned launcher and launch it from there, after checking that
+        """Write the call into its learned launcher and launch it from there, after checking that
         its bytes are the entry function's (a capture of it); raise if not."""
         captured = cuda_driver.capture_kernel(lambda: launch(*full), tensors[0].device)
-        native = self._native
         addresses = [t.data_ptr() for t in (*tensors, *outputs)]
         if captured is None or not native.write(addresses, list(scalars)) or native.blob() != captured.blob:
             raise RuntimeError("native launch: the parameters written differ from the entry function's "

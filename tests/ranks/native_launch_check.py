@@ -86,7 +86,7 @@ def moe(mode: str) -> None:
             recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, idx, w, experts, low_latency=low_latency)
             y = ts.ops.moe_combine(recv_x, recv_w, handle)
             assert_close(y.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
-        print(f"[rank {rank}] {mode} moe low_latency={low_latency} ok", flush=True)
+        print(f"[rank {rank}] {mode} moe low_latency={low_latency} ok {op_launch.counts()}", flush=True)
 
 
 run("check")
@@ -95,7 +95,8 @@ run("1")
 moe("1")
 counts = op_launch.counts()
 print(f"[rank {rank}] native launches: {counts}", flush=True)
-assert counts["learned"] > 0 and counts["native launches"] > 0 and counts.get("checked launches", 0) > 0, counts
+if os.environ.get("TILESCALE_NATIVE_LAUNCH") != "0":  # the control run: every launch through the entry function
+    assert counts["learned"] > 0 and counts["native launches"] > 0 and counts.get("checked launches", 0) > 0, counts
 dist.barrier()
 print(f"[rank {rank}] NATIVE-OK", flush=True)
 ts.finalize()

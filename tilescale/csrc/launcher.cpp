@@ -114,20 +114,23 @@ class Launcher {
       : func_(reinterpret_cast<void*>(func)), size_(blob.size()), outputs_(std::move(outputs)),
         out_dtype_(out_dtype) {
     TORCH_CHECK(grid.size() == 3 && block.size() == 3, "grid and block need three dimensions");
-    // CUtensorMap parameters must stay 64-byte aligned: their offsets are, so the base is.
-    storage_.reset(new unsigned char[size_ + 64]);
+    // cuTensorMapReplaceAddress takes a 64-byte aligned CUtensorMap. The descriptors' offsets
+    // agree modulo 64 (they are aligned in the kernel's parameter space, which starts off 64),
+    // so the parameters' copy here starts where every descriptor lands on a 64-byte boundary.
+    int64_t phase = tensor_maps.empty() ? 0 : tensor_maps[0].second % 64;
+    for (auto [arg, offset] : tensor_maps) {
+      TORCH_CHECK(offset % 64 == phase, "TMA descriptors' offsets must agree modulo 64");
+    }
+    storage_.reset(new unsigned char[size_ + 128]);
     auto start = reinterpret_cast<uintptr_t>(storage_.get());
-    base_ = storage_.get() + ((64 - start % 64) % 64);
+    base_ = storage_.get() + ((64 - start % 64) % 64) + (64 - phase) % 64;
     std::memcpy(base_, blob.data(), size_);
     for (int64_t offset : params) {
       TORCH_CHECK(offset >= 0 && static_cast<size_t>(offset) < std::max<size_t>(size_, 1), "parameter offset out of range");
       param_pointers_.push_back(base_ + offset);
     }
     for (auto [arg, offset] : pointers) pointers_.push_back({arg, check_place(arg, offset, 8)});
-    for (auto [arg, offset] : tensor_maps) {
-      TORCH_CHECK(offset % 64 == 0, "a TMA descriptor's offset must be 64-byte aligned");
-      tensor_maps_.push_back({arg, check_place(arg, offset, kTensorMapBytes)});
-    }
+    for (auto [arg, offset] : tensor_maps) tensor_maps_.push_back({arg, check_place(arg, offset, kTensorMapBytes)});
     for (auto [arg, offset, size] : scalars) {
       TORCH_CHECK(size == 4 || size == 8, "scalar parameters are 4 or 8 bytes");
       scalars_.push_back({arg, check_place(arg, offset, size), size});
