@@ -81,6 +81,15 @@ def test_rank_programs_of_the_cpu_suite_pass_on_gpus(program, marker, count):
     assert proc.stdout.count(marker) >= count
 
 
+@pytest.mark.timeout(600)
+def test_native_launches_match_the_entry_function_and_torch():
+    # GPU-only: launches learned from captures and made from C++ (tilescale.op_launch), every one
+    # first compared byte for byte with TileLang's entry function's (passed on one H200, 2026-11-29).
+    proc = run(str(RANKS / "native_launch_check.py"), timeout=550)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("NATIVE-OK") == 2
+
+
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(GPUS < 4, reason="a rank per GPU at four ranks: needs four")
 @pytest.mark.parametrize(("program", "marker", "count"), [("tp_gemm_check", " ok", 44), ("moe_check", "MOE-OK", 76)])

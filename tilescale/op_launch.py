@@ -37,6 +37,7 @@ import torch
 
 from tilescale import cuda_driver, runtime
 from tilescale.native import launcher_module
+from tilescale.plans import PlanCache
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 _MODE = os.environ.get("TILESCALE_NATIVE_LAUNCH", "1")
@@ -217,7 +218,8 @@ class OpLaunch:
     addresses: the sizes of dimensions the kernel leaves dynamic, and the peer tables of
     symmetric tensors. So launches are learned and kept per key of those: the shapes of the
     tensors with dynamic dimensions and the addresses of the symmetric ones (``LEARNED_KEYS``
-    keys at most; calls of further keys go through the entry function).
+    keys at most; calls of further keys go through the entry function). Like every plan
+    (``tilescale.plans``) they are dropped when symmetric memory or a group goes away.
 
     Args:
         kernel: The ``tilescale.jit`` kernel.
@@ -237,8 +239,8 @@ class OpLaunch:
         self.kernel, self.arguments, self.group = kernel, arguments, group
         self.outputs = [tuple(s) for s in outputs]
         self.dtype = dtype
-        self._natives: dict[tuple, tuple[Any, tuple]] = {}  # by key: the C++ launcher, the kernel's spans
-        self._first: dict[tuple, tuple] = {}  # by key: the first call's capture and places
+        self._natives = PlanCache(self.LEARNED_KEYS)  # by key: the C++ launcher, the kernel's spans
+        self._first = PlanCache(self.LEARNED_KEYS)  # by key: the first call's capture and places
         self._shaped: tuple[int, ...] = ()  # the tensors (by number) whose shapes key a launch
         self._symmetric: tuple[int, ...] = ()  # those whose addresses key it
         self._device: int | None = None  # the CUDA device's index
@@ -251,7 +253,7 @@ class OpLaunch:
 
     def __call__(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Any:
         """Launch on ``tensors`` and ``scalars``; returns the output (None if none, a list if several)."""
-        if self._natives and _MODE == "1":
+        if _MODE == "1":
             found = self._natives.get(self._key(tensors))
             if found is not None:
                 runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
@@ -272,7 +274,7 @@ class OpLaunch:
         outputs = self._allocate(tensors)
         args = self.arguments(tensors, outputs, scalars)
         launch, full = self.kernel.prepare(*args, group=self.group)
-        found = self._natives.get(self._key(tensors)) if self._natives else None
+        found = self._natives.get(self._key(tensors))
         if found is not None and _MODE == "check" and not torch.cuda.is_current_stream_capturing():
             self._check(found[0], launch, full, tensors, outputs, scalars)
         else:
@@ -303,8 +305,9 @@ class OpLaunch:
             if captured is None:
                 self._learning = _entry("the entry function enqueues other than one kernel")
                 return
-            if key not in self._first:
-                self._first[key] = (captured, places)
+            earlier = self._first.get(key)
+            if earlier is None:
+                self._first.put(key, (captured, places))
                 return
             changed_full = list(full)
             for i, v in places.values.items():
@@ -313,7 +316,8 @@ class OpLaunch:
         except Exception as e:  # noqa: BLE001 - the entry refused changed scalars, or the driver a call
             self._learning = _entry(f"{type(e).__name__}: {e}"[:200])
             return
-        first, first_places = self._first.pop(key)
+        first, first_places = earlier
+        self._first.put(key, None)
         if (changed is None or changed.params != captured.params or first.params != captured.params
                 or (first.func, first.grid, first.block) != (captured.func, captured.grid, captured.block)):
             self._learning = _entry("the launch differs between calls")
@@ -341,7 +345,7 @@ class OpLaunch:
             if not native.write(*places.ordered(at_call.addresses, at_call.values)) or native.blob() != record.blob:
                 self._learning = _entry("the map does not rebuild the calls' parameters")
                 return
-        self._natives[key] = (native, runtime.current().last_kernel_spans)
+        self._natives.put(key, (native, runtime.current().last_kernel_spans))
         self._device = device.index
         _counts["learned"] += 1
 
