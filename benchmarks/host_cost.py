@@ -224,15 +224,13 @@ def kernel_calls(fn: Callable[[], object]) -> list[tuple[DistributedKernel, tupl
             return originals[name](kernel, *args, group=group)
         return recording
 
-    previous = op_launch.set_mode("0")
     for name in originals:
         setattr(DistributedKernel, name, recorder(name))
     try:
-        fn()
+        entry_path(fn)()
     finally:
         for name, original in originals.items():
             setattr(DistributedKernel, name, original)
-        op_launch.set_mode(previous)
     return calls
 
 

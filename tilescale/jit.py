@@ -229,9 +229,7 @@ class DistributedKernel:
             launch, full = kernel.prepare(a, weight, out, group=group)
             launch(*full)                                  # the same as kernel(a, weight, out, group=group)
         """
-        if self._launch == self._first_launch:
-            self._launch = _fastest_launch(self.kernel)
-        return self._launch, (*args, *(self._hidden_of(args, group) if self.hidden else ()))
+        return self._resolved_launch(), (*args, *(self._hidden_of(args, group) if self.hidden else ()))
 
     def _hidden_of(self, args: tuple, group: Any) -> list[Any]:
         """The hidden arguments of a call on ``args`` over ``group`` (looked up, or checked and kept)."""
@@ -270,15 +268,18 @@ class DistributedKernel:
         hidden = found[1].copy()
         for slot, table in zip(self._slots, tables, strict=True):
             hidden[slot] = table
-        if self._launch == self._first_launch:
-            self._launch = _fastest_launch(self.kernel)
-        if self._launch is not self.kernel:  # TVM-FFI's entry function: the tables converted once, not per call
+        if self._resolved_launch() is not self.kernel:  # TVM-FFI's entry function: the tables converted once
             hidden = [tvm_ffi.from_dlpack(h) if isinstance(h, torch.Tensor) else h for h in hidden]
         return hidden, _spans(self.inputs, args, self._tables)
 
     def _first_launch(self, *args: Any) -> Any:
-        self._launch = _fastest_launch(self.kernel)
-        return self._launch(*args)
+        return self._resolved_launch()(*args)
+
+    def _resolved_launch(self) -> Callable[..., Any]:
+        """The compiled kernel's launch (:func:`_fastest_launch`), looked up at its first use."""
+        if self._launch == self._first_launch:
+            self._launch = _fastest_launch(self.kernel)
+        return self._launch
 
     def _peer_tables(self, args: tuple) -> tuple[list[torch.Tensor], GroupState | None]:
         """Peer tables of the arguments accessed on other ranks (in ``_tables`` order), and

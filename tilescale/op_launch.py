@@ -253,28 +253,28 @@ class OpLaunch:
 
     def __call__(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Any:
         """Launch on ``tensors`` and ``scalars``; returns the output (None if none, a list if several)."""
-        if _MODE == "1":
-            found = self._natives.get(self._key(tensors))
-            if found is not None:
-                runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
-                native, runtime.current().last_kernel_spans = found
-                try:
-                    out = native.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
-                except ValueError:  # a TMA descriptor refused an address: the entry function says why
-                    return self._entry_call(tensors, scalars)
-                _counts["native launches"] += 1
-                return out
-        return self._entry_call(tensors, scalars)
+        found = self._natives.get(self._key(tensors))
+        if found is not None and _MODE == "1":
+            runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
+            native, runtime.current().last_kernel_spans = found
+            try:
+                out = native.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
+            except ValueError:  # a TMA descriptor refused an address: the entry function says why
+                return self._entry_call(tensors, scalars, found)
+            _counts["native launches"] += 1
+            return out
+        return self._entry_call(tensors, scalars, found)
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dtype = self.dtype or tensors[0].dtype
         return [torch.empty(s, dtype=dtype, device=tensors[0].device) for s in self.outputs]
 
-    def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int]) -> Any:
+    def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int], found: tuple | None) -> Any:
+        """The call through the kernel's entry function (``found``: the call's learned launch, if
+        any), learning the launch or, in mode ``check``, comparing and making it from there."""
         outputs = self._allocate(tensors)
         args = self.arguments(tensors, outputs, scalars)
         launch, full = self.kernel.prepare(*args, group=self.group)
-        found = self._natives.get(self._key(tensors))
         if found is not None and _MODE == "check" and not torch.cuda.is_current_stream_capturing():
             self._check(found[0], launch, full, tensors, outputs, scalars)
         else:

@@ -136,6 +136,10 @@ class Launcher {
       scalars_.push_back({arg, check_place(arg, offset, size), size});
     }
     maps_at_.assign(tensor_maps_.size(), 0);
+    // A call passes one address per tensor (the highest argument placed) and one value per scalar.
+    for (const Place& p : pointers_) address_count_ = std::max(address_count_, static_cast<size_t>(p.arg) + 1);
+    for (const Place& p : tensor_maps_) address_count_ = std::max(address_count_, static_cast<size_t>(p.arg) + 1);
+    for (const ScalarPlace& p : scalars_) scalar_count_ = std::max(scalar_count_, static_cast<size_t>(p.arg) + 1);
     attrs_.resize(attrs.size());
     for (size_t i = 0; i < attrs.size(); ++i) {
       TORCH_CHECK(attrs[i].second.size() <= sizeof(attrs_[i].value), "launch attribute value too large");
@@ -155,9 +159,9 @@ class Launcher {
   // Write the arguments (addresses of the call's tensors then its outputs; scalars) into the
   // parameters without launching; false if a TMA descriptor refused an address.
   bool write(const std::vector<int64_t>& addresses, const std::vector<int64_t>& scalars) {
-    TORCH_CHECK(addresses.size() == address_count(), "launcher: ", address_count(), " addresses expected, got ",
+    TORCH_CHECK(addresses.size() == address_count_, "launcher: ", address_count_, " addresses expected, got ",
                 addresses.size());
-    TORCH_CHECK(scalars.size() == scalar_count(), "launcher: ", scalar_count(), " scalars expected, got ",
+    TORCH_CHECK(scalars.size() == scalar_count_, "launcher: ", scalar_count_, " scalars expected, got ",
                 scalars.size());
     for (const Place& p : pointers_) std::memcpy(base_ + p.offset, &addresses[p.arg], 8);
     for (size_t i = 0; i < tensor_maps_.size(); ++i) {
@@ -214,19 +218,6 @@ class Launcher {
     return offset;
   }
 
-  size_t address_count() const {
-    int64_t most = -1;
-    for (const Place& p : pointers_) most = std::max(most, p.arg);
-    for (const Place& p : tensor_maps_) most = std::max(most, p.arg);
-    return static_cast<size_t>(most + 1);
-  }
-
-  size_t scalar_count() const {
-    int64_t most = -1;
-    for (const ScalarPlace& s : scalars_) most = std::max(most, s.arg);
-    return static_cast<size_t>(most + 1);
-  }
-
   void* func_;
   size_t size_;
   std::unique_ptr<unsigned char[]> storage_;
@@ -236,6 +227,8 @@ class Launcher {
   std::vector<Place> tensor_maps_;
   std::vector<int64_t> maps_at_;
   std::vector<ScalarPlace> scalars_;
+  size_t address_count_ = 0;
+  size_t scalar_count_ = 0;
   std::vector<std::vector<int64_t>> outputs_;
   std::optional<at::ScalarType> out_dtype_;
   std::vector<LaunchAttribute> attrs_;
