@@ -74,20 +74,33 @@ def run(mode: str) -> None:
 
 
 def moe(mode: str) -> None:
-    """Dispatch + combine with identity experts: the combine gives each token's weighted sum back."""
+    """Dispatch + combine with identity experts: the combine gives each token's weighted sum back.
+    Low-latency and normal mode (routing in one and in several chunks), grouped and in place,
+    bf16 and FP8 rows, a re-dispatch along the same routes; the ranks' counts differ on some
+    calls, and one rank passes none on others."""
     op_launch.set_mode(mode)
     hidden, topk, experts = 512, 4, 8 * world
     for low_latency, tokens in ((True, 64), (False, 200)):
-        for call in range(CALLS):
-            t = tokens - (call % 2) * 3 * rank  # the ranks' counts differ on some calls
-            x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
-            idx = torch.stack([torch.randperm(experts, device=dev)[:topk] for _ in range(t)])
-            w = torch.rand(t, topk, device=dev)
-            recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(x, idx, w, experts, low_latency=low_latency,
-                                                                  max_tokens=tokens)  # counts differ: a bound
-            y = ts.ops.moe_combine(recv_x, recv_w, handle)
-            assert_close(y.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
-        print(f"[rank {rank}] {mode} moe low_latency={low_latency} ok {op_launch.counts()}", flush=True)
+        for variant in ("grouped", "in place", "fp8"):
+            for call in range(CALLS + 2):
+                t = (tokens - (call % 2) * 3 * rank) if call != CALLS else tokens * (rank != 1)
+                x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+                idx = torch.rand(t, experts, device=dev).argsort(dim=1)[:, :topk]  # distinct experts per token
+                w = torch.rand(t, topk, device=dev)
+                sent = ts.ops.moe.quantize_fp8(x) if variant == "fp8" else x
+                recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(sent, idx, w, experts, low_latency=low_latency,
+                                                                      max_tokens=tokens, in_place=variant == "in place")
+                if variant == "fp8":
+                    x, recv_x = ts.ops.moe.dequantize_fp8(*sent), ts.ops.moe.dequantize_fp8(*recv_x)
+                elif variant == "in place":
+                    recv_x = recv_x[handle.source_row.clamp(min=0).long()]  # grouped rows through the index
+                y = ts.ops.moe_combine(recv_x, recv_w, handle)
+                assert_close(y.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
+                if variant == "grouped" and call % 2:
+                    x2 = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
+                    y2 = ts.ops.moe_combine(ts.ops.moe_redispatch(x2, handle), recv_w, handle)
+                    assert_close(y2.float(), x2.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
+            print(f"[rank {rank}] {mode} moe low_latency={low_latency} {variant} ok {op_launch.counts()}", flush=True)
 
 
 run("check")
@@ -98,6 +111,7 @@ counts = op_launch.counts()
 print(f"[rank {rank}] native launches: {counts}", flush=True)
 if os.environ.get("TILESCALE_NATIVE_LAUNCH") != "0":  # the control run: every launch through the entry function
     assert counts["learned"] > 0 and counts["native launches"] > 0 and counts.get("checked launches", 0) > 0, counts
+    assert not [reason for reason in counts if reason.startswith("entry:")], counts  # every kernel learned
 dist.barrier()
 print(f"[rank {rank}] NATIVE-OK", flush=True)
 ts.finalize()

@@ -31,6 +31,7 @@ from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
 from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
+    call_board,
     call_identity,
     check_input,
     check_same_across_ranks,
@@ -43,7 +44,7 @@ from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
-from tilescale.ops.moe.routing import chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
+from tilescale.ops.moe.routing import Routing, chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
 from tilescale.plans import PlanCache, ReusedOutputs, capturing
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -60,16 +61,16 @@ class _SendPlan:
     """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call.
     Its kernels take any token count (a dynamic size): plans of other counts share them."""
 
-    route: DistributedKernel | None  # the routing kernels (None for no tokens, or along known routes)
-    send: DistributedKernel  # the dispatch kernel
+    route: Routing | None  # the routing kernels (None for no tokens, or along known routes)
+    # The dispatch kernel on the call's tensors (``_send``'s), its buffers and flags bound.
+    send: OpLaunch
     # The routing kernel's outputs (dest, slot, send_counts, expert_slot, expert_counts, bad,
     # ids, chunk counts), views of one int32 allocation; None where it does not run. A call
     # whose previous outputs are all dropped gets them back (no allocation, no views made).
     routed: ReusedOutputs | None
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
-    flags: tuple[torch.Tensor, torch.Tensor]  # the plan's (ranges, progress)
-    unused_rows: torch.Tensor | None  # in place (else None): the kernel's grouped-rows argument, one row never written
+    in_place: bool  # received rows left where they land (``send`` then has no output)
 
 
 @dataclass
@@ -361,11 +362,14 @@ class Buffer:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
             routed = tokens and id_dtype
+            kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
+                                     low_latency, in_place=in_place, sets=self.sets, group=self.group)
+            # In place, the kernel's grouped-rows argument is one row it never writes.
+            unused_rows = torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None
             plan = self._plans.put(key, _SendPlan(
                 route=router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
                              group=self.group) if routed else None,
-                send=dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                     low_latency, in_place=in_place, sets=self.sets, group=self.group),
+                send=self._send_launch(kernel, received, self._flags_of(low_latency, received), unused_rows),
                 routed=_words(x.device, ((world, held), (world, held), (world,), (held, topk), (self.num_experts,),
                                          (1,), (held, topk), chunk_counts_shape(world, held, self.num_experts)))
                 if routed else None,
@@ -373,12 +377,25 @@ class Buffer:
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, flags=self._flags_of(low_latency, received),
-                unused_rows=torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None))
+                received=received, in_place=in_place))
             # The ranks meet once their kernels are built (a slow build must not time out the peers'
             # waits), once per buffer, mode and row type: not per token count or in_place, each rank's own.
             launch_together(self.state, "moe_dispatch", (self._serial, hidden, dtype, low_latency))
         return plan
+
+    def _send_launch(self, kernel: DistributedKernel, received: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor],
+                     unused_rows: torch.Tensor | None) -> OpLaunch:
+        """The dispatch ``kernel`` as an ``OpLaunch`` on a call's tensors (as ``_send`` passes
+        them) and identity, with this buffer's ``received`` rows, ``flags`` and the rest bound;
+        its grouped rows are the launch's output, or in place ``unused_rows``."""
+        board, (ranges, progress) = call_board(self.state), flags
+        bound = (received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
+                 self._arrived, self._sends)
+        if unused_rows is not None:
+            return OpLaunch(kernel, lambda t, o, s: (*t[:7], *bound, *t[7:], unused_rows, board, s[0]),
+                            group=self.group)
+        return OpLaunch(kernel, lambda t, o, s: (*t[:7], *bound, *t[7:], o[0], board, s[0]),
+                        [(self.rows, received.shape[-1])], group=self.group)
 
     def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan,
                watched: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -413,21 +430,15 @@ class Buffer:
         expert ``counts`` and ``offsets``; per received row its ``position`` (received rows,
         topk); and the rows received from each source.
         """
-        rows, hidden = self.rows, x.shape[1]
         # The outputs are the caller's (a handle outlives the next call): new on every call
         # (the small ones again an earlier call's where those were all dropped: self._sent).
         counts, offsets, received_counts, position, source_row, row_expert, weight = self._sent.take()
-        in_place = plan.unused_rows is not None
-        recv_x = plan.unused_rows if in_place else torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-        board, ident = call_identity(self.state, plan.signature)
-        ranges, progress = plan.flags
-        plan.send(x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
-                  routes["expert_counts"], plan.received, self._idx, self._w, self._slot, self._counts,
-                  self._expert_counts, ranges, progress, self._arrived, self._sends, counts, offsets,
-                  received_counts, position, weight, source_row, row_expert, recv_x, board, ident, group=self.group)
+        recv_x = plan.send((x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
+                            routes["expert_counts"], counts, offsets, received_counts, position, weight, source_row,
+                            row_expert), (call_identity(self.state, plan.signature)[1],))
         self._calls += 1
-        if in_place:
-            recv_x = plan.received.view(-1, hidden)
+        if plan.in_place:
+            recv_x = plan.received.view(-1, x.shape[1])
             source_row._ts_in_place = (self, self._calls, recv_x.shape[0])  # for check_in_place_rows
         return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
 

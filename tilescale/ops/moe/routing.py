@@ -17,7 +17,6 @@ chunk, one kernel. (One block per bin scanning every token took 33 us at 4096 to
 # refer to the kernel factory's local variables.
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
+from tilescale.op_launch import OpLaunch
 
 # Tokens per routing block: chunks of CHUNK_TOKENS (more per block past MAX_CHUNKS chunks,
 # which bounds the prefix each block of the second kernel sums); a decode batch of at most
@@ -271,17 +271,18 @@ def route_finish_kernel(world: int, chunk: int, topk: int, num_experts: int):
 @dataclass(frozen=True)
 class Routing:
     """The routing kernels of one shape: :func:`route_count_kernel`, then (more than one chunk)
-    :func:`route_finish_kernel`. Called with the count kernel's arguments."""
+    :func:`route_finish_kernel`, each an ``OpLaunch`` (from C++ once learned). Called with the
+    count kernel's arguments."""
 
-    count: Callable
-    finish: Callable | None
+    count: OpLaunch
+    finish: OpLaunch | None
 
     def __call__(self, topk_idx: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
                  expert_slot: torch.Tensor, expert_counts: torch.Tensor, bad: torch.Tensor, ids: torch.Tensor,
                  counts: torch.Tensor, bad_host: int) -> None:
-        self.count(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+        self.count((topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts), (bad_host,))
         if self.finish is not None:
-            self.finish(slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
+            self.finish((slot, send_counts, expert_slot, expert_counts, bad, ids, counts), (bad_host,))
 
 
 def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32",
@@ -306,8 +307,14 @@ def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str =
     """
     chunk, max_chunks = route_class(tokens)
     count = route_count_kernel(world, chunk, max_chunks, topk, num_experts, id_dtype, group=group)
-    several = max_chunks > 1
-    return Routing(count, route_finish_kernel(world, chunk, topk, num_experts, group=group) if several else None)
+    finish = route_finish_kernel(world, chunk, topk, num_experts, group=group) if max_chunks > 1 else None
+    return Routing(OpLaunch(count, _every_argument, group=group),
+                   OpLaunch(finish, _every_argument, group=group) if finish is not None else None)
+
+
+def _every_argument(tensors: tuple, outputs: list, scalars: tuple) -> tuple:
+    """A routing kernel's arguments: the call's tensors, then its scalar (``bad_host``)."""
+    return (*tensors, *scalars)
 
 
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
