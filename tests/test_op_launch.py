@@ -11,7 +11,16 @@ import torch
 
 from tilescale import op_launch
 from tilescale.native import launcher_module, launcher_unavailable
-from tilescale.op_launch import ParamMap, map_params, perturbed, places_of, scalar_bytes
+from tilescale.op_launch import (
+    PACK_ALIGN,
+    Output,
+    ParamMap,
+    map_params,
+    packed_layout,
+    perturbed,
+    places_of,
+    scalar_bytes,
+)
 
 A, B = 0x7F00_0000_1000, 0x7F00_0020_0000  # two tensor arguments' addresses
 MAP_A = bytes([0xA5]) * 8 + A.to_bytes(8, "little") + bytes(112)  # a "TMA descriptor" that holds A
@@ -56,7 +65,16 @@ def test_what_cannot_be_told_apart_is_said():
     assert "one address" in map_params(PARAMS, launch_bytes(IDENT), same, {0: A, 1: A}, moved, holds)
     assert "empty tensor" in map_params(PARAMS, launch_bytes(IDENT), same, {0: 0}, moved, holds)
     # A tensor argument the kernel does not take (or takes in a form not recognised) is refused.
-    assert "in no parameter" in map_params(PARAMS, launch_bytes(IDENT), same, {0: A, 5: 0x9999000}, moved, holds)
+    assert "tensor arguments [5] are in no parameter" in map_params(PARAMS, launch_bytes(IDENT), same,
+                                                                    {0: A, 5: 0x9999000}, moved, holds)
+
+
+def test_a_scalar_the_kernel_does_not_take_is_left_out():
+    # TileLang drops a parameter the kernel never reads (the routing kernel's bad_host where it
+    # runs in several chunks): the scalar changed no byte, and each call's value goes nowhere.
+    moved = {8: (IDENT, perturbed(IDENT, 0)), 9: (7, perturbed(7, 1))}
+    found = map_params(PARAMS, launch_bytes(IDENT), launch_bytes(perturbed(IDENT, 0)), {0: A, 3: B}, moved, holds)
+    assert found == ParamMap(pointers=((3, 128),), tensor_maps=((0, 0),), scalars=((8, 144, 8),))
 
 
 def test_scalar_bytes_wrap():
@@ -76,7 +94,12 @@ def test_a_calls_arguments_are_placed_and_views_of_them_refused():
     places = places_of(arguments, full, (a, w), (out,), (IDENT,))
     assert places.tensor_number == {0: 0, 1: 1, 3: 2} and places.scalar_number == {5: 0}
     assert places.values == {5: IDENT} and places.addresses[3] == out.data_ptr()
-    assert places.ordered(places.addresses, places.values) == ([a.data_ptr(), w.data_ptr(), out.data_ptr()], [IDENT])
+    assert places.ordered(places.addresses, places.values, 3, 1) == ([a.data_ptr(), w.data_ptr(), out.data_ptr()],
+                                                                     [IDENT])
+    # One kernel of several takes some of the call's tensors and scalars: the rest stand nowhere in it.
+    places = places_of(lambda t, o, s: (o[0], s[1], 3), (out, 9, 3, "hidden"), (a, w), (out,), (IDENT, 9))
+    assert places.tensor_number == {0: 2} and places.scalar_number == {1: 1}
+    assert places.ordered(places.addresses, places.values, 3, 2) == ([0, 0, out.data_ptr()], [0, 9])
     # An output passed reshaped stands where its view is.
     view = out.view(3, 1)
     places = places_of(lambda t, o, s: (t[0], view, s[0]), (a, view, IDENT), (a,), (out,), (IDENT,))
@@ -113,28 +136,55 @@ def test_launcher_writes_addresses_and_scalars_where_learned(launcher):
     params = [(0, 8), (8, 8), (16, 8), (24, 4)]
     blob = blob_of(params, [bytes(8), (0x1234).to_bytes(8, "little"), bytes(8), bytes(4)])
     native = launcher.Launcher(0, [1, 1, 1], [128, 1, 1], 0, [], [o for o, _ in params], blob,
-                               [(0, 0), (1, 16)], [], [(0, 24, 4)], [[3, 5]], torch.float32)
+                               [(0, 0), (1, 16)], [], [(0, 24, 4)], 2, 1)
     assert native.write([A, B], [(1 << 33) + 7])  # a 4-byte scalar keeps the low bytes
     assert native.blob() == blob_of(params, [A.to_bytes(8, "little"), (0x1234).to_bytes(8, "little"),
                                              B.to_bytes(8, "little"), struct.pack("<I", 7)])
     with pytest.raises(RuntimeError, match="2 addresses expected"):
         native.write([A], [1])
     with pytest.raises(RuntimeError, match="outside the parameters"):
-        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0], bytes(8), [(0, 4)], [], [], [], None)
+        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0], bytes(8), [(0, 4)], [], [], 1, 0)
+    with pytest.raises(RuntimeError, match="names argument 1 of 1"):
+        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0], bytes(8), [(1, 0)], [], [], 1, 0)
+    # A call passes every scalar, those the kernel does not take (in no parameter) too.
+    unused = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0], bytes(8), [(0, 0)], [], [], 1, 1)
+    assert unused.write([A], [99]) and unused.blob() == A.to_bytes(8, "little")
 
 
 def test_launcher_without_a_driver_says_so(launcher):
     if not launcher.driver_missing():
         pytest.skip("this host has a CUDA driver: the GPU rank program launches")
-    native = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(0, 0), (1, 8)], [], [], [[2]],
-                               None)
+    native = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(0, 0), (1, 8)], [], [], 2, 0)
     with pytest.raises(RuntimeError, match="libcuda"):
-        native.call([torch.zeros(2)], [], 0)
+        launcher.Program([native], [([2], None, -1)], 0).call([torch.zeros(2)], [], 0)
 
 
 def test_launcher_takes_descriptors_off_a_64_byte_boundary_if_they_agree(launcher):
     # A kernel's parameter space starts off 64 bytes: its descriptors sit at 112, 240, ... (GPU runs).
-    launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 240], bytes(368), [], [(0, 112), (1, 240)], [], [], None)
+    launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 240], bytes(368), [], [(0, 112), (1, 240)], [], 2, 0)
     with pytest.raises(RuntimeError, match="agree modulo 64"):
-        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 256], bytes(384), [], [(0, 112), (1, 256)], [], [],
-                          None)
+        launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [112, 256], bytes(384), [], [(0, 112), (1, 256)], [], 2,
+                          0)
+
+
+def test_packed_outputs_are_aligned_views_of_one_allocation(launcher):
+    outputs = [Output((3,), torch.int32, packed=True), Output((2, 4)), Output((5, 100), torch.float32, packed=True),
+               Output((0,), torch.int32, packed=True)]
+    offsets, size = packed_layout(outputs)
+    assert offsets == [0, -1, PACK_ALIGN, 9 * PACK_ALIGN] and size == 10 * PACK_ALIGN  # 2000 bytes: 8 units; empty: 1
+    with pytest.raises(ValueError, match="needs its dtype"):
+        packed_layout([Output((3,), packed=True)])
+    # The C++ program lays them out alike (a program of no kernels: only its outputs).
+    program = launcher.Program([], [(list(o.shape), o.dtype, at) for o, at in zip(outputs, offsets, strict=True)], size)
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    made = program.call([x], [], 0)
+    assert [(t.shape, t.dtype) for t in made] == [(torch.Size([3]), torch.int32), (torch.Size([2, 4]), torch.bfloat16),
+                                                 (torch.Size([5, 100]), torch.float32), (torch.Size([0]), torch.int32)]
+    base = made[0].data_ptr()
+    assert [made[0].data_ptr() - base, made[2].data_ptr() - base] == [offsets[0], offsets[2]]
+    assert made[0].untyped_storage().data_ptr() == made[2].untyped_storage().data_ptr() != made[1].data_ptr()
+    made[2].fill_(1.5)  # a view of its own bytes: the others keep theirs
+    made[0].fill_(7)
+    assert made[2].sum().item() == 750 and made[0].tolist() == [7, 7, 7]
+    with pytest.raises(RuntimeError, match="does not fit"):
+        launcher.Program([], [([3], torch.int32, PACK_ALIGN)], PACK_ALIGN)

@@ -1,25 +1,25 @@
-"""An op's kernel call whose launch is learned at its first calls and then made from C++.
+"""An op's kernel calls, whose launches are learned at their first calls and then made from C++.
 
 Example::
 
-    call = OpLaunch(kernel, lambda t, out, s: (t[0], t[1], ex.buffers, out[0], board, s[0]),
+    call = OpLaunch([(kernel, lambda t, out, s: (t[0], t[1], ex.buffers, out[0], board, s[0]))],
                     outputs=[(m, n)], group=group)
     out = call((a, weight), (ident,))          # in an op's plan, whose key fixes shapes and dtypes
 
 An eager kernel call through TileLang's entry function costs about a kernel launch on the
-host, and an op's Python around it as much again (the output's allocation, the hidden
+host, and an op's Python around it as much again (the outputs' allocation, the hidden
 arguments' lookup: ``benchmarks/host_cost.py --breakdown``). An op's plan fixes everything but
-its tensors' addresses and a few scalars (the call identity), so after two calls the kernel's
-parameters are known: the C++ launcher (``tilescale/csrc/launcher.cpp``) allocates the outputs,
-writes the addresses (into TMA descriptors too) and scalars into the learned parameter bytes and
-calls ``cuLaunchKernelEx``, in one call from Python.
+its tensors' addresses and a few scalars (the call identity), so after two calls the kernels'
+parameters are known: the C++ program (``tilescale/csrc/launcher.cpp``) allocates the outputs,
+writes the addresses (into TMA descriptors too) and scalars into each kernel's learned parameter
+bytes and calls ``cuLaunchKernelEx`` for each, in one call from Python.
 
-Which parameter bytes belong to which argument is found, not assumed: the entry function's launch
+Which parameter bytes belong to which argument is found, not assumed: each entry function's launch
 is captured (a CUDA stream capture: nothing runs), and again with every scalar changed; a pointer
 parameter is an argument's whose address it holds, a TMA descriptor an argument's if putting that
 argument's address into it changes nothing, a scalar parameter the one scalar whose change changed
 it. Any other change, or a parameter that two arguments could explain, leaves the call on the entry
-function. The map must then rebuild the first call's parameters exactly, and the second's.
+functions. The map must then rebuild the first call's parameters exactly, and the second's.
 
 ``TILESCALE_NATIVE_LAUNCH``: ``1`` (default), ``0`` (every call through the entry function),
 ``check`` (every learned launch's bytes compared with a capture of the entry function's: tests).
@@ -28,16 +28,18 @@ function. The map must then rebuild the first call's parameters exactly, and the
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from tilescale import cuda_driver, runtime
 from tilescale.native import launcher_module
-from tilescale.plans import PlanCache
+from tilescale.plans import PlanCache, capturing
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 _MODE = os.environ.get("TILESCALE_NATIVE_LAUNCH", "1")
@@ -117,9 +119,9 @@ def map_params(params: Sequence[tuple[int, int]], blob: bytes, changed: bytes, t
         holds_address: Whether a TMA descriptor's bytes hold a given address.
 
     Returns:
-        The map; or the reason (a str) if a parameter changed that no one scalar explains, an
-        address is two arguments', an argument has no address (an empty tensor), or an argument
-        is in no parameter.
+        The map (scalars in no parameter left out: the kernel does not take them); or the reason
+        (a str) if a parameter changed that no one scalar explains, an address is two arguments',
+        a tensor has no address (an empty tensor), or a tensor is in no parameter.
     """
     addresses = list(tensors.values())
     if 0 in addresses or len(set(addresses)) != len(addresses):
@@ -142,9 +144,12 @@ def map_params(params: Sequence[tuple[int, int]], blob: bytes, changed: bytes, t
                 return f"the TMA descriptor at byte {offset} holds {len(holders)} arguments' addresses"
             if holders:
                 tensor_maps.append((holders[0], offset))
-    placed = {i for i, _ in pointers} | {i for i, _ in tensor_maps} | {i for i, _, _ in found_scalars}
-    if placed != set(tensors) | set(scalars):
-        return f"arguments {sorted(set(tensors) | set(scalars) - placed)} are in no parameter"
+    # A scalar that changed no parameter is one the compiled kernel does not take (TileLang drops
+    # unused parameters; a launch it shaped would differ between the captures, which the caller
+    # compares): each call's value goes nowhere. A tensor must be placed.
+    unplaced = set(tensors) - {i for i, _ in pointers} - {i for i, _ in tensor_maps}
+    if unplaced:
+        return f"tensor arguments {sorted(unplaced)} are in no parameter"
     return ParamMap(tuple(pointers), tuple(tensor_maps), tuple(found_scalars))
 
 
@@ -160,32 +165,35 @@ def _holds_address(tensor_map: bytes, address: int) -> bool:
 
 @dataclass(frozen=True)
 class _Places:
-    """Where a call's changing arguments stand in the kernel's whole argument list: the tensors'
-    addresses and the scalars' values by index there, and each index's number in the launcher's
-    call (tensors then outputs; scalars)."""
+    """Where a call's changing arguments stand in one kernel's whole argument list: the tensors'
+    addresses and the scalars' values by index there, and each index's number in the call
+    (tensors then outputs; scalars). A kernel of several in an op may take some of them only."""
 
     addresses: dict[int, int]
     values: dict[int, int]
     tensor_number: dict[int, int]
     scalar_number: dict[int, int]
 
-    def ordered(self, addresses: dict[int, int], values: dict[int, int]) -> tuple[list[int], list[int]]:
-        """``addresses`` and ``values`` (by index, as this call's) in the launcher's order."""
-        tensors, scalars = [0] * len(self.tensor_number), [0] * len(self.scalar_number)
+    def ordered(self, addresses: dict[int, int], values: dict[int, int], tensors: int,
+                scalars: int) -> tuple[list[int], list[int]]:
+        """``addresses`` and ``values`` (by index, as this call's) in the launcher's order, for a
+        call of ``tensors`` tensors and outputs and ``scalars`` scalars (those not taken: 0)."""
+        at, of = [0] * tensors, [0] * scalars
         for i, n in self.tensor_number.items():
-            tensors[n] = addresses[i]
+            at[n] = addresses[i]
         for i, n in self.scalar_number.items():
-            scalars[n] = values[i]
-        return tensors, scalars
+            of[n] = values[i]
+        return at, of
 
 
 def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
               scalars: Sequence[int]) -> _Places | None:
     """Where a call's tensors, outputs and scalars stand in ``full``, the kernel's whole argument
     list that ``arguments(tensors, outputs, scalars)`` began. A tensor stands where it, or a view
-    of it at its address (an output reshaped), is passed. None where one is passed twice, another
-    argument is a view of one elsewhere in its memory (that address would change unseen), or a
-    scalar cannot be placed (found by calling ``arguments`` with every scalar changed)."""
+    of it at its address (an output reshaped), is passed; a scalar where changing it (calling
+    ``arguments`` with every scalar changed) changes an argument to its changed value. None
+    where one is passed twice, another argument is a view of one elsewhere in its memory (that
+    address would change unseen), or an argument changed that no one scalar explains."""
     varying = (*tensors, *outputs)
     moved = arguments(tensors, outputs, [perturbed(v, j) for j, v in enumerate(scalars)])
     storages = [t.untyped_storage().data_ptr() for t in varying]
@@ -198,49 +206,106 @@ def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor]
         if len(owners) != 1:
             return None
         positions[owners[0]].append(i)
-    if any(len(p) != 1 for p in positions):
+    if any(len(p) > 1 for p in positions):
         return None
-    scalar_at = [i for i, (a, b) in enumerate(zip(full, moved, strict=False))
-                 if not isinstance(a, torch.Tensor) and a != b]
-    if len(scalar_at) != len(scalars) or any(full[i] != v for i, v in zip(scalar_at, scalars, strict=True)):
-        return None
-    return _Places(addresses={p[0]: full[p[0]].data_ptr() for p in positions},
-                   values={i: full[i] for i in scalar_at},
-                   tensor_number={p[0]: n for n, p in enumerate(positions)},
-                   scalar_number={i: j for j, i in enumerate(scalar_at)})
+    scalar_number: dict[int, int] = {}
+    for i, (a, b) in enumerate(zip(full, moved, strict=False)):
+        if isinstance(a, torch.Tensor) or a == b:
+            continue
+        which = [j for j, v in enumerate(scalars) if a == v and b == perturbed(v, j)]
+        if len(which) != 1 or which[0] in scalar_number.values():
+            return None
+        scalar_number[i] = which[0]
+    return _Places(addresses={p[0]: full[p[0]].data_ptr() for p in positions if p},
+                   values={i: full[i] for i in scalar_number},
+                   tensor_number={p[0]: n for n, p in enumerate(positions) if p},
+                   scalar_number=scalar_number)
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output each ``OpLaunch`` call allocates.
+
+    Example::
+
+        Output((m, n))                                  # the call's first tensor's dtype
+        Output((world, tokens), torch.int32, packed=True)
+
+    Args:
+        shape: Its shape.
+        dtype: Its dtype; None: the call's first tensor's.
+        packed: Viewed in the call's one allocation of packed outputs (``PACK_ALIGN``-aligned):
+            one allocation for an op's small outputs instead of one each (their memory goes
+            back when all of them are dropped). Needs ``dtype``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+    packed: bool = False
+
+
+# Bytes each packed output is aligned to: kernels' vector accesses may assume their tensors start
+# aligned, as torch's allocations do.
+PACK_ALIGN = 256
+
+
+def packed_layout(outputs: Sequence[Output]) -> tuple[list[int], int]:
+    """Each output's byte offset in the packed allocation (-1: an allocation of its own), and its size.
+
+    Example::
+
+        packed_layout([Output((3,), torch.int32, True), Output((8, 8))])   # ([0, -1], 256)
+    """
+    offsets, end = [], 0
+    for o in outputs:
+        if not o.packed:
+            offsets.append(-1)
+            continue
+        if o.dtype is None:
+            raise ValueError(f"a packed output needs its dtype: {o}")
+        offsets.append(end)
+        end += max(1, -(-math.prod(o.shape) * o.dtype.itemsize // PACK_ALIGN)) * PACK_ALIGN
+    return offsets, end
 
 
 class OpLaunch:
-    """One kernel call of an op's plan: through the kernel's entry function at its first two
-    calls, which teach its parameters, then from C++ (see the module's docstring).
+    """An op's kernel calls, in order: through the kernels' entry functions at a key's first two
+    calls, which teach their parameters, then from C++, all in one call (see the module's docstring).
 
-    A learned launch holds what the entry function derived from the call's tensors besides their
-    addresses: the sizes of dimensions the kernel leaves dynamic, and the peer tables of
-    symmetric tensors. So launches are learned and kept per key of those: the shapes of the
-    tensors with dynamic dimensions and the addresses of the symmetric ones (``LEARNED_KEYS``
-    keys at most; calls of further keys go through the entry function). Like every plan
-    (``tilescale.plans``) they are dropped when symmetric memory or a group goes away.
+    Learned launches hold what the entry functions derived from the call's tensors besides their
+    addresses: the sizes of dimensions a kernel leaves dynamic, and the peer tables of symmetric
+    tensors. So launches are learned and kept per key of those: the shapes of the tensors with
+    dynamic dimensions and the addresses of the symmetric ones (``LEARNED_KEYS`` keys at most;
+    calls of further keys go through the entry functions). Like every plan (``tilescale.plans``)
+    they are dropped when symmetric memory or a group goes away.
+
+    Example::
+
+        call = OpLaunch([(route, lambda t, o, s: (t[1], o[0], s[0])),
+                         (send, lambda t, o, s: (t[0], o[0], o[1], board, s[1]))],
+                        [Output((world, tokens), torch.int32, packed=True), Output((rows, hidden))], group=group)
+        slots, rows = call((x, idx), (watch, ident))
 
     Args:
-        kernel: The ``tilescale.jit`` kernel.
-        arguments: ``arguments(tensors, outputs, scalars)``: the kernel's arguments for a call
-            on ``tensors`` (those that change between calls) with ``outputs`` (allocated per call)
-            and the integer ``scalars`` that change between calls.
-        outputs: The shape of each output a call allocates (``dtype``, else the first tensor's
-            dtype; on its device).
-        group: The kernel call's ``group=``.
-        dtype: The outputs' dtype, if not the first tensor's.
+        steps: ``(kernel, arguments)`` of each kernel in launch order: a ``tilescale.jit`` kernel,
+            and ``arguments(tensors, outputs, scalars)``, its arguments for a call on ``tensors``
+            (those that change between calls) with ``outputs`` (allocated per call) and the
+            integer ``scalars`` that change between calls. A kernel may take some of them only.
+        outputs: What each call allocates: an :class:`Output`, or a shape (the first tensor's
+            dtype, on its device).
+        group: The kernel calls' ``group=``.
     """
 
     LEARNED_KEYS = 16
 
-    def __init__(self, kernel: Any, arguments: Arguments, outputs: Sequence[Sequence[int]] = (), *,
-                 group: Any = None, dtype: torch.dtype | None = None):
-        self.kernel, self.arguments, self.group = kernel, arguments, group
-        self.outputs = [tuple(s) for s in outputs]
-        self.dtype = dtype
-        self._natives = PlanCache(self.LEARNED_KEYS)  # by key: the C++ launcher, the kernel's spans
-        self._first = PlanCache(self.LEARNED_KEYS)  # by key: the first call's capture and places
+    def __init__(self, steps: Sequence[tuple[Any, Arguments]], outputs: Sequence[Output | Sequence[int]] = (), *,
+                 group: Any = None):
+        self.steps = [(kernel, arguments) for kernel, arguments in steps]
+        self.group = group
+        self.outputs = [o if isinstance(o, Output) else Output(tuple(o)) for o in outputs]
+        self._offsets, self._packed_bytes = packed_layout(self.outputs)
+        self._natives = PlanCache(self.LEARNED_KEYS)  # by key: the C++ program, its launchers, the kernels' spans
+        self._first = PlanCache(self.LEARNED_KEYS)  # by key: the first call's captures and places
         self._shaped: tuple[int, ...] = ()  # the tensors (by number) whose shapes key a launch
         self._symmetric: tuple[int, ...] = ()  # those whose addresses key it
         self._device: int | None = None  # the CUDA device's index
@@ -256,107 +321,146 @@ class OpLaunch:
         found = self._natives.get(self._key(tensors))
         if found is not None and _MODE == "1":
             runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
-            native, runtime.current().last_kernel_spans = found
+            program, _, runtime.current().last_kernel_spans = found
             try:
-                out = native.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
+                out = program.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
             except ValueError:  # a TMA descriptor refused an address: the entry function says why
                 return self._entry_call(tensors, scalars, found)
-            _counts["native launches"] += 1
+            _counts["native launches"] += len(self.steps)
             return out
         return self._entry_call(tensors, scalars, found)
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        dtype = self.dtype or tensors[0].dtype
-        return [torch.empty(s, dtype=dtype, device=tensors[0].device) for s in self.outputs]
+        """A call's outputs, laid out as the C++ program lays them out."""
+        device = tensors[0].device
+        packed = torch.empty(self._packed_bytes, dtype=torch.uint8, device=device) if self._packed_bytes else None
+        made = []
+        for o, offset in zip(self.outputs, self._offsets, strict=True):
+            dtype = o.dtype or tensors[0].dtype
+            if offset < 0:
+                made.append(torch.empty(o.shape, dtype=dtype, device=device))
+            else:
+                made.append(packed[offset:offset + math.prod(o.shape) * dtype.itemsize].view(dtype).view(o.shape))
+        return made
 
     def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int], found: tuple | None) -> Any:
-        """The call through the kernel's entry function (``found``: the call's learned launch, if
+        """The call through the kernels' entry functions (``found``: the call's learned launch, if
         any), learning the launch or, in mode ``check``, comparing and making it from there."""
         outputs = self._allocate(tensors)
-        args = self.arguments(tensors, outputs, scalars)
-        launch, full = self.kernel.prepare(*args, group=self.group)
-        if found is not None and _MODE == "check" and not torch.cuda.is_current_stream_capturing():
-            self._check(found[0], launch, full, tensors, outputs, scalars)
+        prepared, spans = [], ()
+        for kernel, arguments in self.steps:  # every check of every kernel's call before any launch
+            prepared.append(kernel.prepare(*arguments(tensors, outputs, scalars), group=self.group))
+            spans += runtime.current().last_kernel_spans
+        runtime.current().last_kernel_spans = spans
+        in_capture = capturing(tensors[0])
+        if found is not None and _MODE == "check" and not in_capture:
+            self._check(found[1], prepared, tensors, outputs, scalars)
         else:
             if (self._learning and found is None and _MODE != "0" and len(self._natives) < self.LEARNED_KEYS
-                    and not torch.cuda.is_current_stream_capturing()):
-                self._learn(launch, full, tensors, outputs, scalars)
-            launch(*full)
+                    and not in_capture):
+                self._learn(prepared, tensors, outputs, scalars, spans)
+            for launch, full in prepared:
+                launch(*full)
         return None if not outputs else outputs[0] if len(outputs) == 1 else outputs
 
-    def _learn(self, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
-               outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
-        """At a key's first call: its capture. At its second: the launcher, checked against both calls."""
+    def _learn(self, prepared: list[tuple[Callable, tuple]], tensors: Sequence[torch.Tensor],
+               outputs: Sequence[torch.Tensor], scalars: Sequence[int], spans: tuple) -> None:
+        """At a key's first call: its captures. At its second: the launchers, checked against both
+        calls, and the program that makes them."""
         module = launcher_module()
         if module is None:
             self._learning = _entry("no C++ launcher")
             return
-        places = places_of(self.arguments, full, tensors, outputs, scalars)
-        if places is None:
+        places = [places_of(arguments, full, tensors, outputs, scalars)
+                  for (_, arguments), (_, full) in zip(self.steps, prepared, strict=True)]
+        if any(p is None for p in places):
             self._learning = _entry("arguments not placed")
             return
-        at = {i: n for i, n in places.tensor_number.items() if n < len(tensors)}  # the call's tensors' positions
-        self._shaped = tuple(sorted(n for i, n in at.items() if i in self.kernel.dynamic_arguments))
-        self._symmetric = tuple(sorted(n for i, n in at.items() if i in self.kernel.peer_arguments))
+        n = len(tensors)  # the call's tensors' numbers (outputs come after): what keys a launch
+        self._shaped = tuple(sorted({t for (kernel, _), p in zip(self.steps, places, strict=True)
+                                     for i, t in p.tensor_number.items() if t < n and i in kernel.dynamic_arguments}))
+        self._symmetric = tuple(sorted({t for (kernel, _), p in zip(self.steps, places, strict=True)
+                                        for i, t in p.tensor_number.items() if t < n and i in kernel.peer_arguments}))
         key = self._key(tensors)
         device = tensors[0].device
         try:
-            captured = cuda_driver.capture_kernel(lambda: launch(*full), device)
-            if captured is None:
+            captured = [cuda_driver.capture_kernel(lambda f=launch, a=full: f(*a), device) for launch, full in prepared]
+            if any(c is None for c in captured):
                 self._learning = _entry("the entry function enqueues other than one kernel")
                 return
             earlier = self._first.get(key)
             if earlier is None:
                 self._first.put(key, (captured, places))
                 return
-            changed_full = list(full)
-            for i, v in places.values.items():
-                changed_full[i] = perturbed(v, places.scalar_number[i])
-            changed = cuda_driver.capture_kernel(lambda: launch(*changed_full), device)
+            moved = []
+            for (launch, full), p in zip(prepared, places, strict=True):
+                changed_full = list(full)
+                for i, v in p.values.items():
+                    changed_full[i] = perturbed(v, p.scalar_number[i])
+                moved.append((cuda_driver.capture_kernel(lambda f=launch, a=changed_full: f(*a), device),
+                              {i: (v, changed_full[i]) for i, v in p.values.items()}))
         except Exception as e:  # noqa: BLE001 - the entry refused changed scalars, or the driver a call
             self._learning = _entry(f"{type(e).__name__}: {e}"[:200])
             return
-        first, first_places = earlier
         self._first.put(key, None)
-        if (changed is None or changed.params != captured.params or first.params != captured.params
-                or (first.func, first.grid, first.block) != (captured.func, captured.grid, captured.block)):
-            self._learning = _entry("the launch differs between calls")
-            return
-        if (first_places.tensor_number, first_places.scalar_number) != (places.tensor_number, places.scalar_number):
-            self._learning = _entry("the first call's arguments stand elsewhere")
-            return
-        moved = {i: (v, changed_full[i]) for i, v in places.values.items()}
-        found = map_params(captured.params, captured.blob, changed.blob, places.addresses, moved, _holds_address)
-        if isinstance(found, str):
-            self._learning = _entry(f"parameters not told apart: {found}")
-            return
-        tn, sn = places.tensor_number, places.scalar_number
-        try:
-            native = module.Launcher(
-                captured.func, list(captured.grid), list(captured.block), captured.shared_bytes, captured.attributes,
-                [o for o, _ in captured.params], captured.blob, [(tn[i], o) for i, o in found.pointers],
-                [(tn[i], o) for i, o in found.tensor_maps], [(sn[i], o, size) for i, o, size in found.scalars],
-                self.outputs, self.dtype)
-        except RuntimeError as e:  # a layout the launcher does not take
-            self._learning = _entry(f"launcher refused: {e} (parameters {captured.params}, map {found})"[:400])
-            return
-        for record, at_call in ((first, first_places), (captured, places)):  # both calls' bytes, rebuilt
-            native.forget_addresses()
-            if not native.write(*places.ordered(at_call.addresses, at_call.values)) or native.blob() != record.blob:
-                self._learning = _entry("the map does not rebuild the calls' parameters")
+        counts = (n + len(outputs), len(scalars))
+        launchers = []
+        for step in zip(*earlier, captured, places, moved, strict=True):
+            launcher = _launcher(module, *step, counts)
+            if isinstance(launcher, str):
+                self._learning = _entry(launcher)
                 return
-        self._natives.put(key, (native, runtime.current().last_kernel_spans))
+            launchers.append(launcher)
+        program = module.Program(launchers, [(list(o.shape), o.dtype, offset)
+                                             for o, offset in zip(self.outputs, self._offsets, strict=True)],
+                                 self._packed_bytes)
+        self._natives.put(key, (program, launchers, spans))
         self._device = device.index
         _counts["learned"] += 1
 
-    def _check(self, native: Any, launch: Callable, full: tuple, tensors: Sequence[torch.Tensor],
+    def _check(self, launchers: list[Any], prepared: list[tuple[Callable, tuple]], tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
-        """Write the call into its learned launcher and launch it from there, after checking that
-        its bytes are the entry function's (a capture of it); raise if not."""
-        captured = cuda_driver.capture_kernel(lambda: launch(*full), tensors[0].device)
+        """Write the call into its learned launchers and launch it from there, after checking that
+        each kernel's bytes are its entry function's (a capture of it); raise if not."""
         addresses = [t.data_ptr() for t in (*tensors, *outputs)]
-        if captured is None or not native.write(addresses, list(scalars)) or native.blob() != captured.blob:
-            raise RuntimeError("native launch: the parameters written differ from the entry function's "
-                               f"({self.kernel!r}); set TILESCALE_NATIVE_LAUNCH=0 and report this")
-        native.launch(torch._C._cuda_getCurrentRawStream(self._device))
-        _counts["checked launches"] = _counts.get("checked launches", 0) + 1
+        for launcher, (launch, full) in zip(launchers, prepared, strict=True):
+            captured = cuda_driver.capture_kernel(lambda f=launch, a=full: f(*a), tensors[0].device)
+            if captured is None or not launcher.write(addresses, list(scalars)) or launcher.blob() != captured.blob:
+                raise RuntimeError("native launch: the parameters written differ from the entry function's "
+                                   f"({self.steps!r}); set TILESCALE_NATIVE_LAUNCH=0 and report this")
+        stream = torch._C._cuda_getCurrentRawStream(self._device)
+        for launcher in launchers:
+            launcher.launch(stream)
+        _counts["checked launches"] = _counts.get("checked launches", 0) + len(launchers)
+
+
+def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: Any, places: _Places,
+              moved: tuple[Any, dict[int, tuple[int, int]]], counts: tuple[int, int]) -> Any:
+    """One kernel's C++ launcher from its captures at a key's two learning calls (``moved``: the
+    second's capture with every scalar changed, and the scalars' values), checked to rebuild both
+    calls' parameter bytes; or why it cannot be made (a str). ``counts``: the addresses and
+    scalars a call passes."""
+    changed, values = moved
+    shape = (captured.func, captured.grid, captured.block, captured.params)
+    if changed is None or (first.func, first.grid, first.block, first.params) != shape or (
+            changed.func, changed.grid, changed.block, changed.params) != shape:
+        return "the launch differs between calls"
+    if (first_places.tensor_number, first_places.scalar_number) != (places.tensor_number, places.scalar_number):
+        return "the first call's arguments stand elsewhere"
+    found = map_params(captured.params, captured.blob, changed.blob, places.addresses, values, _holds_address)
+    if isinstance(found, str):
+        return f"parameters not told apart: {found}"
+    tn, sn = places.tensor_number, places.scalar_number
+    try:
+        native = module.Launcher(
+            captured.func, list(captured.grid), list(captured.block), captured.shared_bytes, captured.attributes,
+            [o for o, _ in captured.params], captured.blob, [(tn[i], o) for i, o in found.pointers],
+            [(tn[i], o) for i, o in found.tensor_maps], [(sn[i], o, size) for i, o, size in found.scalars], *counts)
+    except RuntimeError as e:  # a layout the launcher does not take
+        return f"launcher refused: {e} (parameters {captured.params}, map {found})"[:400]
+    for record, at_call in ((first, first_places), (captured, places)):  # both calls' bytes, rebuilt
+        native.forget_addresses()
+        written = native.write(*at_call.ordered(at_call.addresses, at_call.values, *counts))
+        if not written or native.blob() != record.blob:
+            return "the map does not rebuild the calls' parameters"
+    return native

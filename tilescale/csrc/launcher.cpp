@@ -1,7 +1,8 @@
-// A kernel launch learned once from TileLang's entry function, made again from C++: each call
-// writes its tensors' addresses (directly or into TMA descriptors) and its scalars into the
-// learned parameter bytes, allocates the op's output and calls cuLaunchKernelEx. What fills the
-// learned bytes and which of them belong to which argument is tilescale/op_launch.py's work.
+// Kernel launches learned once from TileLang's entry functions, made again from C++: a call
+// allocates the op's outputs, writes its tensors' addresses (directly or into TMA descriptors)
+// and its scalars into each kernel's learned parameter bytes and calls cuLaunchKernelEx for each
+// (Program). What fills the learned bytes and which of them belong to which argument is
+// tilescale/op_launch.py's work.
 //
 // No CUDA headers: the driver's few structures are laid out here (CUDA 12.4's) and its entry
 // points looked up through cuGetProcAddress, so the same source builds against a CPU torch.
@@ -104,15 +105,15 @@ class Launcher {
   // func: the CUfunction; params: each parameter's byte offset; blob: the parameters' bytes as
   // learned; attrs: (CUlaunchAttributeID, value bytes); pointers / tensor_maps: where each
   // address argument goes (arguments are the call's tensors, then its outputs); scalars: where
-  // each scalar argument goes; outputs: the shapes of the tensors each call allocates (the
-  // first tensor's dtype and device unless out_dtype is given).
+  // each scalar argument goes; address_count / scalar_count: the addresses (tensors and outputs)
+  // and scalars a call passes, placed or not (a kernel of several in a Program takes some; a
+  // scalar the compiled kernel does not take is in no parameter).
   Launcher(int64_t func, std::vector<int64_t> grid, std::vector<int64_t> block, int64_t shared_bytes,
            std::vector<std::pair<int64_t, std::string>> attrs, std::vector<int64_t> params, const std::string& blob,
            std::vector<std::pair<int64_t, int64_t>> pointers, std::vector<std::pair<int64_t, int64_t>> tensor_maps,
-           std::vector<std::tuple<int64_t, int64_t, int64_t>> scalars, std::vector<std::vector<int64_t>> outputs,
-           std::optional<at::ScalarType> out_dtype)
-      : func_(reinterpret_cast<void*>(func)), size_(blob.size()), outputs_(std::move(outputs)),
-        out_dtype_(out_dtype) {
+           std::vector<std::tuple<int64_t, int64_t, int64_t>> scalars, int64_t address_count, int64_t scalar_count)
+      : func_(reinterpret_cast<void*>(func)), size_(blob.size()), address_count_(address_count),
+        scalar_count_(scalar_count) {
     TORCH_CHECK(grid.size() == 3 && block.size() == 3, "grid and block need three dimensions");
     // cuTensorMapReplaceAddress takes a 64-byte aligned CUtensorMap. The descriptors' offsets
     // agree modulo 64 (they are aligned in the kernel's parameter space, which starts off 64),
@@ -129,17 +130,15 @@ class Launcher {
       TORCH_CHECK(offset >= 0 && static_cast<size_t>(offset) < std::max<size_t>(size_, 1), "parameter offset out of range");
       param_pointers_.push_back(base_ + offset);
     }
-    for (auto [arg, offset] : pointers) pointers_.push_back({arg, check_place(arg, offset, 8)});
-    for (auto [arg, offset] : tensor_maps) tensor_maps_.push_back({arg, check_place(arg, offset, kTensorMapBytes)});
+    for (auto [arg, offset] : pointers) pointers_.push_back({arg, check_place(arg, address_count, offset, 8)});
+    for (auto [arg, offset] : tensor_maps) {
+      tensor_maps_.push_back({arg, check_place(arg, address_count, offset, kTensorMapBytes)});
+    }
     for (auto [arg, offset, size] : scalars) {
       TORCH_CHECK(size == 4 || size == 8, "scalar parameters are 4 or 8 bytes");
-      scalars_.push_back({arg, check_place(arg, offset, size), size});
+      scalars_.push_back({arg, check_place(arg, scalar_count, offset, size), size});
     }
     maps_at_.assign(tensor_maps_.size(), 0);
-    // A call passes one address per tensor (the highest argument placed) and one value per scalar.
-    for (const Place& p : pointers_) address_count_ = std::max(address_count_, static_cast<size_t>(p.arg) + 1);
-    for (const Place& p : tensor_maps_) address_count_ = std::max(address_count_, static_cast<size_t>(p.arg) + 1);
-    for (const ScalarPlace& p : scalars_) scalar_count_ = std::max(scalar_count_, static_cast<size_t>(p.arg) + 1);
     attrs_.resize(attrs.size());
     for (size_t i = 0; i < attrs.size(); ++i) {
       TORCH_CHECK(attrs[i].second.size() <= sizeof(attrs_[i].value), "launch attribute value too large");
@@ -177,27 +176,6 @@ class Launcher {
     return true;
   }
 
-  // One call: the outputs allocated, every argument written, the kernel enqueued on stream.
-  // Returns the output (None if the launch makes none; a list if several).
-  py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
-    TORCH_CHECK(!tensors.empty(), "launcher: a call needs its tensors");
-    std::vector<at::Tensor> made;
-    made.reserve(outputs_.size());
-    auto options = tensors[0].options();
-    if (out_dtype_) options = options.dtype(*out_dtype_);
-    for (const auto& shape : outputs_) made.push_back(at::empty(shape, options));
-    std::vector<int64_t> addresses;
-    addresses.reserve(tensors.size() + made.size());
-    for (const auto& t : tensors) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
-    for (const auto& t : made) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
-    // A refused address (a TMA descriptor's alignment) is the caller's to route through the entry function.
-    if (!write(addresses, scalars)) throw py::value_error("cuTensorMapReplaceAddress refused an address");
-    launch(stream);
-    if (made.empty()) return py::none();
-    if (made.size() == 1) return py::cast(made[0]);
-    return py::cast(made);
-  }
-
   void launch(int64_t stream) {
     const Driver& d = usable_driver();
     config_.stream = reinterpret_cast<void*>(stream);
@@ -212,8 +190,9 @@ class Launcher {
   void forget_addresses() { std::fill(maps_at_.begin(), maps_at_.end(), 0); }
 
  private:
-  int64_t check_place(int64_t arg, int64_t offset, size_t bytes) const {
-    TORCH_CHECK(arg >= 0 && offset >= 0 && static_cast<size_t>(offset) + bytes <= size_,
+  int64_t check_place(int64_t arg, int64_t args, int64_t offset, size_t bytes) const {
+    TORCH_CHECK(arg >= 0 && arg < args, "launcher: a place names argument ", arg, " of ", args);
+    TORCH_CHECK(offset >= 0 && static_cast<size_t>(offset) + bytes <= size_,
                 "launcher: a parameter place is outside the parameters");
     return offset;
   }
@@ -227,27 +206,97 @@ class Launcher {
   std::vector<Place> tensor_maps_;
   std::vector<int64_t> maps_at_;
   std::vector<ScalarPlace> scalars_;
-  size_t address_count_ = 0;
-  size_t scalar_count_ = 0;
-  std::vector<std::vector<int64_t>> outputs_;
-  std::optional<at::ScalarType> out_dtype_;
+  size_t address_count_;
+  size_t scalar_count_;
   std::vector<LaunchAttribute> attrs_;
   LaunchConfig config_{};
+};
+
+// An output a Program's call allocates: its shape, its dtype (none: the call's first tensor's), and
+// its byte offset in the call's one allocation of packed outputs (-1: an allocation of its own).
+struct Output {
+  std::vector<int64_t> shape;
+  std::optional<at::ScalarType> dtype;
+  int64_t offset;
+};
+
+// An op's kernels launched in order by one call: the outputs allocated, every kernel's arguments
+// written, every kernel enqueued on the stream.
+class Program {
+ public:
+  Program(std::vector<std::shared_ptr<Launcher>> steps,
+          std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>> outputs,
+          int64_t packed_bytes)
+      : steps_(std::move(steps)), packed_bytes_(packed_bytes) {
+    for (auto& [shape, dtype, offset] : outputs) {
+      if (offset >= 0) {  // a packed output: whole elements inside the packed bytes
+        TORCH_CHECK(dtype, "program: a packed output needs a dtype");
+        int64_t size = static_cast<int64_t>(c10::elementSize(*dtype));
+        int64_t bytes = size;
+        for (int64_t d : shape) bytes *= d;
+        TORCH_CHECK(offset % size == 0 && offset + bytes <= packed_bytes_, "program: a packed output at byte ", offset,
+                    " does not fit ", packed_bytes_, " bytes");
+      }
+      outputs_.push_back({shape, dtype, offset});
+    }
+  }
+
+  // The call's outputs (None if none; the output if one; a list), its kernels enqueued on stream.
+  py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
+    TORCH_CHECK(!tensors.empty(), "program: a call needs its tensors");
+    auto options = tensors[0].options();
+    at::Tensor packed = packed_bytes_ > 0 ? at::empty({packed_bytes_}, options.dtype(at::kByte)) : at::Tensor();
+    std::vector<at::Tensor> made;
+    made.reserve(outputs_.size());
+    for (const Output& o : outputs_) {
+      auto dtype = o.dtype ? *o.dtype : tensors[0].scalar_type();
+      if (o.offset < 0) {
+        made.push_back(at::empty(o.shape, options.dtype(dtype)));
+        continue;
+      }
+      // A view of the packed bytes: one tensor made, no dispatcher calls.
+      auto view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(packed.storage()), packed.key_set(),
+                                                           c10::scalarTypeToTypeMeta(dtype));
+      view.unsafeGetTensorImpl()->set_storage_offset(o.offset / c10::elementSize(dtype));
+      view.unsafeGetTensorImpl()->set_sizes_contiguous(o.shape);
+      made.push_back(std::move(view));
+    }
+    std::vector<int64_t> addresses;
+    addresses.reserve(tensors.size() + made.size());
+    for (const auto& t : tensors) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    for (const auto& t : made) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    // Every kernel's arguments first: a refused address (a TMA descriptor's alignment) launches
+    // nothing, and the caller routes the whole call through the entry functions.
+    for (const auto& step : steps_) {
+      if (!step->write(addresses, scalars)) throw py::value_error("cuTensorMapReplaceAddress refused an address");
+    }
+    for (const auto& step : steps_) step->launch(stream);
+    if (made.empty()) return py::none();
+    if (made.size() == 1) return py::cast(made[0]);
+    return py::cast(made);
+  }
+
+ private:
+  std::vector<std::shared_ptr<Launcher>> steps_;
+  std::vector<Output> outputs_;
+  int64_t packed_bytes_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("driver_missing", [] { return driver().missing; }, "Why the CUDA driver cannot be used ('' if it can).");
-  py::class_<Launcher>(m, "Launcher")
+  py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                     std::vector<std::pair<int64_t, std::string>>, std::vector<int64_t>, const std::string&,
                     std::vector<std::pair<int64_t, int64_t>>, std::vector<std::pair<int64_t, int64_t>>,
-                    std::vector<std::tuple<int64_t, int64_t, int64_t>>, std::vector<std::vector<int64_t>>,
-                    std::optional<at::ScalarType>>())
+                    std::vector<std::tuple<int64_t, int64_t, int64_t>>, int64_t, int64_t>())
       .def("write", &Launcher::write)
-      .def("call", &Launcher::call)
       .def("launch", &Launcher::launch)
       .def("blob", &Launcher::blob)
       .def("forget_addresses", &Launcher::forget_addresses);
+  py::class_<Program>(m, "Program")
+      .def(py::init<std::vector<std::shared_ptr<Launcher>>,
+                    std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>>, int64_t>())
+      .def("call", &Program::call);
 }

@@ -98,9 +98,9 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     Buffers: the call goes through the group's ``ts.ops.moe.Buffer`` of these sizes, made at
     its first call; ``ts.ops.moe.Buffer`` sizes one up front and releases it.
 
-    The returned tensors are the caller's: a later call never writes them while anything
-    references them (the small layout tensors of a dispatch whose results were all dropped
-    come back to a later one, ``tilescale.plans.ReusedOutputs``, as freed memory would).
+    The returned tensors are the caller's: new at every call (the small layout and routing
+    tensors are views of one allocation, freed when all of them are dropped), never written by
+    a later call.
 
     No host synchronisation: the ranks compare sizes through the job's store at a buffer's
     first call, and the dispatch kernel compares every call's sizes (not the token count) on

@@ -20,7 +20,6 @@ rank, may overwrite them and raise the flags again; combine alternates two sets 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
-from tilescale.op_launch import OpLaunch
+from tilescale.op_launch import OpLaunch, Output
 from tilescale.ops._common import (
     call_board,
     call_identity,
@@ -45,12 +44,9 @@ from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import Routing, chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
-from tilescale.plans import PlanCache, ReusedOutputs, capturing
+from tilescale.plans import PlanCache, capturing
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
-# int32 words (256 bytes) every output viewed in a shared allocation is aligned to: the kernels'
-# vector accesses may assume their tensors start aligned, as torch's allocations do.
-_ALIGN = 64
 # Dispatch plans a buffer keeps (one per token count, mode and row size; the newest): a call
 # whose plan was dropped makes it again, building no kernel (the kernels take any count).
 PLANS_KEPT = 32
@@ -61,16 +57,13 @@ class _SendPlan:
     """What a dispatch (or re-dispatch) of one (tokens, hidden, dtype, mode) resolves at its first call.
     Its kernels take any token count (a dynamic size): plans of other counts share them."""
 
-    route: Routing | None  # the routing kernels (None for no tokens, or along known routes)
-    # The dispatch kernel on the call's tensors (``_send``'s), its buffers and flags bound.
+    # The routing kernels (where they run) and the dispatch kernel, launched by one call
+    # (``Buffer._send_launch`` lists its tensors, scalars and outputs).
     send: OpLaunch
-    # The routing kernel's outputs (dest, slot, send_counts, expert_slot, expert_counts, bad,
-    # ids, chunk counts), views of one int32 allocation; None where it does not run. A call
-    # whose previous outputs are all dropped gets them back (no allocation, no views made).
-    routed: ReusedOutputs | None
+    routed: bool  # the routing kernels run in the call (else it passes known routes: a re-dispatch, no tokens)
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
-    in_place: bool  # received rows left where they land (``send`` then has no output)
+    in_place: bool  # received rows left where they land (the call allocates no grouped rows)
 
 
 @dataclass
@@ -196,13 +189,6 @@ class Buffer:
         self._sends = torch.zeros(3, dtype=torch.int32, device=device)  # the dispatch's T.count_call state
         self._calls = 0  # dispatch kernels issued (the host's count; in-place rows are valid until the next)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
-        # The dispatch kernel's small outputs (counts, offsets, received_counts, position,
-        # source_row, row_expert, the grouped rows' float32 weights): their sizes are the
-        # buffer's, whatever a call's token count, so one set serves every call through it and
-        # is kept whatever its size (a large normal-mode dispatch's: allocating and viewing
-        # them took half of its host time).
-        self._sent = _words(device, ((self.per_rank,), (self.per_rank,), (world,), (world * max_tokens, topk),
-                                     (self.rows,), (self.rows,), (self.rows,)), floats_last=True, keep_bytes=None)
         self._key = ("moe buffer", next(_serial))
         state.exchange(self._key, lambda: self)  # the group's release (ts.finalize) releases it
         self.released = False
@@ -249,7 +235,7 @@ class Buffer:
             del self.state.exchanges[key]
         self._flags, self._rows_in, self._rows_back, self._combines_by = {}, {}, {}, {}
         self._plans.clear()
-        self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = self._sent = None
+        self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
 
     def _check_live(self) -> None:
         if not self.released and self.state.released:  # the group went first (ts.finalize)
@@ -334,16 +320,28 @@ class Buffer:
         ids = expert_ids(topk_idx, self.num_experts)
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
         in_capture = capturing(values)
-        routes = self._route(ids, tokens, plan, topk_idx if not in_capture else None)
-        idx, weights = routes["ids"], _padded(topk_weights.float(), 0)
-        recv_x, weight, row_expert, source_row, counts, offsets, position, recv_counts = self._send(
-            _padded(sent, 0), idx, weights, routes, plan)
+        weights = _padded(topk_weights.float(), 0)
+        if plan.routed:  # the expert ids are checked on the device, reported by raise_bad_ids (not in a graph)
+            watched = not in_capture
+            watch = watch_ids(topk_idx, self.num_experts) if watched and ids.is_cuda else 0
+            recv_x, layout, routes = self._send(plan, (sent, ids, weights), watch)
+            if watched and not ids.is_cuda:
+                watch_ids(topk_idx, self.num_experts, bad=routes[5])
+            dest, slot, send_counts, expert_slot, expert_counts, _, idx, _ = routes
+        else:  # no tokens: one row routed nowhere
+            i32 = dict(dtype=torch.int32, device=values.device)
+            dest, slot = torch.full((2, self.world, 1), -1, **i32)
+            send_counts, expert_slot = torch.zeros(self.world, **i32), torch.zeros(1, self.topk, **i32)
+            expert_counts, idx = torch.zeros(self.num_experts, **i32), torch.full((1, self.topk), -1, **i32)
+            recv_x, layout, _ = self._send(plan, (_padded(sent, 0), idx, weights, expert_slot, slot, send_counts,
+                                                  expert_counts))
+        counts, offsets, recv_counts, position, weight, source_row, row_expert = layout
         row_expert._ts_experts = self.per_rank  # a layout grouped_gemm need not check on the device
-        handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=routes["expert_slot"],
-                                dest=routes["dest"], slot=routes["slot"], send_counts=routes["send_counts"],
-                                expert_send_counts=routes["expert_counts"], recv_counts=recv_counts,
-                                position=position, counts=counts, offsets=offsets, row_expert=row_expert,
-                                source_row=source_row, group=self.group, buffer=self, dispatch=self._calls)
+        handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot,
+                                dest=dest, slot=slot, send_counts=send_counts, expert_send_counts=expert_counts,
+                                recv_counts=recv_counts, position=position, counts=counts, offsets=offsets,
+                                row_expert=row_expert, source_row=source_row, group=self.group, buffer=self,
+                                dispatch=self._calls)
         if not in_capture:
             raise_bad_ids()
         return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
@@ -361,18 +359,14 @@ class Buffer:
         if plan is None:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
-            routed = tokens and id_dtype
+            routed = bool(tokens and id_dtype)
             kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, in_place=in_place, sets=self.sets, group=self.group)
-            # In place, the kernel's grouped-rows argument is one row it never writes.
-            unused_rows = torch.empty(1, hidden, dtype=dtype, device=x.device) if in_place else None
+            route = router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
+                           group=self.group) if routed else None
             plan = self._plans.put(key, _SendPlan(
-                route=router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
-                             group=self.group) if routed else None,
-                send=self._send_launch(kernel, received, self._flags_of(low_latency, received), unused_rows),
-                routed=_words(x.device, ((world, held), (world, held), (world,), (held, topk), (self.num_experts,),
-                                         (1,), (held, topk), chunk_counts_shape(world, held, self.num_experts)))
-                if routed else None,
+                send=self._send_launch(kernel, route, held, received, self._flags_of(low_latency, received), in_place),
+                routed=routed,
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
@@ -383,64 +377,64 @@ class Buffer:
             launch_together(self.state, "moe_dispatch", (self._serial, hidden, dtype, low_latency))
         return plan
 
-    def _send_launch(self, kernel: DistributedKernel, received: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor],
-                     unused_rows: torch.Tensor | None) -> OpLaunch:
-        """The dispatch ``kernel`` as an ``OpLaunch`` on a call's tensors (as ``_send`` passes
-        them) and identity, with this buffer's ``received`` rows, ``flags`` and the rest bound;
-        its grouped rows are the launch's output, or in place ``unused_rows``."""
+    def _send_launch(self, kernel: DistributedKernel, route: Routing | None, held: int, received: torch.Tensor,
+                     flags: tuple[torch.Tensor, torch.Tensor], in_place: bool) -> OpLaunch:
+        """The routing kernels of ``route`` (None: the call passes known routes) and the dispatch
+        ``kernel``, in one ``OpLaunch`` with this buffer's ``received`` rows, ``flags`` and the rest
+        bound. ``held``: the rows of the call's tensors.
+
+        Routed, a call passes ``(x, ids, weights)`` and ``(bad_host, identity)``; else ``(x, ids,
+        weights, expert_slot, slot, send_counts, expert_counts)`` and ``(identity,)``. Its outputs
+        are the grouped layout (counts, offsets, received_counts, position, weight, source_row,
+        row_expert), then where routed the routes (dest, slot, send_counts, expert_slot,
+        expert_counts, bad, ids, the routing's chunk counts), then the grouped rows unless
+        ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
+        are packed in one allocation.
+        """
         board, (ranges, progress) = call_board(self.state), flags
         bound = (received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
                  self._arrived, self._sends)
-        if unused_rows is not None:
-            return OpLaunch(kernel, lambda t, o, s: (*t[:7], *bound, *t[7:], unused_rows, board, s[0]),
-                            group=self.group)
-        return OpLaunch(kernel, lambda t, o, s: (*t[:7], *bound, *t[7:], o[0], board, s[0]),
-                        [(self.rows, received.shape[-1])], group=self.group)
+        world, topk, rows, i32 = self.world, self.topk, self.rows, torch.int32
+        outputs = [Output(shape, dtype, packed=True) for shape, dtype in (
+            ((self.per_rank,), i32), ((self.per_rank,), i32), ((world,), i32), ((world * self.max_tokens, topk), i32),
+            ((rows,), torch.float32), ((rows,), i32), ((rows,), i32))]
+        if route is not None:
+            outputs += [Output(shape, i32, packed=True) for shape in (
+                (world, held), (world, held), (world,), (held, topk), (self.num_experts,), (1,), (held, topk),
+                chunk_counts_shape(world, held, self.num_experts))]
+        unused = torch.empty(1, received.shape[-1], dtype=received.dtype, device=received.device) if in_place else None
+        if not in_place:
+            outputs.append(Output((rows, received.shape[-1])))
 
-    def _route(self, idx: torch.Tensor, tokens: int, plan: _SendPlan,
-               watched: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The routing kernel's outputs (``ids``: the int32 ids the dispatch sends), in the plan's
-        ``routed`` words; for no tokens, those of one token routed nowhere. ``watched``: the ids as the caller
-        passed them, whose check :func:`raise_bad_ids` reports (None: not checked, in a graph)."""
-        i32 = dict(dtype=torch.int32, device=idx.device)
-        world, topk = self.world, self.topk
-        if not tokens:
-            return {"dest": torch.full((world, 1), -1, **i32), "slot": torch.full((world, 1), -1, **i32),
-                    "send_counts": torch.zeros(world, **i32), "expert_slot": torch.zeros(1, topk, **i32),
-                    "expert_counts": torch.zeros(self.num_experts, **i32), "bad": torch.zeros(1, **i32),
-                    "ids": torch.full((1, topk), -1, **i32)}
-        # Pair (t, r) exists when token t has an expert on rank r; its slot at r is its order
-        # among this rank's tokens going to r. Entry (t, k)'s expert slot is its order among
-        # this rank's entries of expert topk_idx[t, k]: the receiver adds its (source, expert) base.
-        # The kernel writes every element of these (no fill needed): one allocation, viewed.
-        dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = plan.routed.take()
-        # The check is read at the end of this call or a later one: it is queued behind the exchange.
-        watch = watch_ids(bad, watched, self.num_experts) if watched is not None else 0
-        plan.route(idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts, watch)
-        return {"dest": dest, "slot": slot, "send_counts": send_counts, "expert_slot": expert_slot,
-                "expert_counts": expert_counts, "bad": bad, "ids": ids}
+        def send(t: tuple, o: list, s: tuple) -> tuple:
+            grouped = unused if in_place else o[-1]
+            if route is None:
+                return (*t, *bound, *o[:7], grouped, board, s[0])
+            dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = o[7:15]
+            return (t[0], ids, t[2], expert_slot, slot, send_counts, expert_counts, *bound, *o[:7], grouped, board,
+                    s[1])
 
-    def _send(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, routes: dict[str, torch.Tensor],
-              plan: _SendPlan) -> tuple[torch.Tensor, ...]:
-        """Every token to its destinations, and what this rank receives grouped by local expert,
-        from the routing kernel's outputs; no host round trip.
+        steps = [] if route is None else [(route.count, lambda t, o, s: (t[1], *o[7:15], s[0]))]
+        if route is not None and route.finish is not None:
+            steps.append((route.finish, lambda t, o, s: (*o[8:15], s[0])))
+        return OpLaunch([*steps, (kernel, send)], outputs, group=self.group)
 
-        Returns ``recv_x`` (rows, hidden; in place the receive rows, (2 * world * max_tokens,
-        hidden)), per grouped row its routing weight, ``row_expert`` and ``source_row``; per local
-        expert ``counts`` and ``offsets``; per received row its ``position`` (received rows,
-        topk); and the rows received from each source.
-        """
-        # The outputs are the caller's (a handle outlives the next call): new on every call
-        # (the small ones again an earlier call's where those were all dropped: self._sent).
-        counts, offsets, received_counts, position, source_row, row_expert, weight = self._sent.take()
-        recv_x = plan.send((x, idx, weights, routes["expert_slot"], routes["slot"], routes["send_counts"],
-                            routes["expert_counts"], counts, offsets, received_counts, position, weight, source_row,
-                            row_expert), (call_identity(self.state, plan.signature)[1],))
+    def _send(self, plan: _SendPlan, tensors: tuple, bad_host: int = 0,
+              ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One call of ``plan``'s kernels on ``tensors`` (``_send_launch``'s; ``bad_host`` where
+        routed): the rows received (grouped, or in place the receive rows, (2 * world * max_tokens,
+        hidden)), the grouped layout and the routes (where routed), as ``_send_launch`` orders
+        them. The outputs are the caller's (a handle outlives the next call): new on every call."""
+        ident = call_identity(self.state, plan.signature)[1]
+        out = plan.send(tensors, (bad_host, ident) if plan.routed else (ident,))
         self._calls += 1
+        layout = out[:7]
         if plan.in_place:
-            recv_x = plan.received.view(-1, x.shape[1])
-            source_row._ts_in_place = (self, self._calls, recv_x.shape[0])  # for check_in_place_rows
-        return recv_x, weight, row_expert, source_row, counts, offsets, position, received_counts
+            recv_x = plan.received.view(-1, tensors[0].shape[1])
+            layout[5]._ts_in_place = (self, self._calls, recv_x.shape[0])  # source_row, for check_in_place_rows
+        else:
+            recv_x = out[-1]
+        return recv_x, layout, out[7:15]
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send the rows of ``x`` (tokens, any hidden) along the routes of ``handle``, grouped as
@@ -462,10 +456,9 @@ class Buffer:
         check_input(x, "x")
         if x.dim() != 2 or x.shape[0] != handle.tokens:
             raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
-        routes = {"dest": handle.dest, "slot": handle.slot, "send_counts": handle.send_counts,
-                  "expert_slot": handle.expert_slot, "expert_counts": handle.expert_send_counts}
         plan = self._plan(handle.tokens, x, low_latency=False, id_dtype=None)
-        return self._send(_padded(x, 0), handle.topk_idx, handle.topk_w, routes, plan)[0]
+        return self._send(plan, (_padded(x, 0), handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot,
+                                 handle.send_counts, handle.expert_send_counts))[0]
 
     def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Weighted sum of each token's expert outputs, back on its source rank in its order
@@ -507,7 +500,7 @@ class Buffer:
         call = calls.get(tokens)
         if call is None:  # per token count: the output's rows (and the kernel's count) differ
             call = calls[tokens] = OpLaunch(
-                kernel, lambda t, o, s: (*t[:6], back, o[0], self._combines, s[0]), [(max(tokens, 1), hidden)],
+                [(kernel, lambda t, o, s: (*t[:6], back, o[0], self._combines, s[0]))], [(max(tokens, 1), hidden)],
                 group=self.group)
         sig = numbered_signature(sig, handle.dispatch, "dispatch")  # which dispatch: ranks must agree on it too
         out = call((expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts, handle.dest,
@@ -538,24 +531,6 @@ def check_in_place_rows(index: torch.Tensor, rows: int) -> None:
     if rows < received:
         raise ValueError(f"grouped_gemm: index is an in-place dispatch's handle.source_row, into its {received} "
                          f"receive rows, but x has {rows}: pass that dispatch's recv_x")
-
-
-def _words(device: torch.device, shapes: tuple[tuple[int, ...], ...], floats_last: bool = False,
-           keep_bytes: int | None = ReusedOutputs.KEEP_BYTES) -> ReusedOutputs:
-    """Small outputs of a kernel: int32 tensors of ``shapes`` (the last float32 with
-    ``floats_last``), views of one allocation, each starting a multiple of ``_ALIGN`` words
-    into it (as aligned as an allocation of its own); ``keep_bytes`` as ``ReusedOutputs``'s."""
-    sizes = [math.prod(shape) for shape in shapes]
-    chunks = [c for n in sizes for c in (n, -n % _ALIGN)]  # each tensor, then its padding
-
-    def make() -> list[torch.Tensor]:
-        flat = torch.empty(sum(chunks), dtype=torch.int32, device=device).split(chunks)[::2]
-        views = [t.view(shape) for t, shape in zip(flat, shapes, strict=True)]
-        if floats_last:
-            views[-1] = views[-1].view(torch.float32)
-        return views
-
-    return ReusedOutputs(make, keep_bytes)
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, fp8: bool = False) -> int:

@@ -17,6 +17,7 @@ chunk, one kernel. (One block per bin scanning every token took 33 us at 4096 to
 # refer to the kernel factory's local variables.
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,6 @@ import torch
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
-from tilescale.op_launch import OpLaunch
 
 # Tokens per routing block: chunks of CHUNK_TOKENS (more per block past MAX_CHUNKS chunks,
 # which bounds the prefix each block of the second kernel sums); a decode batch of at most
@@ -271,18 +271,17 @@ def route_finish_kernel(world: int, chunk: int, topk: int, num_experts: int):
 @dataclass(frozen=True)
 class Routing:
     """The routing kernels of one shape: :func:`route_count_kernel`, then (more than one chunk)
-    :func:`route_finish_kernel`, each an ``OpLaunch`` (from C++ once learned). Called with the
-    count kernel's arguments."""
+    :func:`route_finish_kernel`. Called with the count kernel's arguments."""
 
-    count: OpLaunch
-    finish: OpLaunch | None
+    count: Callable
+    finish: Callable | None
 
     def __call__(self, topk_idx: torch.Tensor, dest: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor,
                  expert_slot: torch.Tensor, expert_counts: torch.Tensor, bad: torch.Tensor, ids: torch.Tensor,
                  counts: torch.Tensor, bad_host: int) -> None:
-        self.count((topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts), (bad_host,))
+        self.count(topk_idx, dest, slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
         if self.finish is not None:
-            self.finish((slot, send_counts, expert_slot, expert_counts, bad, ids, counts), (bad_host,))
+            self.finish(slot, send_counts, expert_slot, expert_counts, bad, ids, counts, bad_host)
 
 
 def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str = "int32",
@@ -307,14 +306,8 @@ def router(world: int, tokens: int, topk: int, num_experts: int, id_dtype: str =
     """
     chunk, max_chunks = route_class(tokens)
     count = route_count_kernel(world, chunk, max_chunks, topk, num_experts, id_dtype, group=group)
-    finish = route_finish_kernel(world, chunk, topk, num_experts, group=group) if max_chunks > 1 else None
-    return Routing(OpLaunch(count, _every_argument, group=group),
-                   OpLaunch(finish, _every_argument, group=group) if finish is not None else None)
-
-
-def _every_argument(tensors: tuple, outputs: list, scalars: tuple) -> tuple:
-    """A routing kernel's arguments: the call's tensors, then its scalar (``bad_host``)."""
-    return (*tensors, *scalars)
+    several = max_chunks > 1
+    return Routing(count, route_finish_kernel(world, chunk, topk, num_experts, group=group) if several else None)
 
 
 def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -364,23 +357,23 @@ _id_checks: list[_IdCheck] = []
 _spare: list[tuple[torch.Tensor, np.ndarray]] = []
 
 
-def watch_ids(bad: torch.Tensor, idx: torch.Tensor, num_experts: int) -> int:
-    """Queue the device's id check of this call, without waiting for it.
+def watch_ids(idx: torch.Tensor, num_experts: int, bad: torch.Tensor | None = None) -> int:
+    """Queue the device's id check of a call, without waiting for it.
 
-    On GPUs the routing kernel stores its count straight into a pinned host word that holds
-    -1 until then (a 4-byte store, seen whole): no copy, no event. On the CPU path the kernel
-    has run by the time the call returns, and ``bad`` is read as it is.
+    On GPUs, before the call: the routing kernel stores its count straight into a pinned host
+    word that holds -1 until then (a 4-byte store, seen whole): no copy, no event. On the CPU
+    path, after the call (the kernel has run by the time it returns): ``bad`` is read as it is.
 
     Args:
-        bad: (1,) int32 count of out-of-range ids the routing kernel writes.
         idx: The call's expert ids as passed (kept for the error message).
         num_experts: Experts over the whole group.
+        bad: The CPU path: the (1,) int32 count of out-of-range ids the routing kernel wrote.
 
     Returns:
         int: The host word's address for the routing kernel's ``bad_host`` (0 on the CPU
         path); :func:`raise_bad_ids` raises for the check once the count has landed.
     """
-    if not bad.is_cuda:
+    if bad is not None:
         _id_checks.append(_IdCheck(bad.numpy(), None, idx, num_experts))
         return 0
     if _spare:

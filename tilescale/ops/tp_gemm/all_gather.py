@@ -75,7 +75,7 @@ def _copy_engine_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.
     padded = -(-m // bm) * bm
     own = ag_own_gemm_kernel(world, dtype, m, padded, k, n, 0, tile, group=group)
     # Each segment's tiles are clipped at its end: the output's rows need no copy.
-    own_call = OpLaunch(own, lambda t, o, s: (*t, o[0].view(world, m, n)), [(world * m, n)], group=group)
+    own_call = OpLaunch([(own, lambda t, o, s: (*t, o[0].view(world, m, n)))], [(world * m, n)], group=group)
     if world == 1:  # nothing to gather, no peer to agree with
         return lambda a_shard, weight: own_call((a_shard, weight))
     per_copy = chunk_tiles(padded // bm, k, bm, a_shard.element_size())
@@ -149,20 +149,17 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
                    world * padded // bm)
     peer_ptrs(ex.buffers), peer_ptrs(ex.flags), peer_ptrs(call_board(state))  # peer tables
     board = call_board(state)
-    # Each segment's tiles are clipped at its end: the output's rows need no copy.
-    own = OpLaunch(ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group),
-                   lambda t, o, s: (t[0], ex.buffers, t[1], o[0].view(world, m, n), ex.flags, ex.state, board, s[0]),
-                   [(world * m, n)], group=group)
-    peers = OpLaunch(ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group),
-                     lambda t, o, s: (ex.buffers, t[0], t[1].view(world, m, n), ex.flags, ex.state, board, s[0]),
-                     group=group) if world > 1 else None
+    # Each segment's tiles are clipped at its end: the output's rows need no copy. The peers'
+    # kernel (none for one rank) follows in the same call.
+    steps = [(ag_own_gemm_kernel(world, dtype, m, padded, k, n, push_blocks, tile, group=group),
+              lambda t, o, s: (t[0], ex.buffers, t[1], o[0].view(world, m, n), ex.flags, ex.state, board, s[0]))]
+    if world > 1:
+        steps.append((ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group),
+                      lambda t, o, s: (ex.buffers, t[1], o[0].view(world, m, n), ex.flags, ex.state, board, s[0])))
+    call = OpLaunch(steps, [(world * m, n)], group=group)
 
     def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ident = call_identity(state, sig)[1]  # every call: the kernels check the ranks agree on it
-        out = own((a_shard, weight), (ident,))
-        if peers is not None:
-            peers((weight, out), (ident,))
-        return out
+        return call((a_shard, weight), (call_identity(state, sig)[1],))  # every call: the kernels check it
 
     return launch
 

@@ -150,7 +150,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     panel = _panel_dividing(padded // tile.block_M, tile.panel)
     kernel = gemm_reduce_scatter_kernel(world, tl_dtype(a), m, k, n, tile, panel, group=group)
     board = call_board(state)
-    call = OpLaunch(kernel, lambda t, out, s: (*t, ex.buffers, out[0], ex.flags, ex.state, board, s[0]),
+    call = OpLaunch([(kernel, lambda t, out, s: (*t, ex.buffers, out[0], ex.flags, ex.state, board, s[0]))],
                     [(m // world, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     # Any m of its tiles.
     kernel = all_reduce_gemm_kernel(world, tl_dtype(a), padded, k, n, tile, splits, slot, group=group)
     board = call_board(state)
-    call = OpLaunch(kernel, lambda t, out, s: (*t, ex.buffers, out[0], parts, ex.flags, ex.state, board, s[0]),
+    call = OpLaunch([(kernel, lambda t, out, s: (*t, ex.buffers, out[0], parts, ex.flags, ex.state, board, s[0]))],
                     [(m, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
