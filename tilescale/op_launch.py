@@ -89,11 +89,13 @@ def _entry(reason: str) -> bool:
 class ParamMap:
     """Where each argument goes in a kernel's parameter bytes: (argument, offset) of parameters
     holding a tensor argument's address, directly (``pointers``) or as a TMA descriptor's
-    (``tensor_maps``); (argument, offset, size) of integer scalar parameters (``scalars``)."""
+    (``tensor_maps``); (argument, offset, size) of integer scalar parameters (``scalars``); the
+    tensor arguments found in no parameter (``unplaced``: the kernel must be shown not to take them)."""
 
     pointers: tuple[tuple[int, int], ...] = ()
     tensor_maps: tuple[tuple[int, int], ...] = ()
     scalars: tuple[tuple[int, int, int], ...] = ()
+    unplaced: tuple[int, ...] = ()
 
 
 def scalar_bytes(value: int, size: int) -> bytes:
@@ -119,9 +121,9 @@ def map_params(params: Sequence[tuple[int, int]], blob: bytes, changed: bytes, t
         holds_address: Whether a TMA descriptor's bytes hold a given address.
 
     Returns:
-        The map (scalars in no parameter left out: the kernel does not take them); or the reason
-        (a str) if a parameter changed that no one scalar explains, an address is two arguments',
-        a tensor has no address (an empty tensor), or a tensor is in no parameter.
+        The map (scalars in no parameter left out: the kernel does not take them; tensors in no
+        parameter listed); or the reason (a str) if a parameter changed that no one scalar
+        explains, an address is two arguments', or a tensor has no address (an empty tensor).
     """
     addresses = list(tensors.values())
     if 0 in addresses or len(set(addresses)) != len(addresses):
@@ -146,11 +148,10 @@ def map_params(params: Sequence[tuple[int, int]], blob: bytes, changed: bytes, t
                 tensor_maps.append((holders[0], offset))
     # A scalar that changed no parameter is one the compiled kernel does not take (TileLang drops
     # unused parameters; a launch it shaped would differ between the captures, which the caller
-    # compares): each call's value goes nowhere. A tensor must be placed.
+    # compares): each call's value goes nowhere. A tensor found nowhere may be one it does not
+    # take, or one it takes in a form not recognised: the caller tells which (``unplaced``).
     unplaced = set(tensors) - {i for i, _ in pointers} - {i for i, _ in tensor_maps}
-    if unplaced:
-        return f"tensor arguments {sorted(unplaced)} are in no parameter"
-    return ParamMap(tuple(pointers), tuple(tensor_maps), tuple(found_scalars))
+    return ParamMap(tuple(pointers), tuple(tensor_maps), tuple(found_scalars), tuple(sorted(unplaced)))
 
 
 def _holds_address(tensor_map: bytes, address: int) -> bool:
@@ -405,8 +406,11 @@ class OpLaunch:
         self._first.put(key, None)
         counts = (n + len(outputs), len(scalars))
         launchers = []
-        for step in zip(*earlier, captured, places, moved, strict=True):
-            launcher = _launcher(module, *step, counts)
+        for index, step in enumerate(zip(*earlier, captured, places, moved, strict=True)):
+            def untaken(arguments: Sequence[int], index: int = index) -> bool:
+                return self._untaken(index, [places[index].tensor_number[i] for i in arguments], captured[index],
+                                     tensors, outputs, scalars)
+            launcher = _launcher(module, *step, counts, untaken)
             if isinstance(launcher, str):
                 self._learning = _entry(launcher)
                 return
@@ -417,6 +421,20 @@ class OpLaunch:
         self._natives.put(key, (program, launchers, spans))
         self._device = device.index
         _counts["learned"] += 1
+
+    def _untaken(self, index: int, numbers: Sequence[int], captured: Any, tensors: Sequence[torch.Tensor],
+                 outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> bool:
+        """Whether step ``index``'s kernel does not take the call's tensors ``numbers`` (tensors then
+        outputs): its launch, captured with those elsewhere in memory, has ``captured``'s bytes."""
+        kernel, arguments = self.steps[index]
+        moved = [torch.empty_like(t) if n in numbers else t for n, t in enumerate((*tensors, *outputs))]
+        try:
+            launch, full = kernel.prepare(*arguments(moved[:len(tensors)], moved[len(tensors):], scalars),
+                                          group=self.group)
+            again = cuda_driver.capture_kernel(lambda: launch(*full), tensors[0].device)
+        except Exception:  # noqa: BLE001 - the entry refused the substitutes (a symmetric tensor): taken
+            return False
+        return again is not None and again.blob == captured.blob
 
     def _check(self, launchers: list[Any], prepared: list[tuple[Callable, tuple]], tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> None:
@@ -435,11 +453,13 @@ class OpLaunch:
 
 
 def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: Any, places: _Places,
-              moved: tuple[Any, dict[int, tuple[int, int]]], counts: tuple[int, int]) -> Any:
+              moved: tuple[Any, dict[int, tuple[int, int]]], counts: tuple[int, int],
+              untaken: Callable[[Sequence[int]], bool]) -> Any:
     """One kernel's C++ launcher from its captures at a key's two learning calls (``moved``: the
     second's capture with every scalar changed, and the scalars' values), checked to rebuild both
     calls' parameter bytes; or why it cannot be made (a str). ``counts``: the addresses and
-    scalars a call passes."""
+    scalars a call passes; ``untaken(arguments)``: whether the kernel does not take those tensor
+    arguments (found in no parameter)."""
     changed, values = moved
     shape = (captured.func, captured.grid, captured.block, captured.params)
     if changed is None or (first.func, first.grid, first.block, first.params) != shape or (
@@ -450,6 +470,8 @@ def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: A
     found = map_params(captured.params, captured.blob, changed.blob, places.addresses, values, _holds_address)
     if isinstance(found, str):
         return f"parameters not told apart: {found}"
+    if found.unplaced and not untaken(found.unplaced):
+        return f"tensor arguments {list(found.unplaced)} are in no parameter the map knows"
     tn, sn = places.tensor_number, places.scalar_number
     try:
         native = module.Launcher(
