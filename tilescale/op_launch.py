@@ -332,16 +332,21 @@ class OpLaunch:
         return self._entry_call(tensors, scalars, found)
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """A call's outputs, laid out as the C++ program lays them out."""
+        """A call's outputs, laid out as the C++ program lays them out: each packed one a strided
+        view of the packed bytes viewed as its dtype (one view op per output)."""
         device = tensors[0].device
         packed = torch.empty(self._packed_bytes, dtype=torch.uint8, device=device) if self._packed_bytes else None
+        as_dtype: dict[torch.dtype, torch.Tensor] = {}
         made = []
         for o, offset in zip(self.outputs, self._offsets, strict=True):
             dtype = o.dtype or tensors[0].dtype
             if offset < 0:
                 made.append(torch.empty(o.shape, dtype=dtype, device=device))
-            else:
-                made.append(packed[offset:offset + math.prod(o.shape) * dtype.itemsize].view(dtype).view(o.shape))
+                continue
+            if dtype not in as_dtype:
+                as_dtype[dtype] = packed.view(dtype)
+            strides = [math.prod(o.shape[i + 1:]) for i in range(len(o.shape))]
+            made.append(as_dtype[dtype].as_strided(o.shape, strides, offset // dtype.itemsize))
         return made
 
     def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int], found: tuple | None) -> Any:
