@@ -321,7 +321,9 @@ class Buffer:
         plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
         in_capture = capturing(values)
         weights = _padded(topk_weights.float(), 0)
-        if plan.routed:  # the expert ids are checked on the device, reported by raise_bad_ids (not in a graph)
+        if plan.routed:
+            # The routing kernels check the ids on the device; the check is read at the end of
+            # this call or a later one (raise_bad_ids), queued behind the exchange; not in a graph.
             watched = not in_capture
             watch = watch_ids(topk_idx, self.num_experts) if watched and ids.is_cuda else 0
             recv_x, layout, routes = self._send(plan, (sent, ids, weights), watch)
@@ -387,7 +389,9 @@ class Buffer:
         weights, expert_slot, slot, send_counts, expert_counts)`` and ``(identity,)``. Its outputs
         are the grouped layout (counts, offsets, received_counts, position, weight, source_row,
         row_expert), then where routed the routes (dest, slot, send_counts, expert_slot,
-        expert_counts, bad, ids, the routing's chunk counts), then the grouped rows unless
+        expert_counts, bad, ids, the routing's chunk counts: ``route_count_kernel`` says what
+        each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r is its
+        order among this rank's tokens going to r), then the grouped rows unless
         ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
         are packed in one allocation.
         """
