@@ -84,8 +84,8 @@ def counted_calls(op: Callable[[], object], calls: int) -> tuple[int, int]:
             return func(*args, **(kwargs or {}))
 
     def counting(launch):
-        def counted(self, *args, **kwargs):  # the kernel itself runs as always
-            launched[0] += 1
+        def counted(self, *args, **kwargs):  # the kernels themselves run as always
+            launched[0] += len(self.steps) if isinstance(self, OpLaunch) else 1
             inside[0] = True
             try:
                 return launch(self, *args, **kwargs)
@@ -93,7 +93,7 @@ def counted_calls(op: Callable[[], object], calls: int) -> tuple[int, int]:
                 inside[0] = False
         return counted
 
-    # A kernel is launched by its call, or by an op's OpLaunch (from C++ once learned).
+    # A kernel is launched by its call, or by an op's OpLaunch (its kernels; from C++ once learned).
     launches = {cls: cls.__call__ for cls in (DistributedKernel, OpLaunch)}
     before = exchange_states()
     for cls, launch in launches.items():

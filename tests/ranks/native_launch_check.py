@@ -39,11 +39,14 @@ def gathered(x: torch.Tensor) -> torch.Tensor:
 
 def cases():
     """(name, op on a, reference on a, a's shape, weight)."""
-    for m, k, n in ((128, 1024, 1024), (40, 512, 768), (16, 4096, 1024)):
+    # Decode shapes (one kernel); more tiles than SMs: the gathering plan (reduce-scatter GEMM,
+    # then the peers' segments copied in), and with rows the ranks do not divide (two ranks) the
+    # GEMM pushing partials, then the reduction kernel.
+    for m, k, n in ((128, 1024, 1024), (40, 512, 768), (16, 4096, 1024), (2048, 1024, 2048), (2049, 512, 2048)):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
         yield (f"gemm_all_reduce {m}x{k}x{n}", lambda a, w=w: ts.ops.gemm_all_reduce(a, w),
                lambda a, w=w: summed(a.float() @ w.float().T), (m, k))
-    for m, k, n in ((1024, 1024, 512), (world * 96, 512, 640)):
+    for m, k, n in ((1024, 1024, 512), (world * 96, 512, 640)):  # K split (two kernels) where tiles are few
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
 
         def rs_ref(a, w=w, m=m):
@@ -103,10 +106,29 @@ def moe(mode: str) -> None:
             print(f"[rank {rank}] {mode} moe low_latency={low_latency} {variant} ok {op_launch.counts()}", flush=True)
 
 
+def collectives(mode: str) -> None:
+    """``all_gather`` (into its workspace, and into a symmetric ``out``) and ``reduce_scatter`` (a
+    plain input, staged; a symmetric one, read in place), several calls each, new inputs each time."""
+    op_launch.set_mode(mode)
+    out = ts.empty((world * 64, 8), dtype=torch.float32)
+    sym = ts.empty((world * 32, 8), dtype=torch.bfloat16)
+    for _ in range(CALLS):
+        x = torch.randn(64, 8, device=dev)
+        assert_close(ts.ops.all_gather(x), gathered(x))
+        ts.ops.all_gather(x, out)
+        assert_close(out, gathered(x))
+        for y in (torch.randn(world * 48, 16, device=dev), sym.copy_(torch.randn_like(sym))):
+            want = summed(y.float())[rank * y.shape[0] // world:(rank + 1) * y.shape[0] // world]
+            assert_close(ts.ops.reduce_scatter(y).float(), want, atol=0.05, rtol=0.02)
+    print(f"[rank {rank}] {mode} collectives ok {op_launch.counts()}", flush=True)
+
+
 run("check")
 moe("check")
+collectives("check")
 run("1")
 moe("1")
+collectives("1")
 counts = op_launch.counts()
 print(f"[rank {rank}] native launches: {counts}", flush=True)
 if os.environ.get("TILESCALE_NATIVE_LAUNCH") != "0":  # the control run: every launch through the entry function

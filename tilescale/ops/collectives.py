@@ -31,6 +31,7 @@ import torch.distributed as dist
 import tilescale.language as T
 from tilescale import runtime
 from tilescale.jit import jit
+from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
     check_input,
     launch_together,
@@ -210,9 +211,10 @@ def _all_gather_plan(x: torch.Tensor, out: torch.Tensor | None, group: dist.Proc
     target = out if out is not None else workspace(state, "all_gather.out", world * n, x.dtype)
     kernel = all_gather_kernel(world, tl_dtype(x), vector_width(n, x), sm_count(), group=group)
     rows, result, sig = target.view(world, n), target.view(shape), signature("all_gather", x)
+    call = OpLaunch([(kernel, lambda t, o, s: (t[0].view(1, n), rows, sig))], group=group)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        kernel(x.view(1, n), rows, sig, group=group)
+        call((x,))
         return out if out is not None else result.clone()
 
     launch_together(state, "all_gather", key)
@@ -255,13 +257,14 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None,
     shape = (x.shape[0] // world, *x.shape[1:])
     kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter", group=group)
     sig = signature("reduce_scatter", x)
+    call = OpLaunch([(kernel, lambda t, o, s: (t[0].view(world, chunk), o[0].view(1, chunk), sig))], [shape],
+                    group=group)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        if staged is not None:
-            staged.copy_(x)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
-        return out
+        if staged is None:
+            return call((x,))
+        staged.copy_(x)
+        return call((staged,))
 
     launch_together(state, "reduce_scatter", key)
     return launch

@@ -66,13 +66,13 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
     # Row r of a received block is contiguous in both views: padded rows come after it.
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
     received = ex.buffers.view(2 * slots, padded * n)
+    board = call_board(state)
+    call = OpLaunch([(push, lambda t, o, s: (*t, ex.buffers, ex.flags, ex.state, board, s[0])),
+                     (reduce, lambda t, o, s: (received, o[0].view(1, rows * n), ex.flags, ex.state, board, s[0]))],
+                    [(rows, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        push(a, weight, ex.buffers, ex.flags, ex.state, *ident, group=group)
-        out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-        reduce(received, out.view(1, rows * n), ex.flags, ex.state, *ident, group=group)
-        return out
+        return call((a, weight), (call_identity(state, sig)[1],))  # every call: the kernels check the ranks agree
 
     return launch
 
@@ -282,14 +282,14 @@ def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tenso
                    a.dtype, 2 * world * grid.tiles)
     panel = _panel_dividing(grid.padded // tile.block_M, tile.panel)
     kernel = gemm_reduce_scatter_kernel(world, dtype, m, k, n, tile, panel, True, group=group)
-    copy_in = gather_segments_kernel(world, dtype, m, n, tile, group=group) if world > 1 else None
+    board = call_board(state)
+    steps = [(kernel, lambda t, o, s: (*t, ex.buffers, o[0], ex.flags, ex.state, board, s[0]))]
+    if world > 1:  # the copy of the peers' segments into place
+        steps.append((gather_segments_kernel(world, dtype, m, n, tile, group=group),
+                      lambda t, o, s: (ex.buffers, o[0], ex.flags, ex.state, board, s[0])))
+    call = OpLaunch(steps, [(m, n)], group=group)
 
     def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ident = call_identity(state, sig)  # every call: the kernels check the ranks agree on it
-        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        kernel(a, weight, ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-        if copy_in is not None:
-            copy_in(ex.buffers, out, ex.flags, ex.state, *ident, group=group)
-        return out
+        return call((a, weight), (call_identity(state, sig)[1],))  # every call: the kernels check the ranks agree
 
     return launch
