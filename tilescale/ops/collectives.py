@@ -257,14 +257,13 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None,
     shape = (x.shape[0] // world, *x.shape[1:])
     kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter", group=group)
     sig = signature("reduce_scatter", x)
-    call = OpLaunch([(kernel, lambda t, o, s: (t[0].view(world, chunk), o[0].view(1, chunk), sig))], [shape],
-                    group=group)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        if staged is None:
-            return call((x,))
-        staged.copy_(x)
-        return call((staged,))
+        if staged is not None:
+            staged.copy_(x)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
+        return out
 
     launch_together(state, "reduce_scatter", key)
     return launch
