@@ -353,11 +353,12 @@ class OpLaunch:
         """The call through the kernels' entry functions (``found``: the call's learned launch, if
         any), learning the launch or, in mode ``check``, comparing and making it from there."""
         outputs = self._allocate(tensors)
-        prepared, spans = [], ()
+        rt, prepared, spans = runtime.current(), [], ()
         for kernel, arguments in self.steps:  # every check of every kernel's call before any launch
+            rt.last_kernel_spans = ()  # a kernel with no peer tables sets none
             prepared.append(kernel.prepare(*arguments(tensors, outputs, scalars), group=self.group))
-            spans += runtime.current().last_kernel_spans
-        runtime.current().last_kernel_spans = spans
+            spans += rt.last_kernel_spans
+        rt.last_kernel_spans = spans
         in_capture = capturing(tensors[0])
         if found is not None and _MODE == "check" and not in_capture:
             self._check(found[1], prepared, tensors, outputs, scalars)
