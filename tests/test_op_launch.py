@@ -5,6 +5,9 @@ The GPU side (captures, ``cuLaunchKernelEx``, every native launch's bytes compar
 function's, results against torch's, graph replays) runs in ``tests/ranks/native_launch_check.py``."""
 
 import struct
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -188,3 +191,30 @@ def test_packed_outputs_are_aligned_views_of_one_allocation(launcher):
     assert made[2].sum().item() == 750 and made[0].tolist() == [7, 7, 7]
     with pytest.raises(RuntimeError, match="does not fit"):
         launcher.Program([], [([3], torch.int32, PACK_ALIGN)], PACK_ALIGN)
+
+
+def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
+    # The call through the entry functions (CPU path, learning calls) allocates in Python: the same
+    # offsets as packed_layout's, which the C++ program's follow (the test above).
+    script = tmp_path / "allocate.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale.op_launch import OpLaunch, Output, packed_layout
+
+        ts.init(device="cpu")
+        outputs = [Output((3,), torch.int32, packed=True), Output((2, 4)), Output((5, 100), torch.float32, packed=True),
+                   Output((7, 2), torch.int32, packed=True)]
+        made = OpLaunch([], outputs)._allocate([torch.zeros(2, dtype=torch.bfloat16)])
+        offsets, _ = packed_layout(outputs)
+        base = made[0].data_ptr()
+        assert [(t.shape, t.dtype) for t in made] == [((3,), torch.int32), ((2, 4), torch.bfloat16),
+                                                     ((5, 100), torch.float32), ((7, 2), torch.int32)]
+        assert [t.data_ptr() - base for t in (made[0], made[2], made[3])] == [offsets[0], offsets[2], offsets[3]]
+        assert all(t.is_contiguous() for t in made)
+        assert made[0].untyped_storage().data_ptr() == made[3].untyped_storage().data_ptr()
+        print("ALLOCATE-OK")
+        ts.finalize()
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "ALLOCATE-OK" in proc.stdout, proc.stdout + proc.stderr
