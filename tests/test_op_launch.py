@@ -5,12 +5,11 @@ The GPU side (captures, ``cuLaunchKernelEx``, every native launch's bytes compar
 function's, results against torch's, graph replays) runs in ``tests/ranks/native_launch_check.py``."""
 
 import struct
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from cpu_jobs import run_python
 
 from tilescale import op_launch
 from tilescale.native import launcher_module, launcher_unavailable
@@ -216,5 +215,5 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
         print("ALLOCATE-OK")
         ts.finalize()
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = run_python(script, timeout=120)
     assert "ALLOCATE-OK" in proc.stdout, proc.stdout + proc.stderr
