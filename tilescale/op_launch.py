@@ -305,6 +305,8 @@ class OpLaunch:
         self.group = group
         self.outputs = [o if isinstance(o, Output) else Output(tuple(o)) for o in outputs]
         self._offsets, self._packed_bytes = packed_layout(self.outputs)
+        # Each output's contiguous strides, for the entry path's views of the packed bytes.
+        self._strides = [[math.prod(o.shape[i + 1:]) for i in range(len(o.shape))] for o in self.outputs]
         self._natives = PlanCache(self.LEARNED_KEYS)  # by key: the C++ program, its launchers, the kernels' spans
         self._first = PlanCache(self.LEARNED_KEYS)  # by key: the first call's captures and places
         self._shaped: tuple[int, ...] = ()  # the tensors (by number) whose shapes key a launch
@@ -338,14 +340,13 @@ class OpLaunch:
         packed = torch.empty(self._packed_bytes, dtype=torch.uint8, device=device) if self._packed_bytes else None
         as_dtype: dict[torch.dtype, torch.Tensor] = {}
         made = []
-        for o, offset in zip(self.outputs, self._offsets, strict=True):
+        for o, offset, strides in zip(self.outputs, self._offsets, self._strides, strict=True):
             dtype = o.dtype or tensors[0].dtype
             if offset < 0:
                 made.append(torch.empty(o.shape, dtype=dtype, device=device))
                 continue
             if dtype not in as_dtype:
                 as_dtype[dtype] = packed.view(dtype)
-            strides = [math.prod(o.shape[i + 1:]) for i in range(len(o.shape))]
             made.append(as_dtype[dtype].as_strided(o.shape, strides, offset // dtype.itemsize))
         return made
 
