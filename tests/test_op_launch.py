@@ -109,10 +109,14 @@ def test_a_calls_arguments_are_placed_and_views_of_them_refused():
     # A view elsewhere in an output's memory: its address would change unseen with each call's output.
     assert places_of(lambda t, o, s: (t[0], o[0], o[0][1:], s[0]), (a, out, out[1:], IDENT),
                      (a,), (out,), (IDENT,)) is None
-    # The same view twice.
-    assert places_of(lambda t, o, s: (t[0], view, view, s[0]), (a, view, view, IDENT), (a,), (out,), (IDENT,)) is None
-    # A tensor passed twice.
-    assert places_of(lambda t, o, s: (t[0], t[0], s[0]), (a, a, IDENT), (a,), (), (IDENT,)) is None
+    # A tensor passed twice, as itself and as a view at its address (a two-shot reduction's
+    # source and its first row): it stands at its first index, its address written at both.
+    rows = torch.ones(4, 2)
+    places = places_of(lambda t, o, s: (t[0], t[0][:1], s[0]), (rows, rows[:1], IDENT), (rows,), (), (IDENT,))
+    assert places.tensor_number == {0: 0} and places.also == {1: 0} and places.every_index() == {0: 0, 1: 0}
+    assert places.ordered(places.addresses, places.values, 1, 1) == ([rows.data_ptr()], [IDENT])
+    # A view past its start is refused even beside the tensor itself.
+    assert places_of(lambda t, o, s: (t[0], t[0][1:], s[0]), (rows, rows[1:], IDENT), (rows,), (), (IDENT,)) is None
 
 
 def test_mode_is_checked_and_restored():

@@ -168,12 +168,19 @@ def _holds_address(tensor_map: bytes, address: int) -> bool:
 class _Places:
     """Where a call's changing arguments stand in one kernel's whole argument list: the tensors'
     addresses and the scalars' values by index there, and each index's number in the call
-    (tensors then outputs; scalars). A kernel of several in an op may take some of them only."""
+    (tensors then outputs; scalars). A kernel of several in an op may take some of them only.
+    A tensor passed more than once (at one address) stands at its first index; ``also`` numbers
+    its other indices."""
 
     addresses: dict[int, int]
     values: dict[int, int]
     tensor_number: dict[int, int]
     scalar_number: dict[int, int]
+    also: dict[int, int]
+
+    def every_index(self) -> dict[int, int]:
+        """Each index holding one of the call's tensors, with its number (``also``'s too)."""
+        return {**self.tensor_number, **self.also}
 
     def ordered(self, addresses: dict[int, int], values: dict[int, int], tensors: int,
                 scalars: int) -> tuple[list[int], list[int]]:
@@ -191,10 +198,11 @@ def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor]
               scalars: Sequence[int]) -> _Places | None:
     """Where a call's tensors, outputs and scalars stand in ``full``, the kernel's whole argument
     list that ``arguments(tensors, outputs, scalars)`` began. A tensor stands where it, or a view
-    of it at its address (an output reshaped), is passed; a scalar where changing it (calling
-    ``arguments`` with every scalar changed) changes an argument to its changed value. None
-    where one is passed twice, another argument is a view of one elsewhere in its memory (that
-    address would change unseen), or an argument changed that no one scalar explains."""
+    of it at its address (an output reshaped, a two-shot reduction's source and its first row),
+    is passed; a scalar where changing it (calling ``arguments`` with every scalar changed)
+    changes an argument to its changed value. None where another argument is a view of one
+    elsewhere in its memory (that address would change unseen), or an argument changed that no
+    one scalar explains."""
     varying = (*tensors, *outputs)
     moved = arguments(tensors, outputs, [perturbed(v, j) for j, v in enumerate(scalars)])
     storages = [t.untyped_storage().data_ptr() for t in varying]
@@ -207,8 +215,6 @@ def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor]
         if len(owners) != 1:
             return None
         positions[owners[0]].append(i)
-    if any(len(p) > 1 for p in positions):
-        return None
     scalar_number: dict[int, int] = {}
     for i, (a, b) in enumerate(zip(full, moved, strict=False)):
         if isinstance(a, torch.Tensor) or a == b:
@@ -220,7 +226,8 @@ def places_of(arguments: Arguments, full: tuple, tensors: Sequence[torch.Tensor]
     return _Places(addresses={p[0]: full[p[0]].data_ptr() for p in positions if p},
                    values={i: full[i] for i in scalar_number},
                    tensor_number={p[0]: n for n, p in enumerate(positions) if p},
-                   scalar_number=scalar_number)
+                   scalar_number=scalar_number,
+                   also={i: n for n, p in enumerate(positions) for i in p[1:]})
 
 
 @dataclass(frozen=True)
@@ -386,9 +393,9 @@ class OpLaunch:
             return
         n = len(tensors)  # the call's tensors' numbers (outputs come after): what keys a launch
         self._shaped = tuple(sorted({t for (kernel, _), p in zip(self.steps, places, strict=True)
-                                     for i, t in p.tensor_number.items() if t < n and i in kernel.dynamic_arguments}))
+                                     for i, t in p.every_index().items() if t < n and i in kernel.dynamic_arguments}))
         self._symmetric = tuple(sorted({t for (kernel, _), p in zip(self.steps, places, strict=True)
-                                        for i, t in p.tensor_number.items() if t < n and i in kernel.peer_arguments}))
+                                        for i, t in p.every_index().items() if t < n and i in kernel.peer_arguments}))
         key = self._key(tensors)
         device = tensors[0].device
         try:
@@ -415,8 +422,13 @@ class OpLaunch:
         launchers = []
         for index, step in enumerate(zip(*earlier, captured, places, moved, strict=True)):
             def untaken(arguments: Sequence[int], index: int = index) -> bool:
-                return self._untaken(index, [places[index].tensor_number[i] for i in arguments], captured[index],
-                                     tensors, outputs, scalars)
+                # A tensor whose address keys the launch (a symmetric one) needs no parameter of its
+                # own: what the kernel reaches it by, its peer table (a reduction reading every
+                # rank's copy may take nothing else), is fixed by the address and learned with the
+                # key. Any other tensor found nowhere must be shown not taken.
+                numbers = [places[index].tensor_number[i] for i in arguments]
+                rest = [t for t in numbers if t not in self._symmetric]
+                return not rest or self._untaken(index, rest, captured[index], tensors, outputs, scalars)
             launcher = _launcher(module, *step, counts, untaken)
             if isinstance(launcher, str):
                 self._learning = _entry(launcher)
@@ -472,7 +484,7 @@ def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: A
     if changed is None or (first.func, first.grid, first.block, first.params) != shape or (
             changed.func, changed.grid, changed.block, changed.params) != shape:
         return "the launch differs between calls"
-    if (first_places.tensor_number, first_places.scalar_number) != (places.tensor_number, places.scalar_number):
+    if (first_places.every_index(), first_places.scalar_number) != (places.every_index(), places.scalar_number):
         return "the first call's arguments stand elsewhere"
     found = map_params(captured.params, captured.blob, changed.blob, places.addresses, values, _holds_address)
     if isinstance(found, str):

@@ -107,8 +107,9 @@ def moe(mode: str) -> None:
 
 
 def collectives(mode: str) -> None:
-    """``all_gather`` (into its workspace, and into a symmetric ``out``) and ``reduce_scatter`` (a
-    plain input, staged; a symmetric one, read in place), several calls each, new inputs each time."""
+    """``all_gather`` (into its workspace, and into a symmetric ``out``), ``reduce_scatter`` and
+    ``all_reduce`` (one-shot and two-shot; a plain input, staged; a symmetric one, read in place),
+    several calls each, new inputs each time."""
     op_launch.set_mode(mode)
     out = ts.empty((world * 64, 8), dtype=torch.float32)
     sym = ts.empty((world * 32, 8), dtype=torch.bfloat16)
@@ -120,6 +121,11 @@ def collectives(mode: str) -> None:
         for y in (torch.randn(world * 48, 16, device=dev), sym.copy_(torch.randn_like(sym))):
             want = summed(y.float())[rank * y.shape[0] // world:(rank + 1) * y.shape[0] // world]
             assert_close(ts.ops.reduce_scatter(y).float(), want, atol=0.05, rtol=0.02)
+            for algorithm in ("one_shot", "two_shot"):
+                z = y.clone() if y is not sym else sym.copy_(torch.randn_like(sym))
+                want = summed(z.float())
+                assert ts.ops.all_reduce(z, algorithm) is z
+                assert_close(z.float(), want, atol=0.05, rtol=0.02)
     print(f"[rank {rank}] {mode} collectives ok {op_launch.counts()}", flush=True)
 
 

@@ -257,13 +257,14 @@ def _reduce_scatter_plan(x: torch.Tensor, group: dist.ProcessGroup | None,
     shape = (x.shape[0] // world, *x.shape[1:])
     kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "scatter", group=group)
     sig = signature("reduce_scatter", x)
+    call = OpLaunch([(kernel, lambda t, o, s: (t[0].view(world, chunk), o[0].view(1, chunk), sig))], [shape],
+                    group=group)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        if staged is not None:
-            staged.copy_(x)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        kernel((x if staged is None else staged).view(world, chunk), out.view(1, chunk), sig, group=group)
-        return out
+        if staged is None:
+            return call((x,))
+        staged.copy_(x)
+        return call((staged,))
 
     launch_together(state, "reduce_scatter", key)
     return launch
@@ -319,17 +320,17 @@ def _all_reduce_plan(x: torch.Tensor, algorithm: str | None, group: dist.Process
         in_place = symmetric_in(x, state, "x") and chunk * world == n
         buffer = None if in_place else workspace(state, "all_reduce.in", world * chunk, x.dtype)
         kernel = reduce_kernel(world, tl_dtype(x), vector_width(chunk, x), sm_count(), "push", group=group)
-    if buffer is not None:  # staged: x copied in, the sum copied back
-        staged, staged_rows = buffer[:n].view(x.shape), buffer.view(rows, chunk)
-        staged_out = scratch if one_shot else staged_rows[:1]
+    # The source is x, or the buffer it is staged through (x copied in, the sum copied back).
+    call = OpLaunch([(kernel, lambda t, o, s: (t[0].view(rows, chunk),
+                                               scratch if one_shot else t[0].view(rows, chunk)[:1], sig))], group=group)
+    staged = None if buffer is None else buffer[:n].view(x.shape)
 
     def launch(x: torch.Tensor) -> torch.Tensor:
-        if buffer is None:
-            src = x.view(rows, chunk)
-            kernel(src, scratch if one_shot else src[:1], sig, group=group)
+        if staged is None:
+            call((x,))
             return x
         staged.copy_(x)
-        kernel(staged_rows, staged_out, sig, group=group)
+        call((buffer,))
         x.copy_(staged)
         return x
 
