@@ -18,11 +18,12 @@ native launches off, ``tilescale.op_launch``), in the same rounds.
     tilescale run -n 1 benchmarks/host_cost.py --calls 500
     tilescale run -n 1 benchmarks/host_cost.py --breakdown     # where each op's host time goes
 
-``--breakdown`` splits each ``ts.ops`` call's host time with native launches off (and gives the
-call with them on beside it), in interleaved rounds: the whole call,
-the ``DistributedKernel`` calls it makes (replayed with the arguments one call passed them), and
-those kernels' TileLang entry functions with the hidden arguments filled in; the differences are
-the op's own Python (checks, plan lookup, allocations) and ``DistributedKernel``'s.
+``--breakdown`` splits each ``ts.ops`` call's host time with native launches off, in interleaved
+rounds: the whole call, the ``DistributedKernel`` calls it makes (replayed with the arguments one
+call passed them), and those kernels' TileLang entry functions with the hidden arguments filled
+in; the differences are the op's own Python (checks, plan lookup, allocations) and
+``DistributedKernel``'s. With native launches on, likewise: the whole call, the ``OpLaunch`` calls
+it makes and their C++ programs called directly; the first difference is the op's own Python.
 """
 
 import argparse
@@ -234,6 +235,34 @@ def kernel_calls(fn: Callable[[], object]) -> list[tuple[DistributedKernel, tupl
     return calls
 
 
+def op_launch_calls(fn: Callable[[], object]) -> list[tuple[op_launch.OpLaunch, tuple, tuple]]:
+    """The ``OpLaunch`` calls one call of ``fn`` makes (native launches on): (launch, tensors, scalars)."""
+    calls = []
+    original = op_launch.OpLaunch.__call__
+
+    def recording(launch: op_launch.OpLaunch, tensors: tuple, scalars: tuple = ()) -> object:
+        calls.append((launch, tuple(tensors), tuple(scalars)))
+        return original(launch, tensors, scalars)
+
+    op_launch.OpLaunch.__call__ = recording
+    try:
+        fn()
+    finally:
+        op_launch.OpLaunch.__call__ = original
+    return calls
+
+
+def programs(calls: list[tuple[op_launch.OpLaunch, tuple, tuple]]) -> Callable[[], None] | None:
+    """The C++ programs of ``calls`` (learned launches) called directly, as those calls make them;
+    None if one of them has none."""
+    stream = torch._C._cuda_getCurrentRawStream(ts.device().index)
+    found = [launch._natives.get(launch._key(tensors)) for launch, tensors, _ in calls]
+    if not calls or any(f is None for f in found):
+        return None
+    made = [(f[0], tensors, list(scalars)) for f, (_, tensors, scalars) in zip(found, calls, strict=True)]
+    return lambda: [program.call(tensors, scalars, stream) for program, tensors, scalars in made]
+
+
 def entries(calls: list[tuple[DistributedKernel, tuple, object]]) -> Callable[[], None]:
     """The TileLang entry functions of ``calls`` with their hidden arguments, as a call launches them."""
     launches_ = [kernel.prepare(*args, group=group) for kernel, args, group in calls]
@@ -261,6 +290,10 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
             if recorded:  # an op launching its kernels another way (cuBLAS, TileLang's own call) is not split
                 layers[name] |= {"kernel calls": lambda r=recorded: [k(*a, group=g) for k, a, g in r],
                                  "entry functions": entries(recorded)}
+            launched = op_launch_calls(fn)
+            if programs(launched) is not None:  # the native call split: its OpLaunch calls, their programs
+                layers[name] |= {"op launches": lambda r=launched: [launch(t, s) for launch, t, s in r],
+                                 "programs": programs(launched)}
     layers["torch add_"] = {"op": fns["torch add_ (one launch)"]}
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(3):  # rounds interleaved
@@ -269,14 +302,17 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
                 if part != "kernels":
                     samples.setdefault((name, part), []).append(host_us(fn, calls))
     report = Report("host_breakdown", columns=["call", "kernels", "op_us", "kernel_calls_us", "entries_us",
-                                               "op_python_us", "kernel_python_us", "op_native_us"])
+                                               "op_python_us", "kernel_python_us", "op_native_us",
+                                               "op_launches_us", "programs_us", "native_python_us"])
     for name, parts in layers.items():
         us = {part: statistics.median(samples[(name, part)]) for part in parts if part != "kernels"}
         kc, en = us.get("kernel calls"), us.get("entry functions")
+        native, launched = us.get("op, native launches"), us.get("op launches")
         report.add({"call": name, "kernels": parts.get("kernels", 1), "op_us": us["op"], "kernel_calls_us": kc,
                     "entries_us": en, "op_python_us": us["op"] - kc if kc is not None else None,
                     "kernel_python_us": kc - en if kc is not None else None,
-                    "op_native_us": us.get("op, native launches"),
+                    "op_native_us": native, "op_launches_us": launched, "programs_us": us.get("programs"),
+                    "native_python_us": native - launched if launched is not None else None,
                     "rounds": {part: samples[(name, part)] for part in us}})
     report.print_table()
     report.save()
