@@ -186,6 +186,10 @@ def test_packed_outputs_are_aligned_views_of_one_allocation(launcher):
     made = program.call([x], [], 0)
     assert [(t.shape, t.dtype) for t in made] == [(torch.Size([3]), torch.int32), (torch.Size([2, 4]), torch.bfloat16),
                                                  (torch.Size([5, 100]), torch.float32), (torch.Size([0]), torch.int32)]
+    # Allocated without the dispatcher, each behaves as torch.empty's would.
+    own = made[1]
+    assert own.is_contiguous() and own.device == x.device and own.untyped_storage().nbytes() == 16
+    assert not own.requires_grad and torch.equal(own.fill_(2) + torch.ones(2, 4), torch.full((2, 4), 3.0))
     base = made[0].data_ptr()
     assert [made[0].data_ptr() - base, made[2].data_ptr() - base] == [offsets[0], offsets[2]]
     assert made[0].untyped_storage().data_ptr() == made[2].untyped_storage().data_ptr() != made[1].data_ptr()

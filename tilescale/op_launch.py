@@ -309,6 +309,7 @@ class OpLaunch:
     def __init__(self, steps: Sequence[tuple[Any, Arguments]], outputs: Sequence[Output | Sequence[int]] = (), *,
                  group: Any = None):
         self.steps = [(kernel, arguments) for kernel, arguments in steps]
+        self._kernels = len(self.steps)
         self.group = group
         self.outputs = [o if isinstance(o, Output) else Output(tuple(o)) for o in outputs]
         self._offsets, self._packed_bytes = packed_layout(self.outputs)
@@ -322,13 +323,12 @@ class OpLaunch:
         self._learning = runtime.device().type == "cuda"
 
     def _key(self, tensors: Sequence[torch.Tensor]) -> tuple:
-        if not (self._shaped or self._symmetric):  # the common case (TP GEMMs): one launch for every call
-            return ()
+        """The key of a call's learned launch (() for most: the TP GEMMs have one launch for every call)."""
         return (*[tensors[n].shape for n in self._shaped], *[tensors[n].data_ptr() for n in self._symmetric])
 
     def __call__(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Any:
         """Launch on ``tensors`` and ``scalars``; returns the output (None if none, a list if several)."""
-        found = self._natives.get(self._key(tensors))
+        found = self._natives.get(self._key(tensors) if self._shaped or self._symmetric else ())
         if found is not None and _MODE == "1":
             runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
             program, _, runtime.current().last_kernel_spans = found
@@ -336,7 +336,7 @@ class OpLaunch:
                 out = program.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
             except ValueError:  # a TMA descriptor refused an address: the entry function says why
                 return self._entry_call(tensors, scalars, found)
-            _counts["native launches"] += len(self.steps)
+            _counts["native launches"] += self._kernels
             return out
         return self._entry_call(tensors, scalars, found)
 

@@ -108,4 +108,5 @@ def capturing(t: torch.Tensor) -> bool:
 
         if capturing(x): ...          # a plan that a CUDA graph can replay
     """
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    # torch.cuda.is_current_stream_capturing's own call, without its Python frame (every eager op asks).
+    return t.is_cuda and torch._C._cuda_isCurrentStreamCapturing()

@@ -7,9 +7,11 @@ calls in the default mode, and replayed from a CUDA graph. Prints the launches l
 ``NATIVE-OK`` at the end.
 
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py
+    tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py collectives   # that section only
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -129,12 +131,12 @@ def collectives(mode: str) -> None:
     print(f"[rank {rank}] {mode} collectives ok {op_launch.counts()}", flush=True)
 
 
-run("check")
-moe("check")
-collectives("check")
-run("1")
-moe("1")
-collectives("1")
+# Sections by name (all by default): ``native_launch_check.py collectives`` runs that one only.
+named = {"run": run, "moe": moe, "collectives": collectives}
+sections = [named[name] for name in sys.argv[1:]] or list(named.values())
+for mode in ("check", "1"):
+    for section in sections:
+        section(mode)
 counts = op_launch.counts()
 print(f"[rank {rank}] native launches: {counts}", flush=True)
 if os.environ.get("TILESCALE_NATIVE_LAUNCH") != "0":  # the control run: every launch through the entry function

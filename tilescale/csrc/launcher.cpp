@@ -220,6 +220,22 @@ struct Output {
   int64_t offset;
 };
 
+// A new contiguous tensor like at::empty's, without a pass through the dispatcher (a few
+// microseconds of every eager call): the device's allocator (the caching allocator on GPUs),
+// the tensor made directly.
+at::Tensor allocate(const at::Tensor& like, const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  c10::Device device = like.device();
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
+  for (int64_t d : shape) bytes *= d;
+  c10::DeviceGuard guard(device);  // the allocator takes the current device
+  c10::Allocator* allocator = c10::GetAllocator(device.type());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, allocator->allocate(bytes), allocator, false);
+  auto keys = c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, device));
+  auto made = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(dtype));
+  made.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return made;
+}
+
 // An op's kernels launched in order by one call: the outputs allocated, every kernel's arguments
 // written, every kernel enqueued on the stream.
 class Program {
@@ -244,14 +260,14 @@ class Program {
   // The call's outputs (None if none; the output if one; a list), its kernels enqueued on stream.
   py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
     TORCH_CHECK(!tensors.empty(), "program: a call needs its tensors");
-    auto options = tensors[0].options();
-    at::Tensor packed = packed_bytes_ > 0 ? at::empty({packed_bytes_}, options.dtype(at::kByte)) : at::Tensor();
+    const at::Tensor& first = tensors[0];
+    at::Tensor packed = packed_bytes_ > 0 ? allocate(first, {packed_bytes_}, at::kByte) : at::Tensor();
     std::vector<at::Tensor> made;
     made.reserve(outputs_.size());
     for (const Output& o : outputs_) {
-      auto dtype = o.dtype ? *o.dtype : tensors[0].scalar_type();
+      auto dtype = o.dtype ? *o.dtype : first.scalar_type();
       if (o.offset < 0) {
-        made.push_back(at::empty(o.shape, options.dtype(dtype)));
+        made.push_back(allocate(first, o.shape, dtype));
         continue;
       }
       // A view of the packed bytes: one tensor made, no dispatcher calls.
