@@ -15,7 +15,7 @@ also measured with every kernel launched through TileLang's entry function (``en
 native launches off, ``tilescale.op_launch``), in the same rounds.
 
     tilescale run -n 1 benchmarks/host_cost.py            # one rank: the host path alone
-    tilescale run -n 1 benchmarks/host_cost.py --calls 500
+    tilescale run -n 1 benchmarks/host_cost.py --calls 500 --rounds 9   # a noisy host: more rounds
     tilescale run -n 1 benchmarks/host_cost.py --breakdown     # where each op's host time goes
 
 ``--breakdown`` splits each ``ts.ops`` call's host time with native launches off, in interleaved
@@ -321,6 +321,7 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="back-to-back calls per host-time sample")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each row gives their median")
     parser.add_argument("--breakdown", action="store_true", help="split each op's host time (module docstring)")
     args = parser.parse_args()
     # The TP ops and layers on their fused plans, as they run over several ranks (a group of one
@@ -342,7 +343,7 @@ def main() -> None:
         counts = {name: launches(fn) for name, fn in fns.items()}
         host: dict[str, list[float]] = {name: [] for name in fns}
         entry: dict[str, list[float]] = {name: [] for name in fns}  # every kernel through TileLang's entry
-        for _ in range(3):  # interleaved rounds: a drift of clocks moves every row alike
+        for _ in range(args.rounds):  # interleaved rounds: a drift of clocks moves every row alike
             for name, fn in fns.items():
                 entry[name].append(host_us(entry_path(fn), args.calls))
                 host[name].append(host_us(fn, args.calls))

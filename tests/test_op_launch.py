@@ -23,6 +23,7 @@ from tilescale.op_launch import (
     places_of,
     scalar_bytes,
 )
+from tilescale.ops.moe.fp8 import packed_width, unpack
 
 A, B = 0x7F00_0000_1000, 0x7F00_0020_0000  # two tensor arguments' addresses
 MAP_A = bytes([0xA5]) * 8 + A.to_bytes(8, "little") + bytes(112)  # a "TMA descriptor" that holds A
@@ -200,6 +201,28 @@ def test_packed_outputs_are_aligned_views_of_one_allocation(launcher):
         launcher.Program([], [([3], torch.int32, PACK_ALIGN)], PACK_ALIGN)
 
 
+def layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.dtype, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr()
+
+
+def test_views_of_an_output_are_made_as_fp8_unpack_makes_them(launcher):
+    # An FP8 dispatch's grouped bytes (4 rows of 256 values and 2 scales) and their (values, scales).
+    hidden, width = 256, packed_width(256)
+    views = [(0, [4, hidden], [width, 1], 0, torch.float8_e4m3fn), (0, [4, 2], [width // 4, 1], hidden // 4,
+                                                                    torch.float32)]
+    program = launcher.Program([], [([4, width], torch.uint8, -1)], 0, views)
+    rows, values, scales = program.call([torch.zeros(1)], [], 0)
+    want = unpack(rows, hidden)
+    assert [layout(values), layout(scales)] == [layout(want[0]), layout(want[1])]
+    rows.view(torch.float32)[:, hidden // 4:] = 3.0  # the scales' bytes, seen through the view
+    assert torch.equal(scales, torch.full((4, 2), 3.0))
+    past = [(0, [4, 3], [width // 4, 1], hidden // 4, torch.float32)]  # a third scale: past the last row's end
+    with pytest.raises(RuntimeError, match="reaches past"):
+        launcher.Program([], [([4, width], torch.uint8, -1)], 0, past)
+    with pytest.raises(RuntimeError, match="allocation of its own"):
+        launcher.Program([], [([4, width], torch.uint8, 0)], 4 * width, views)
+
+
 def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
     # The call through the entry functions (CPU path, learning calls) allocates in Python: the same
     # offsets as packed_layout's, which the C++ program's follow (the test above).
@@ -207,7 +230,8 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
     script.write_text(textwrap.dedent("""
         import torch
         import tilescale as ts
-        from tilescale.op_launch import OpLaunch, Output, packed_layout
+        from tilescale.op_launch import OpLaunch, Output, View, packed_layout
+        from tilescale.ops.moe.fp8 import packed_width, unpack
 
         ts.init(device="cpu")
         outputs = [Output((3,), torch.int32, packed=True), Output((2, 4)), Output((5, 100), torch.float32, packed=True),
@@ -220,6 +244,22 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
         assert [t.data_ptr() - base for t in (made[0], made[2], made[3])] == [offsets[0], offsets[2], offsets[3]]
         assert all(t.is_contiguous() for t in made)
         assert made[0].untyped_storage().data_ptr() == made[3].untyped_storage().data_ptr()
+        # Views of an output: an FP8 dispatch's grouped bytes as (values, scales), as unpack makes them.
+        hidden, width = 256, packed_width(256)
+        call = OpLaunch([], [Output((4, width), torch.uint8)],
+                        views=[View(0, (4, hidden), torch.float8_e4m3fn, (width, 1)),
+                               View(0, (4, 2), torch.float32, (width // 4, 1), hidden // 4)])
+        rows, values, scales = call([torch.zeros(1)])
+        want = unpack(rows, hidden)
+        for got, made in ((values, want[0]), (scales, want[1])):
+            assert (got.shape, got.dtype, got.stride(), got.storage_offset()) == (
+                made.shape, made.dtype, made.stride(), made.storage_offset())
+            assert got.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+        try:
+            OpLaunch([], [Output((4, width), torch.uint8, packed=True)], views=call.views)
+            raise AssertionError("a view of a packed output was taken")
+        except ValueError as e:
+            assert "allocation of its own" in str(e)
         print("ALLOCATE-OK")
         ts.finalize()
     """))

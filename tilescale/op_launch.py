@@ -252,6 +252,25 @@ class Output:
     packed: bool = False
 
 
+@dataclass(frozen=True)
+class View:
+    """A view each ``OpLaunch`` call returns after its outputs: of output ``of``'s bytes (an output
+    with a dtype and an allocation of its own) as ``dtype``, ``shape`` and ``strides`` from element
+    ``offset`` (elements of ``dtype``). Kernels take the output, not its views: they cost the call
+    no view op (the FP8 dispatch's rows as values and scales).
+
+    Example::
+
+        View(0, (rows, hidden), torch.float8_e4m3fn, (width, 1))          # output 0: (rows, width) bytes
+    """
+
+    of: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    strides: tuple[int, ...]
+    offset: int = 0
+
+
 # Bytes each packed output is aligned to: kernels' vector accesses may assume their tensors start
 # aligned, as torch's allocations do.
 PACK_ALIGN = 256
@@ -301,17 +320,22 @@ class OpLaunch:
             integer ``scalars`` that change between calls. A kernel may take some of them only.
         outputs: What each call allocates: an :class:`Output`, or a shape (the first tensor's
             dtype, on its device).
+        views: What each call returns after its outputs: views of them (:class:`View`).
         group: The kernel calls' ``group=``.
     """
 
     LEARNED_KEYS = 16
 
     def __init__(self, steps: Sequence[tuple[Any, Arguments]], outputs: Sequence[Output | Sequence[int]] = (), *,
-                 group: Any = None):
+                 views: Sequence[View] = (), group: Any = None):
         self.steps = [(kernel, arguments) for kernel, arguments in steps]
         self._kernels = len(self.steps)
         self.group = group
         self.outputs = [o if isinstance(o, Output) else Output(tuple(o)) for o in outputs]
+        self.views = list(views)
+        if bad := [v for v in self.views if not 0 <= v.of < len(self.outputs) or self.outputs[v.of].packed
+                   or self.outputs[v.of].dtype is None]:
+            raise ValueError(f"a view is of an output with a dtype and an allocation of its own: {bad}")
         self._offsets, self._packed_bytes = packed_layout(self.outputs)
         # Each output's contiguous strides, for the entry path's views of the packed bytes.
         self._strides = [[math.prod(o.shape[i + 1:]) for i in range(len(o.shape))] for o in self.outputs]
@@ -357,6 +381,11 @@ class OpLaunch:
             made.append(as_dtype[dtype].as_strided(o.shape, strides, offset // dtype.itemsize))
         return made
 
+    def _with_views(self, outputs: list[torch.Tensor]) -> Any:
+        """A call's result: its outputs and views (None if none, the one, or a list)."""
+        made = outputs + [outputs[v.of].view(v.dtype).as_strided(v.shape, v.strides, v.offset) for v in self.views]
+        return None if not made else made[0] if len(made) == 1 else made
+
     def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int], found: tuple | None) -> Any:
         """The call through the kernels' entry functions (``found``: the call's learned launch, if
         any), learning the launch or, in mode ``check``, comparing and making it from there."""
@@ -376,7 +405,7 @@ class OpLaunch:
                 self._learn(prepared, tensors, outputs, scalars, spans)
             for launch, full in prepared:
                 launch(*full)
-        return None if not outputs else outputs[0] if len(outputs) == 1 else outputs
+        return self._with_views(outputs)
 
     def _learn(self, prepared: list[tuple[Callable, tuple]], tensors: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor], scalars: Sequence[int], spans: tuple) -> None:
@@ -436,7 +465,8 @@ class OpLaunch:
             launchers.append(launcher)
         program = module.Program(launchers, [(list(o.shape), o.dtype, offset)
                                              for o, offset in zip(self.outputs, self._offsets, strict=True)],
-                                 self._packed_bytes)
+                                 self._packed_bytes,
+                                 [(v.of, list(v.shape), list(v.strides), v.offset, v.dtype) for v in self.views])
         self._natives.put(key, (program, launchers, spans))
         self._device = device.index
         _counts["learned"] += 1

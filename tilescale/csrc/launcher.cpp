@@ -236,13 +236,24 @@ at::Tensor allocate(const at::Tensor& like, const std::vector<int64_t>& shape, a
   return made;
 }
 
+// A view a Program's call returns after its outputs: of output `of` (its own allocation, its dtype
+// known) as `dtype`, `shape` and `strides` from element `offset` of `dtype`.
+struct View {
+  int64_t of;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int64_t offset;
+  at::ScalarType dtype;
+};
+
 // An op's kernels launched in order by one call: the outputs allocated, every kernel's arguments
 // written, every kernel enqueued on the stream.
 class Program {
  public:
   Program(std::vector<std::shared_ptr<Launcher>> steps,
           std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>> outputs,
-          int64_t packed_bytes)
+          int64_t packed_bytes,
+          std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, at::ScalarType>> views)
       : steps_(std::move(steps)), packed_bytes_(packed_bytes) {
     for (auto& [shape, dtype, offset] : outputs) {
       if (offset >= 0) {  // a packed output: whole elements inside the packed bytes
@@ -254,6 +265,23 @@ class Program {
                     " does not fit ", packed_bytes_, " bytes");
       }
       outputs_.push_back({shape, dtype, offset});
+    }
+    for (auto& [of, shape, strides, offset, dtype] : views) {  // inside its output's bytes
+      TORCH_CHECK(of >= 0 && of < static_cast<int64_t>(outputs_.size()) && outputs_[of].offset < 0 &&
+                      outputs_[of].dtype && shape.size() == strides.size() && offset >= 0,
+                  "program: a view is of an output with a dtype and an allocation of its own");
+      int64_t bytes = static_cast<int64_t>(c10::elementSize(*outputs_[of].dtype));
+      for (int64_t d : outputs_[of].shape) bytes *= d;
+      int64_t last = offset;  // the last element the view reaches
+      bool empty = false;
+      for (size_t i = 0; i < shape.size(); ++i) {
+        TORCH_CHECK(shape[i] >= 0 && strides[i] >= 0, "program: a view's sizes and strides are not negative");
+        empty = empty || shape[i] == 0;
+        last += (shape[i] - 1) * strides[i];
+      }
+      TORCH_CHECK(empty || (last + 1) * static_cast<int64_t>(c10::elementSize(dtype)) <= bytes,
+                  "program: a view reaches past its output's ", bytes, " bytes");
+      views_.push_back({of, shape, strides, offset, dtype});
     }
   }
 
@@ -287,6 +315,13 @@ class Program {
       if (!step->write(addresses, scalars)) throw py::value_error("cuTensorMapReplaceAddress refused an address");
     }
     for (const auto& step : steps_) step->launch(stream);
+    for (const View& v : views_) {  // one tensor made each, no dispatcher calls
+      const at::Tensor& base = made[v.of];
+      auto view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                           c10::scalarTypeToTypeMeta(v.dtype));
+      view.unsafeGetTensorImpl()->set_sizes_and_strides(v.shape, v.strides, v.offset);
+      made.push_back(std::move(view));
+    }
     if (made.empty()) return py::none();
     if (made.size() == 1) return py::cast(made[0]);
     return py::cast(made);
@@ -295,6 +330,7 @@ class Program {
  private:
   std::vector<std::shared_ptr<Launcher>> steps_;
   std::vector<Output> outputs_;
+  std::vector<View> views_;
   int64_t packed_bytes_;
 };
 
@@ -313,6 +349,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forget_addresses", &Launcher::forget_addresses);
   py::class_<Program>(m, "Program")
       .def(py::init<std::vector<std::shared_ptr<Launcher>>,
-                    std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>>, int64_t>())
+                    std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>>, int64_t,
+                    std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                                           at::ScalarType>>>(),
+           py::arg("steps"), py::arg("outputs"), py::arg("packed_bytes"),
+           py::arg("views") = std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                                                     at::ScalarType>>())
       .def("call", &Program::call);
 }

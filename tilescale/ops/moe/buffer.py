@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
-from tilescale.op_launch import OpLaunch, Output
+from tilescale.op_launch import OpLaunch, Output, View
 from tilescale.ops._common import (
     call_board,
     call_identity,
@@ -41,7 +41,7 @@ from tilescale.ops._common import (
 )
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
-from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, pack, packed_width, quantize_fp8, unpack
+from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import Routing, chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
 from tilescale.plans import PlanCache, capturing
@@ -346,7 +346,7 @@ class Buffer:
                                 dispatch=self._calls)
         if not in_capture:
             raise_bad_ids()
-        return unpack(recv_x, self.hidden) if self.fp8 else recv_x, weight, counts, handle
+        return unpack(recv_x, self.hidden) if self.fp8 and not is_fp8(recv_x) else recv_x, weight, counts, handle
 
     def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool, id_dtype: torch.dtype | None,
               in_place: bool = False) -> _SendPlan:
@@ -367,7 +367,8 @@ class Buffer:
             route = router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
                            group=self.group) if routed else None
             plan = self._plans.put(key, _SendPlan(
-                send=self._send_launch(kernel, route, held, received, self._flags_of(low_latency, received), in_place),
+                send=self._send_launch(kernel, route, held, received, self._flags_of(low_latency, received), in_place,
+                                       fp8_pair=self.fp8 and id_dtype is not None),
                 routed=routed,
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
@@ -380,7 +381,7 @@ class Buffer:
         return plan
 
     def _send_launch(self, kernel: DistributedKernel, route: Routing | None, held: int, received: torch.Tensor,
-                     flags: tuple[torch.Tensor, torch.Tensor], in_place: bool) -> OpLaunch:
+                     flags: tuple[torch.Tensor, torch.Tensor], in_place: bool, fp8_pair: bool = False) -> OpLaunch:
         """The routing kernels of ``route`` (None: the call passes known routes) and the dispatch
         ``kernel``, in one ``OpLaunch`` with this buffer's ``received`` rows, ``flags`` and the rest
         bound. ``held``: the rows of the call's tensors.
@@ -393,7 +394,8 @@ class Buffer:
         each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r is its
         order among this rank's tokens going to r), then the grouped rows unless
         ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
-        are packed in one allocation.
+        are packed in one allocation. ``fp8_pair``: a dispatch of FP8 byte rows, whose grouped
+        rows the call also returns as their ``(values, scales)`` views (``fp8.unpack``'s layout).
         """
         board, (ranges, progress) = call_board(self.state), flags
         bound = (received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
@@ -407,8 +409,14 @@ class Buffer:
                 (world, held), (world, held), (world,), (held, topk), (self.num_experts,), (1,), (held, topk),
                 chunk_counts_shape(world, held, self.num_experts))]
         unused = torch.empty(1, received.shape[-1], dtype=received.dtype, device=received.device) if in_place else None
+        views = []
         if not in_place:
-            outputs.append(Output((rows, received.shape[-1])))
+            width = received.shape[-1]
+            outputs.append(Output((rows, width), received.dtype))
+            if fp8_pair:  # made with the outputs (in C++: no view op per call); pack() knows them
+                views = [View(len(outputs) - 1, (rows, self.hidden), torch.float8_e4m3fn, (width, 1)),
+                         View(len(outputs) - 1, (rows, self.hidden // BLOCK), torch.float32, (width // 4, 1),
+                              self.hidden // 4)]
 
         def send(t: tuple, o: list, s: tuple) -> tuple:
             grouped = unused if in_place else o[-1]
@@ -421,14 +429,15 @@ class Buffer:
         steps = [] if route is None else [(route.count, lambda t, o, s: (t[1], *o[7:15], s[0]))]
         if route is not None and route.finish is not None:
             steps.append((route.finish, lambda t, o, s: (*o[8:15], s[0])))
-        return OpLaunch([*steps, (kernel, send)], outputs, group=self.group)
+        return OpLaunch([*steps, (kernel, send)], outputs, views=views, group=self.group)
 
     def _send(self, plan: _SendPlan, tensors: tuple, bad_host: int = 0,
-              ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+              ) -> tuple[Rows, list[torch.Tensor], list[torch.Tensor]]:
         """One call of ``plan``'s kernels on ``tensors`` (``_send_launch``'s; ``bad_host`` where
-        routed): the rows received (grouped, or in place the receive rows, (2 * world * max_tokens,
-        hidden)), the grouped layout and the routes (where routed), as ``_send_launch`` orders
-        them. The outputs are the caller's (a handle outlives the next call): new on every call."""
+        routed): the rows received (grouped, as an FP8 dispatch's ``(values, scales)`` pair, or in
+        place the receive rows, (2 * world * max_tokens, hidden)), the grouped layout and the
+        routes (where routed), as ``_send_launch`` orders them. The outputs are the caller's (a
+        handle outlives the next call): new on every call."""
         ident = call_identity(self.state, plan.signature)[1]
         out = plan.send(tensors, (bad_host, ident) if plan.routed else (ident,))
         self._calls += 1
@@ -436,6 +445,8 @@ class Buffer:
         if plan.in_place:
             recv_x = plan.received.view(-1, tensors[0].shape[1])
             layout[5]._ts_in_place = (self, self._calls, recv_x.shape[0])  # source_row, for check_in_place_rows
+        elif plan.send.views:  # FP8: the grouped bytes' (values, scales)
+            recv_x = mark(out[-3], out[-2], out[-1])
         else:
             recv_x = out[-1]
         return recv_x, layout, out[7:15]

@@ -194,10 +194,14 @@ def unpack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
         tuple[torch.Tensor, torch.Tensor]: (rows, hidden) ``float8_e4m3fn`` values and (rows, hidden // 128)
         float32 scales, views of ``rows``.
     """
-    values, scales = rows[:, :hidden].view(torch.float8_e4m3fn), rows[:, hidden:].view(torch.float32)
-    # pack() gives the rows back from this pair at once while both keep this layout (the checks of
-    # any other pair cost several microseconds of each dispatch's host time); a tensor made from
-    # either view has no such mark.
+    return mark(rows, rows[:, :hidden].view(torch.float8_e4m3fn), rows[:, hidden:].view(torch.float32))
+
+
+def mark(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``, views of the packed ``rows`` as :func:`unpack` lays them out, marked
+    so that :func:`pack` gives ``rows`` back at once while both keep this layout (the checks of
+    any other pair cost several microseconds of each dispatch's host time); a tensor made from
+    either view has no such mark."""
     values._ts_rows = scales._ts_rows = (rows, _layout(values, scales))
     return values, scales
 
