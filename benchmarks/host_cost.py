@@ -291,9 +291,10 @@ def breakdown(fns: dict[str, Callable[[], object]], calls: int) -> None:
                 layers[name] |= {"kernel calls": lambda r=recorded: [k(*a, group=g) for k, a, g in r],
                                  "entry functions": entries(recorded)}
             launched = op_launch_calls(fn)
-            if programs(launched) is not None:  # the native call split: its OpLaunch calls, their programs
+            direct = programs(launched)
+            if direct is not None:  # the native call split: its OpLaunch calls, their programs
                 layers[name] |= {"op launches": lambda r=launched: [launch(t, s) for launch, t, s in r],
-                                 "programs": programs(launched)}
+                                 "programs": direct}
     layers["torch add_"] = {"op": fns["torch add_ (one launch)"]}
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(3):  # rounds interleaved
