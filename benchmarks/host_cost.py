@@ -3,7 +3,9 @@
 For each call the table gives the host time per call of back-to-back calls with no
 synchronisation (small sizes, so the host sets the pace), the number of kernels and copies
 the call launches (counted by the CUDA profiler over one call), the budget the host-path
-goal allows (``1.3 x torch launch x kernels``), the time of one eager call between CUDA
+goal allows (``1.3 x torch launch x kernels``; ``vs_budget`` is the median over the rounds of
+the call's time against the budget of a torch launch timed just before it, so a drift of the
+host's speed cancels), the time of one eager call between CUDA
 events (``eager_us``) and, where the call can be captured in a CUDA graph, that of a replay
 (``graph_us``), and their ratio. A torch kernel launch (``x.add_(0)``) and the raw TileLang
 kernel under a ``DistributedKernel`` are measured in the same run, interleaved with the rest:
@@ -344,9 +346,12 @@ def main() -> None:
         counts = {name: launches(fn) for name, fn in fns.items()}
         host: dict[str, list[float]] = {name: [] for name in fns}
         entry: dict[str, list[float]] = {name: [] for name in fns}  # every kernel through TileLang's entry
+        beside: dict[str, list[float]] = {name: [] for name in fns}  # torch add_, timed just before each
+        torch_add = fns["torch add_ (one launch)"]
         for _ in range(args.rounds):  # interleaved rounds: a drift of clocks moves every row alike
             for name, fn in fns.items():
                 entry[name].append(host_us(entry_path(fn), args.calls))
+                beside[name].append(host_us(torch_add, args.calls))
                 host[name].append(host_us(fn, args.calls))
         torch_launch = statistics.median(host["torch add_ (one launch)"])
         report = Report("host_cost", columns=["call", "kernels", "host_us", "entry_host_us", "budget_us",
@@ -357,11 +362,15 @@ def main() -> None:
             eager = time_fn(fn, warmup=3, iters=50).median_ms * 1e3
             replay = capturable(fn) if name.startswith(("ops.", "nn.")) else None
             graph = time_fn(replay, warmup=3, iters=50).median_ms * 1e3 if replay is not None else None
+            # Against the budget of the torch launch timed just before it, round by round: the host's
+            # speed drifts within a run (and between runs) more than the rounds' median hides.
+            paired = [h / (1.3 * t * max(counts[name], 1)) for h, t in zip(host[name], beside[name], strict=True)]
             report.add({"call": name, "kernels": counts[name], "host_us": us,
                         "entry_host_us": statistics.median(entry[name]), "budget_us": budget,
-                        "vs_budget": us / budget, "eager_us": eager, "graph_us": graph,
+                        "vs_budget": statistics.median(paired), "eager_us": eager, "graph_us": graph,
                         "eager_vs_graph": eager / graph if graph else None, "host_us_rounds": host[name],
-                        "entry_host_us_rounds": entry[name]})
+                        "entry_host_us_rounds": entry[name], "torch_add_us_before_rounds": beside[name],
+                        "vs_budget_rounds": paired})
     print(f"native launches: {op_launch.counts()}", flush=True)
     report.print_table()
     report.save()
