@@ -23,7 +23,7 @@ from tilescale.op_launch import (
     places_of,
     scalar_bytes,
 )
-from tilescale.ops.moe.fp8 import packed_width, unpack
+from tilescale.ops.moe.fp8 import packed_width, pair_views, unpack
 
 A, B = 0x7F00_0000_1000, 0x7F00_0020_0000  # two tensor arguments' addresses
 MAP_A = bytes([0xA5]) * 8 + A.to_bytes(8, "little") + bytes(112)  # a "TMA descriptor" that holds A
@@ -208,8 +208,7 @@ def layout(t: torch.Tensor) -> tuple:
 def test_views_of_an_output_are_made_as_fp8_unpack_makes_them(launcher):
     # An FP8 dispatch's grouped bytes (4 rows of 256 values and 2 scales) and their (values, scales).
     hidden, width = 256, packed_width(256)
-    views = [(0, [4, hidden], [width, 1], 0, torch.float8_e4m3fn), (0, [4, 2], [width // 4, 1], hidden // 4,
-                                                                    torch.float32)]
+    views = [(v.of, list(v.shape), list(v.strides), v.offset, v.dtype) for v in pair_views(0, 4, hidden)]
     program = launcher.Program([], [([4, width], torch.uint8, -1)], 0, views)
     rows, values, scales = program.call([torch.zeros(1)], [], 0)
     want = unpack(rows, hidden)
@@ -230,8 +229,8 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
     script.write_text(textwrap.dedent("""
         import torch
         import tilescale as ts
-        from tilescale.op_launch import OpLaunch, Output, View, packed_layout
-        from tilescale.ops.moe.fp8 import packed_width, unpack
+        from tilescale.op_launch import OpLaunch, Output, packed_layout
+        from tilescale.ops.moe.fp8 import packed_width, pair_views, unpack
 
         ts.init(device="cpu")
         outputs = [Output((3,), torch.int32, packed=True), Output((2, 4)), Output((5, 100), torch.float32, packed=True),
@@ -246,9 +245,7 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
         assert made[0].untyped_storage().data_ptr() == made[3].untyped_storage().data_ptr()
         # Views of an output: an FP8 dispatch's grouped bytes as (values, scales), as unpack makes them.
         hidden, width = 256, packed_width(256)
-        call = OpLaunch([], [Output((4, width), torch.uint8)],
-                        views=[View(0, (4, hidden), torch.float8_e4m3fn, (width, 1)),
-                               View(0, (4, 2), torch.float32, (width // 4, 1), hidden // 4)])
+        call = OpLaunch([], [Output((4, width), torch.uint8)], views=pair_views(0, 4, hidden))
         rows, values, scales = call([torch.zeros(1)])
         want = unpack(rows, hidden)
         for got, made in ((values, want[0]), (scales, want[1])):

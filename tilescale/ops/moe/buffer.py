@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
-from tilescale.op_launch import OpLaunch, Output, View
+from tilescale.op_launch import OpLaunch, Output
 from tilescale.ops._common import (
     call_board,
     call_identity,
@@ -41,7 +41,7 @@ from tilescale.ops._common import (
 )
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
-from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, quantize_fp8, unpack
+from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, pair_views, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import Routing, chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
 from tilescale.plans import PlanCache, capturing
@@ -414,9 +414,7 @@ class Buffer:
             width = received.shape[-1]
             outputs.append(Output((rows, width), received.dtype))
             if fp8_pair:  # made with the outputs (in C++: no view op per call); pack() knows them
-                views = [View(len(outputs) - 1, (rows, self.hidden), torch.float8_e4m3fn, (width, 1)),
-                         View(len(outputs) - 1, (rows, self.hidden // BLOCK), torch.float32, (width // 4, 1),
-                              self.hidden // 4)]
+                views = pair_views(len(outputs) - 1, rows, self.hidden)
 
         def send(t: tuple, o: list, s: tuple) -> tuple:
             grouped = unused if in_place else o[-1]

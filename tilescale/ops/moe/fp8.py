@@ -21,6 +21,7 @@ import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
+from tilescale.op_launch import View
 from tilescale.ops._common import check_input, tl_dtype
 
 # A dispatch's rows: a tensor, or FP8 rows as a (values, scales) pair.
@@ -195,6 +196,19 @@ def unpack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
         float32 scales, views of ``rows``.
     """
     return mark(rows, rows[:, :hidden].view(torch.float8_e4m3fn), rows[:, hidden:].view(torch.float32))
+
+
+def pair_views(of: int, rows: int, hidden: int) -> list[View]:
+    """The ``(values, scales)`` of an ``OpLaunch`` call's output ``of``, (rows, packed_width(hidden))
+    bytes, as views the call makes with its outputs (no view op per call): :func:`unpack`'s layout.
+
+    Example::
+
+        OpLaunch(steps, [Output((rows, packed_width(hidden)), torch.uint8)], views=pair_views(0, rows, hidden))
+    """
+    width = packed_width(hidden)
+    return [View(of, (rows, hidden), torch.float8_e4m3fn, (width, 1)),
+            View(of, (rows, hidden // BLOCK), torch.float32, (width // 4, 1), hidden // 4)]
 
 
 def mark(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
