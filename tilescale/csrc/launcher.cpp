@@ -236,6 +236,13 @@ at::Tensor allocate(const at::Tensor& like, const std::vector<int64_t>& shape, a
   return made;
 }
 
+// A tensor of `dtype` on `base`'s bytes, made directly (no dispatcher call); the caller sets its
+// sizes, strides and offset: a packed output, or a View.
+at::Tensor viewing(const at::Tensor& base, at::ScalarType dtype) {
+  return at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                  c10::scalarTypeToTypeMeta(dtype));
+}
+
 // A view a Program's call returns after its outputs: of output `of` (its own allocation, its dtype
 // known) as `dtype`, `shape` and `strides` from element `offset` of `dtype`.
 struct View {
@@ -299,8 +306,7 @@ class Program {
         continue;
       }
       // A view of the packed bytes: one tensor made, no dispatcher calls.
-      auto view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(packed.storage()), packed.key_set(),
-                                                           c10::scalarTypeToTypeMeta(dtype));
+      auto view = viewing(packed, dtype);
       view.unsafeGetTensorImpl()->set_storage_offset(o.offset / c10::elementSize(dtype));
       view.unsafeGetTensorImpl()->set_sizes_contiguous(o.shape);
       made.push_back(std::move(view));
@@ -316,9 +322,7 @@ class Program {
     }
     for (const auto& step : steps_) step->launch(stream);
     for (const View& v : views_) {  // one tensor made each, no dispatcher calls
-      const at::Tensor& base = made[v.of];
-      auto view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
-                                                           c10::scalarTypeToTypeMeta(v.dtype));
+      auto view = viewing(made[v.of], v.dtype);
       view.unsafeGetTensorImpl()->set_sizes_and_strides(v.shape, v.strides, v.offset);
       made.push_back(std::move(view));
     }
