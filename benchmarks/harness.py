@@ -233,18 +233,21 @@ def time_interleaved(
     return {name: Timing(s) for name, s in samples.items()}
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured once in a CUDA graph; the result replays it (outputs land in the
-    tensors the capture allocated). ``fn`` runs once eagerly first, so that its kernels are
-    built and its lazily created state exists before the capture.
+def graphed(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
+    """``fn`` captured once in a CUDA graph (``calls`` times in a row); the result replays it
+    (outputs land in the tensors the capture allocated). ``fn`` runs once eagerly first, so
+    that its kernels are built and its lazily created state exists before the capture.
 
-    Use it to time GPU work without the host's launch path, as a decode step runs.
+    Use it to time GPU work without the host's launch path, as a decode step runs; with
+    ``calls`` > 1, a replay's time over ``calls`` is one call's inside a larger graph (a whole
+    decode step's), without the graph's own launch.
     """
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
 
 

@@ -14,13 +14,14 @@ baseline cannot be captured: it reads the split sizes on the host).
     tilescale run -n 2 --cpu benchmarks/moe.py --small
     tilescale run -n 1 benchmarks/moe.py --floor          # each step's own cost beside its floor
 
-``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a
-CUDA graph replay, bf16 and FP8 dispatch, beside the step's floor: the bytes it must move
-over the copy bandwidth measured in the same run (``torch`` copy of 1 GiB), and for the
-layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm`` at 8192^3). A
-dispatch also shows torch's own kernel for its bytes (``torch_same_bytes_us``: the rows
-gathered in expert order by ``index_select``, as the torch pipeline groups them; in place a
-copy), replayed: what this GPU reaches on that traffic, writes eight times the reads.
+``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a CUDA
+graph replay (alone, and ``in_graph_us``: one of ``IN_GRAPH`` calls in one graph, as inside a
+decode step's graph, without the graph's own launch), bf16 and FP8 dispatch, beside the step's
+floor: the bytes it must move over the copy bandwidth measured in the same run (``torch`` copy
+of 1 GiB), and for the layer its FLOPs over the bf16 GEMM rate measured likewise (``torch.mm``
+at 8192^3). A dispatch also shows torch's own kernel for its bytes (``torch_same_bytes_us``:
+the rows gathered in expert order by ``index_select``, as the torch pipeline groups them; in
+place a copy), replayed: what this GPU reaches on that traffic, writes eight times the reads.
 """
 
 import argparse
@@ -37,6 +38,8 @@ from tilescale.testing import moe_dispatch_in_place
 
 CASES = {"normal": (4096, 7168, 8, 256), "low-latency": (128, 7168, 8, 256)}
 SMALL = {"normal": (64, 128, 4, 16), "low-latency": (8, 128, 4, 16)}  # hidden: whole FP8 scale blocks
+# Calls captured in one graph for ``in_graph_us`` (``--floor``): a lone replay adds the graph's own launch.
+IN_GRAPH = 20
 
 
 def routing(tokens: int, num_experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,12 +281,15 @@ def floor_case(case: str, fp8: bool, shape: tuple[int, int, int, int], bandwidth
     for step, fn in steps:
         eager = time_fn(fn, iters=iters).median_ms * 1e3
         replay = time_fn(graphed(fn), iters=iters).median_ms * 1e3 if x.is_cuda else float("nan")
+        # One call inside a larger graph (a decode step's): IN_GRAPH calls per replay.
+        inside = (time_fn(graphed(fn, IN_GRAPH), iters=iters).median_ms * 1e3 / IN_GRAPH if x.is_cuda
+                  else float("nan"))
         floor = moved[step] / bandwidth * 1e6
         rows.append({"step": f"{case} {step}{' fp8' if fp8 else ''}{' in place' if in_place else ''}",
                      "tokens": tokens, "hidden": hidden,
-                     "topk": topk, "experts": num_experts, "eager_us": eager, "graph_us": replay, "floor_us": floor,
-                     "graph_over_floor": replay / floor, "bytes": moved[step],
-                     **({"checks": checks} if step == steps[-1][0] else {})})
+                     "topk": topk, "experts": num_experts, "eager_us": eager, "graph_us": replay,
+                     "in_graph_us": inside, "floor_us": floor, "graph_over_floor": replay / floor,
+                     "bytes": moved[step], **({"checks": checks} if step == steps[-1][0] else {})})
     # What torch's own copy kernels take for the dispatch's bytes, replayed the same way: the
     # rows gathered in expert order, as the torch all_to_all pipeline groups them (index_select;
     # in place one copy of the rows), 8-byte elements.
@@ -444,7 +450,7 @@ def main() -> None:
     ts.init()
     if args.floor:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
-                                              "floor_us", "graph_over_floor", "eager_over_grouped",
+                                              "in_graph_us", "floor_us", "graph_over_floor", "eager_over_grouped",
                                               "torch_same_bytes_us", "graph_over_torch", "torch_layer_us"])
         for row in floor_rows(args.iters, args.small):
             report.add(row)

@@ -262,3 +262,48 @@ def test_the_entry_path_lays_packed_outputs_out_as_the_program_does(tmp_path):
     """))
     proc = run_python(script, timeout=120)
     assert "ALLOCATE-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_program_launches_nothing_once_a_live_groups_wait_record_reports_a_failure(tmp_path):
+    # Before it launches, every native call reads each live group's wait-status record (groups
+    # made later too, released ones no longer), as the entry path's check_device_waits does;
+    # OpLaunch then raises that check's message (the GPU side: tests/ranks/native_launch_check.py).
+    script = tmp_path / "waits.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale.native import launcher_module
+
+        ts.init(device="cpu")
+        module = launcher_module()
+        program = module.Program([], [([2], torch.int32, -1)], 0)
+        x = torch.zeros(1)
+
+        def refused():
+            try:
+                program.call([x], [], 0)
+            except module.DeviceWaitFailed:
+                return True
+            return False
+
+        whole = ts.group_state(None)
+        assert not refused()
+        whole.wait_status[0] = 1
+        assert refused()
+        whole.wait_status[0] = 0
+        later = ts.group_state(ts.new_group([0]))
+        later.wait_status[0] = 1
+        assert refused()
+        later.release()
+        assert not refused()
+        whole.wait_status[0] = 1
+        try:
+            ts.finalize()
+            raise AssertionError("finalize did not report the failed wait")
+        except ts.WaitTimeoutError:
+            pass
+        assert not refused()  # no runtime: no records read
+        print("WAITS-OK")
+    """))
+    proc = run_python(script, timeout=200)
+    assert "WAITS-OK" in proc.stdout, proc.stdout + proc.stderr

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 _SOURCE = Path(__file__).parent / "csrc" / "launcher.cpp"
 _why_not: list[str] = []
+# Every group's wait-status record (``watch_waits``), handed to the module when it loads.
+_wait_records: list[torch.Tensor] = []
+_loaded: list[ModuleType] = []
 
 
 @functools.cache
@@ -31,10 +37,28 @@ def launcher_module() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load("tilescale_launcher", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        module = cpp_extension.load("tilescale_launcher", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler or ninja: launches stay on the entry function
         _why_not.append(f"{type(e).__name__}: {e}"[:500])
         return None
+    module.watch_waits(_wait_records)
+    _loaded.append(module)
+    return module
+
+
+def watch_waits(records: Sequence[torch.Tensor]) -> None:
+    """The wait-status records (every group's, ``GroupState.wait_status``) that each native call
+    reads before it launches: it raises the module's ``DeviceWaitFailed`` where one reports a
+    failure, and the caller ``runtime.check_device_waits()``, which says what failed. The runtime
+    calls this whenever its groups change; the module, once loaded, keeps the tensors alive.
+
+    Example::
+
+        watch_waits([state.wait_status for state in groups])
+    """
+    _wait_records[:] = records
+    for module in _loaded:
+        module.watch_waits(_wait_records)
 
 
 def launcher_unavailable() -> str:

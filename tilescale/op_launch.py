@@ -343,6 +343,8 @@ class OpLaunch:
         self._first = PlanCache(self.LEARNED_KEYS)  # by key: the first call's captures and places
         self._shaped: tuple[int, ...] = ()  # the tensors (by number) whose shapes key a launch
         self._symmetric: tuple[int, ...] = ()  # those whose addresses key it
+        self._keyed = False  # whether any do (else every call has the one key ())
+        self._wait_failed: type[Exception] = RuntimeError  # the module's DeviceWaitFailed, once learned
         self._device: int | None = None  # the CUDA device's index
         self._learning = runtime.device().type == "cuda"
 
@@ -352,14 +354,16 @@ class OpLaunch:
 
     def __call__(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Any:
         """Launch on ``tensors`` and ``scalars``; returns the output (None if none, a list if several)."""
-        found = self._natives.get(self._key(tensors) if self._shaped or self._symmetric else ())
+        found = self._natives.get(self._key(tensors) if self._keyed else ())
         if found is not None and _MODE == "1":
-            runtime.check_device_waits()  # a kernel recorded a failure: raise it (host-memory reads)
-            program, _, runtime.current().last_kernel_spans = found
+            program, _, runtime.current().last_kernel_spans = found  # what a failed wait names
             try:
                 out = program.call(tensors, scalars, torch._C._cuda_getCurrentRawStream(self._device))
             except ValueError:  # a TMA descriptor refused an address: the entry function says why
                 return self._entry_call(tensors, scalars, found)
+            except self._wait_failed:  # a kernel recorded a failure (the program read it): nothing launched
+                runtime.check_device_waits()
+                raise
             _counts["native launches"] += self._kernels
             return out
         return self._entry_call(tensors, scalars, found)
@@ -425,6 +429,8 @@ class OpLaunch:
                                      for i, t in p.every_index().items() if t < n and i in kernel.dynamic_arguments}))
         self._symmetric = tuple(sorted({t for (kernel, _), p in zip(self.steps, places, strict=True)
                                         for i, t in p.every_index().items() if t < n and i in kernel.peer_arguments}))
+        self._keyed = bool(self._shaped or self._symmetric)
+        self._wait_failed = module.DeviceWaitFailed
         key = self._key(tensors)
         device = tensors[0].device
         try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tilescale import comm, plans, startup
+from tilescale import comm, native, plans, startup
 from tilescale.errors import (
     MISMATCH,
     WAIT_STATUS_FIELDS,
@@ -171,6 +171,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
                            int(float(os.environ.get("TILESCALE_WAIT_TIMEOUT_S", "60")) * 1e9),
                            tp_plan=os.environ.get("TILESCALE_TP_PLAN") or None, gpus_shared=gpus_shared)
         _runtime.groups[None] = GroupState(None, group, _runtime.backend, dev.type == "cuda", forget_group)
+        _groups_changed()
         _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:
         _runtime = None
@@ -441,6 +442,7 @@ def _create_group_state(rt: Runtime, group: dist.ProcessGroup) -> GroupState:
     state = GroupState(group, comm_group, comm.create(rt.backend.name, comm_group, rt.device.type, rt.backend),
                        rt.device.type == "cuda", forget_group)
     rt.groups[group.group_name] = state
+    _groups_changed()
     try:
         _allocate_sync_workspace(state)
     except BaseException:
@@ -460,6 +462,12 @@ def forget_group(state: GroupState) -> None:
     for key, found in list(_runtime.groups.items()):
         if found is state:
             del _runtime.groups[key]
+    _groups_changed()
+
+
+def _groups_changed() -> None:
+    """Hand the native launcher every live group's wait-status record (``native.watch_waits``)."""
+    native.watch_waits([state.wait_status for state in live_groups()])
 
 
 def live_groups() -> Collection[GroupState]:
@@ -529,6 +537,7 @@ def finalize() -> None:
         rt.group.barrier()
     finally:
         _runtime = None
+        _groups_changed()
         plans.invalidate()
         for state in reversed(list(rt.groups.values())):  # the whole job's last: it was first
             state.release(barrier=False, finalizing=True)

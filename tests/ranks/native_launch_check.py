@@ -8,6 +8,9 @@ calls in the default mode, and replayed from a CUDA graph. Prints the launches l
 
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py collectives   # that section only
+
+The ``waits`` section also checks that a native call made after a kernel recorded a failed wait
+launches nothing and raises the runtime's message.
 """
 
 import os
@@ -131,8 +134,30 @@ def collectives(mode: str) -> None:
     print(f"[rank {rank}] {mode} collectives ok {op_launch.counts()}", flush=True)
 
 
+def waits(mode: str) -> None:
+    """A learned launch made once a kernel has recorded a failed wait: the C++ program reads the
+    group's wait-status record first, launches nothing, and the call raises the runtime's message."""
+    op_launch.set_mode(mode)
+    w = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):  # learned at the first two calls
+        ts.ops.gemm_all_reduce(torch.randn(64, 512, device=dev, dtype=torch.bfloat16), w)
+    record = ts.group_state(None).wait_status
+    record.copy_(torch.tensor([1, rank, 7, 0x1000, 0, 1, 0, 0]))  # state, rank, block, address, ...: a T.wait
+    launched = op_launch.counts()["native launches"]
+    try:
+        ts.ops.gemm_all_reduce(torch.randn(64, 512, device=dev, dtype=torch.bfloat16), w)
+        raise AssertionError("a call after a failed wait went through")
+    except ts.WaitTimeoutError as e:
+        assert "block 7" in str(e), e
+    assert op_launch.counts()["native launches"] == launched  # nothing launched
+    record.zero_()
+    ts.runtime.current().failure_reported = False
+    torch.cuda.synchronize()
+    print(f"[rank {rank}] {mode} waits ok", flush=True)
+
+
 # Sections by name (all by default): ``native_launch_check.py collectives`` runs that one only.
-named = {"run": run, "moe": moe, "collectives": collectives}
+named = {"run": run, "moe": moe, "collectives": collectives, "waits": waits}
 sections = [named[name] for name in sys.argv[1:]] or list(named.values())
 for mode in ("check", "1"):
     for section in sections:

@@ -253,6 +253,37 @@ struct View {
   at::ScalarType dtype;
 };
 
+// Every group's wait-status record (tilescale/groups.py): a kernel whose wait timed out, or that
+// found its ranks disagreeing, writes 1 into the record's first word, in pinned host memory. A
+// Program's call reads them before it launches anything, as the entry path does in Python
+// (runtime.check_device_waits), and leaves the message to Python. The tensors are kept here, so a
+// word read is never freed memory; the runtime replaces the list whenever its groups change.
+struct WaitWords {
+  std::vector<at::Tensor> records;
+  std::vector<const volatile int64_t*> first;
+};
+
+WaitWords& wait_words() {
+  static WaitWords words;
+  return words;
+}
+
+void watch_waits(const std::vector<at::Tensor>& records) {
+  WaitWords& words = wait_words();
+  words.first.clear();
+  for (const auto& r : records) {
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kLong && r.numel() > 0 && r.is_contiguous(),
+                "watch_waits: a wait-status record is a contiguous int64 host tensor");
+    words.first.push_back(static_cast<const volatile int64_t*>(r.data_ptr<int64_t>()));
+  }
+  words.records = records;
+}
+
+// Raised by a Program's call, which launched nothing, when a wait-status record reports a failure.
+struct DeviceWaitFailed : std::exception {
+  const char* what() const noexcept override { return "a device-side wait failed (see the wait-status records)"; }
+};
+
 // An op's kernels launched in order by one call: the outputs allocated, every kernel's arguments
 // written, every kernel enqueued on the stream.
 class Program {
@@ -295,6 +326,9 @@ class Program {
   // The call's outputs (None if none; the output if one; a list), its kernels enqueued on stream.
   py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
     TORCH_CHECK(!tensors.empty(), "program: a call needs its tensors");
+    for (const volatile int64_t* word : wait_words().first) {
+      if (*word == 1) throw DeviceWaitFailed();
+    }
     const at::Tensor& first = tensors[0];
     at::Tensor packed = packed_bytes_ > 0 ? allocate(first, {packed_bytes_}, at::kByte) : at::Tensor();
     std::vector<at::Tensor> made;
@@ -342,6 +376,8 @@ class Program {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("driver_missing", [] { return driver().missing; }, "Why the CUDA driver cannot be used ('' if it can).");
+  m.def("watch_waits", &watch_waits, "The wait-status records every Program call checks first (every group's).");
+  py::register_exception<DeviceWaitFailed>(m, "DeviceWaitFailed", PyExc_RuntimeError);
   py::class_<Launcher, std::shared_ptr<Launcher>>(m, "Launcher")
       .def(py::init<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                     std::vector<std::pair<int64_t, std::string>>, std::vector<int64_t>, const std::string&,

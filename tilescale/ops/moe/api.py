@@ -115,14 +115,15 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     and replayed; each call's state lives on the device. Calls captured into a graph do not
     check expert ids (out-of-range ids are still routed nowhere).
     """
-    values = x[0] if is_fp8(x) else x
-    tokens = _check_routing(values, topk_idx, topk_weights, is_fp8(x))
+    fp8 = is_fp8(x)
+    values = x[0] if fp8 else x
+    tokens = _check_routing(values, topk_idx, topk_weights, fp8)
     capacity = tokens if max_tokens is None else max_tokens
     if capacity == 0:  # zero tokens on every rank: nothing to exchange
-        if is_fp8(x):
+        if fp8:
             raise ValueError("moe_dispatch: FP8 rows need tokens (or max_tokens) on some rank")
         return _empty_dispatch(x, topk_idx, topk_weights, num_experts, low_latency, group)
-    dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+    dtype = torch.float8_e4m3fn if fp8 else values.dtype
     buf = cached_buffer(group, capacity, values.shape[1], topk_idx.shape[1], num_experts, dtype)
     buf._check_live()
     return buf._dispatch(x, values, tokens, topk_idx, topk_weights, low_latency, in_place)

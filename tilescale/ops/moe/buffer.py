@@ -43,7 +43,7 @@ from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, pair_views, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
-from tilescale.ops.moe.routing import Routing, chunk_counts_shape, expert_ids, raise_bad_ids, router, watch_ids
+from tilescale.ops.moe.routing import Routing, chunk_counts_shape, id_dtype, raise_bad_ids, router, watch_ids
 from tilescale.plans import PlanCache, capturing
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -178,6 +178,9 @@ class Buffer:
         # Sends by (tokens, hidden, dtype, mode, ...): a few host objects per token count (the
         # kernels are shared), the most recent counts' kept.
         self._plans = PlanCache(PLANS_KEPT)
+        # Dispatch calls by their arguments' sizes, dtypes and mode: the send, after every check
+        # one rank decides from those (``_call_plan``).
+        self._dispatches = PlanCache(PLANS_KEPT)
         # combine's (kernel, return rows, signature, its OpLaunch per token count) by (hidden, dtype)
         self._combines_by: dict[tuple, tuple] = {}
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
@@ -235,6 +238,7 @@ class Buffer:
             del self.state.exchanges[key]
         self._flags, self._rows_in, self._rows_back, self._combines_by = {}, {}, {}, {}
         self._plans.clear()
+        self._dispatches.clear()
         self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
 
     def _check_live(self) -> None:
@@ -304,8 +308,42 @@ class Buffer:
                   topk_weights: torch.Tensor, low_latency: bool, in_place: bool = False,
                   ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """:meth:`dispatch` of rows whose shapes ``_check_routing`` has checked (``values``: ``x``'s
-        values, ``tokens``: their rows), for ``ts.ops.moe_dispatch``, which checks them first."""
-        dtype = torch.float8_e4m3fn if is_fp8(x) else values.dtype
+        values, ``tokens``: their rows), for ``ts.ops.moe_dispatch``, which checks them first.
+
+        Everything one rank decides from the call's sizes and dtypes (the buffer fits, the mode's
+        agreement at its first call, the ids' dtype, the kernels) is resolved at the first call
+        of its key (:meth:`_call_plan`); later calls only move the tensors."""
+        fp8 = values is not x
+        key = (tokens, values.shape[1], values.dtype, fp8, topk_idx.shape[1], topk_idx.dtype, low_latency, in_place)
+        found = self._dispatches.get(key)
+        if found is None:
+            found = self._dispatches.put(key, self._call_plan(x, values, tokens, topk_idx, low_latency, in_place))
+        plan, id_dtype = found
+        sent = pack(x) if fp8 else x
+        in_capture = capturing(values)
+        if not plan.routed:  # no tokens: one row routed nowhere
+            return self._dispatch_nothing(plan, sent, values, topk_weights, in_capture)
+        ids = topk_idx.contiguous() if id_dtype == topk_idx.dtype else topk_idx.to(id_dtype)
+        weights = topk_weights.float().contiguous()
+        # The routing kernels check the ids on the device; the check is read at the end of this
+        # call or a later one (raise_bad_ids), queued behind the exchange; not in a graph.
+        watch = watch_ids(topk_idx, self.num_experts) if not in_capture and ids.is_cuda else 0
+        recv_x, layout, routes = self._send(plan, (sent, ids, weights), watch)
+        if not in_capture and not ids.is_cuda:
+            watch_ids(topk_idx, self.num_experts, bad=routes[5])
+        dest, slot, send_counts, expert_slot, expert_counts, _, idx, _ = routes
+        handle = self._handle(tokens, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, layout)
+        if not in_capture:
+            raise_bad_ids()
+        return recv_x, layout[4], layout[0], handle
+
+    def _call_plan(self, x: Rows, values: torch.Tensor, tokens: int, topk_idx: torch.Tensor, low_latency: bool,
+                   in_place: bool) -> tuple[_SendPlan, torch.dtype]:
+        """The plan of dispatches of ``tokens`` rows like ``values`` (``x``: FP8 rows where they
+        differ) with ids like ``topk_idx``: every check one rank decides (in place, fits, the ids'
+        dtype), the ranks' agreement on the mode at its first call; the send (:meth:`_plan`) and
+        the dtype the routing reads the ids as (``routing.id_dtype``)."""
+        dtype = torch.float8_e4m3fn if values is not x else values.dtype
         if in_place and self.sets == 1:
             raise ValueError(f"moe dispatch: in place needs a buffer with two sets of receive rows, not {self!r}")
         if not self.fits(tokens, values.shape[1], topk_idx.shape[1], self.num_experts, dtype):
@@ -316,37 +354,33 @@ class Buffer:
                                                                  str(self.dtype), self.num_experts,
                                                                  f"low_latency={low_latency}", f"SMs={self.sms}"])
             self._modes.add(low_latency)
-        sent = pack(x) if self.fp8 else x
-        ids = expert_ids(topk_idx, self.num_experts)
-        plan = self._plan(tokens, sent, low_latency, ids.dtype, in_place)
-        in_capture = capturing(values)
+        ids = id_dtype(topk_idx.dtype)  # TypeError for ids of no integer dtype
+        return self._plan(tokens, pack(x) if self.fp8 else x, low_latency, ids, in_place), ids
+
+    def _dispatch_nothing(self, plan: _SendPlan, sent: torch.Tensor, values: torch.Tensor,
+                          topk_weights: torch.Tensor, in_capture: bool,
+                          ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
+        """A dispatch of no tokens from this rank (peers may send some): one row routed nowhere."""
+        i32 = dict(dtype=torch.int32, device=values.device)
+        dest, slot = torch.full((2, self.world, 1), -1, **i32)
+        send_counts, expert_slot = torch.zeros(self.world, **i32), torch.zeros(1, self.topk, **i32)
+        expert_counts, idx = torch.zeros(self.num_experts, **i32), torch.full((1, self.topk), -1, **i32)
         weights = _padded(topk_weights.float(), 0)
-        if plan.routed:
-            # The routing kernels check the ids on the device; the check is read at the end of
-            # this call or a later one (raise_bad_ids), queued behind the exchange; not in a graph.
-            watched = not in_capture
-            watch = watch_ids(topk_idx, self.num_experts) if watched and ids.is_cuda else 0
-            recv_x, layout, routes = self._send(plan, (sent, ids, weights), watch)
-            if watched and not ids.is_cuda:
-                watch_ids(topk_idx, self.num_experts, bad=routes[5])
-            dest, slot, send_counts, expert_slot, expert_counts, _, idx, _ = routes
-        else:  # no tokens: one row routed nowhere
-            i32 = dict(dtype=torch.int32, device=values.device)
-            dest, slot = torch.full((2, self.world, 1), -1, **i32)
-            send_counts, expert_slot = torch.zeros(self.world, **i32), torch.zeros(1, self.topk, **i32)
-            expert_counts, idx = torch.zeros(self.num_experts, **i32), torch.full((1, self.topk), -1, **i32)
-            recv_x, layout, _ = self._send(plan, (_padded(sent, 0), idx, weights, expert_slot, slot, send_counts,
-                                                  expert_counts))
-        counts, offsets, recv_counts, position, weight, source_row, row_expert = layout
-        row_expert._ts_experts = self.per_rank  # a layout grouped_gemm need not check on the device
-        handle = DispatchHandle(tokens=tokens, topk_idx=idx, topk_w=weights, expert_slot=expert_slot,
-                                dest=dest, slot=slot, send_counts=send_counts, expert_send_counts=expert_counts,
-                                recv_counts=recv_counts, position=position, counts=counts, offsets=offsets,
-                                row_expert=row_expert, source_row=source_row, group=self.group, buffer=self,
-                                dispatch=self._calls)
+        recv_x, layout, _ = self._send(plan, (_padded(sent, 0), idx, weights, expert_slot, slot, send_counts,
+                                              expert_counts))
+        handle = self._handle(0, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, layout)
         if not in_capture:
             raise_bad_ids()
-        return unpack(recv_x, self.hidden) if self.fp8 and not is_fp8(recv_x) else recv_x, weight, counts, handle
+        return recv_x, layout[4], layout[0], handle
+
+    def _handle(self, tokens: int, idx: torch.Tensor, weights: torch.Tensor, expert_slot: torch.Tensor,
+                dest: torch.Tensor, slot: torch.Tensor, send_counts: torch.Tensor, expert_counts: torch.Tensor,
+                layout: list[torch.Tensor]) -> DispatchHandle:
+        """The handle of the dispatch just sent: its routes and its grouped ``layout`` (``_send_launch``'s order)."""
+        counts, offsets, recv_counts, position, _, source_row, row_expert = layout
+        row_expert._ts_experts = self.per_rank  # a layout grouped_gemm need not check on the device
+        return DispatchHandle(tokens, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, recv_counts,
+                              position, counts, offsets, row_expert, source_row, self.group, self, self._calls)
 
     def _plan(self, tokens: int, x: torch.Tensor, low_latency: bool, id_dtype: torch.dtype | None,
               in_place: bool = False) -> _SendPlan:
@@ -443,6 +477,8 @@ class Buffer:
         if plan.in_place:
             recv_x = plan.received.view(-1, tensors[0].shape[1])
             layout[5]._ts_in_place = (self, self._calls, recv_x.shape[0])  # source_row, for check_in_place_rows
+            if self.fp8:  # the received bytes' (values, scales)
+                recv_x = unpack(recv_x, self.hidden)
         elif plan.send.views:  # FP8: the grouped bytes' (values, scales)
             recv_x = mark(out[-3], out[-2], out[-1])
         else:

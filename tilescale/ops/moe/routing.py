@@ -320,16 +320,26 @@ def expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         num_experts: Experts over the whole group (the routing kernel checks ids against it).
 
     Returns:
-        torch.Tensor: ``topk_idx`` contiguous if int32 or int64, else converted to int64 (types wider
-        than int32) or int32.
+        torch.Tensor: ``topk_idx`` contiguous if int32 or int64, else converted to :func:`id_dtype`.
 
     Raises:
         TypeError: ``topk_idx`` is not of an integer dtype.
     """
-    wide = _wider_than_int32(topk_idx.dtype)
-    if topk_idx.dtype in (torch.int32, torch.int64):
-        return topk_idx.contiguous()
-    return topk_idx.to(torch.int64 if wide else torch.int32)  # uint64 ids past 2**63 turn negative: bad
+    read_as = id_dtype(topk_idx.dtype)
+    return topk_idx.contiguous() if read_as == topk_idx.dtype else topk_idx.to(read_as)  # uint64 past 2**63: bad
+
+
+@functools.cache
+def id_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the routing kernel reads expert ids of ``dtype`` as: int32 and int64 as they are,
+    other integer types the one of those that keeps every value (once per dtype).
+
+    Raises:
+        TypeError: ``dtype`` is not an integer dtype.
+    """
+    if dtype in (torch.int32, torch.int64):
+        return dtype
+    return torch.int64 if _wider_than_int32(dtype) else torch.int32
 
 
 @functools.cache
