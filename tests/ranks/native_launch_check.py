@@ -134,6 +134,49 @@ def collectives(mode: str) -> None:
     print(f"[rank {rank}] {mode} collectives ok {op_launch.counts()}", flush=True)
 
 
+def grouped(mode: str) -> None:
+    """``grouped_gemm`` over a layout of the caller's own: bf16 rows grouped and gathered through an
+    index, FP8 rows (grouped rows by TMA, K a multiple of 512; gathered), new rows each call,
+    against torch; then replayed from a CUDA graph."""
+    op_launch.set_mode(mode)
+    experts, rows, k, n = 3, 384, 512, 256
+    row_expert = torch.tensor([0] * 128 + [2] * 100 + [-1] * 28 + [1] * 128, device=dev, dtype=torch.int32)
+    index = torch.randperm(rows, device=dev).to(torch.int32)
+    w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    valid = row_expert >= 0
+
+    def want(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        a = (x if idx is None else x[idx.long()]).float()
+        return torch.einsum("rk,rnk->rn", a[valid], w.float()[row_expert[valid].long()])
+
+    def fp8(x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        values, scales = ts.ops.moe.quantize_fp8(x)  # views of the byte rows the GEMM reads: no copy
+        return ts.ops.grouped_gemm(values, w, row_expert, scales=scales, index=idx)
+
+    def fp8_want(x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        return want(ts.ops.moe.dequantize_fp8(*ts.ops.moe.quantize_fp8(x)), idx)
+
+    variants = {
+        "bf16 grouped": (lambda x: ts.ops.grouped_gemm(x, w, row_expert), lambda x: want(x, None)),
+        "bf16 gathered": (lambda x: ts.ops.grouped_gemm(x, w, row_expert, index=index), lambda x: want(x, index)),
+        "fp8 grouped": (fp8, fp8_want),
+        "fp8 gathered": (lambda x: fp8(x, index), lambda x: fp8_want(x, index)),
+    }
+    for name, (op, ref) in variants.items():
+        for _ in range(CALLS):
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            assert_close(op(x)[valid].float(), ref(x), atol=0.05, rtol=0.02)
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = op(x)
+        for _ in range(3):
+            x.copy_(torch.randn(rows, k, device=dev, dtype=torch.bfloat16))
+            graph.replay()
+            assert_close(y[valid].float(), ref(x), atol=0.05, rtol=0.02)
+        print(f"[rank {rank}] {mode} grouped_gemm {name} ok", flush=True)
+
+
 def waits(mode: str) -> None:
     """A learned launch made once a kernel has recorded a failed wait: the C++ program reads the
     group's wait-status record first, launches nothing, and the call raises the runtime's message."""
@@ -157,7 +200,7 @@ def waits(mode: str) -> None:
 
 
 # Sections by name (all by default): ``native_launch_check.py collectives`` runs that one only.
-named = {"run": run, "moe": moe, "collectives": collectives, "waits": waits}
+named = {"run": run, "moe": moe, "collectives": collectives, "grouped": grouped, "waits": waits}
 sections = [named[name] for name in sys.argv[1:]] or list(named.values())
 for mode in ("check", "1"):
     for section in sections:

@@ -19,6 +19,7 @@ import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
+from tilescale.op_launch import OpLaunch, Output
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
 from tilescale.ops._gemm import DEFAULT, TileConfig, check_unswapped, gemm_tile, store_tile
 from tilescale.ops.grouped_layout import check_layout
@@ -331,7 +332,10 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
         raise ValueError(f"grouped_gemm: tiles of {ROW_TILE} rows or a divisor (an expert's segment is whole "
                          f"{ROW_TILE}-row tiles), got {cfg.name()}")
     check_unswapped(cfg, "grouped_gemm")
-    # The kernel's operands before the weights: the rows (and their index), by variant.
+    # The kernel's operands before the weights, by variant, from the call's rows: ``x`` (bf16), or
+    # an FP8 pair's byte rows (values and scales, as the dispatch moves them), and the index.
+    out_shape = Output((rows, n), w.dtype)
+    weights = (experts * n, k)
     if fp8:
         if tuple(scales.shape) != (held, k // BLOCK) or k % BLOCK:
             raise ValueError(f"grouped_gemm: FP8 scales must be ({held}, {k // BLOCK}), got {tuple(scales.shape)}")
@@ -339,28 +343,22 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
             check_input(index, "index")
         if index is None and tma_rows(k):
             kernel = grouped_fp8_gemm_kernel(experts, rows, k, n, tl_dtype(w), cfg)
-
-            def rows_of(x: torch.Tensor, scales: torch.Tensor, index: None) -> tuple:
-                return kernel_views(pack((x, scales)))  # a dispatch's FP8 rows: its own bytes, no copy
+            call = OpLaunch([(kernel, lambda t, o, s: (*kernel_views(t[0]), t[1].view(weights), t[2], o[0]))],
+                            [out_shape])
         else:
-            identity = _identity_index(rows, w.device) if index is None else None  # one or none in all calls
+            identity = _identity_index(rows, w.device) if index is None else None  # the same in every call
             kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(w), held, fp8=True, cfg=cfg)
-
-            def rows_of(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None) -> tuple:
-                return *kernel_views(pack((x, scales))), identity if index is None else index
+            call = OpLaunch([(kernel, lambda t, o, s: (*kernel_views(t[0]), t[3] if len(t) > 3 else identity,
+                                                       t[1].view(weights), t[2], o[0]))], [out_shape])
     elif index is None:
         check_input(x, "x")
         kernel = grouped_gemm_kernel(experts, rows, k, n, tl_dtype(x), cfg)
-
-        def rows_of(x: torch.Tensor, scales: None, index: None) -> tuple:
-            return (x,)
+        call = OpLaunch([(kernel, lambda t, o, s: (t[0], t[1].view(weights), t[2], o[0]))], [out_shape])
     else:
         check_input(x, "x")
         check_input(index, "index")
         kernel = gathered_gemm_kernel(experts, rows, k, n, tl_dtype(x), held, cfg=cfg)
-
-        def rows_of(x: torch.Tensor, scales: None, index: torch.Tensor) -> tuple:
-            return x, index
+        call = OpLaunch([(kernel, lambda t, o, s: (t[0], t[3], t[1].view(weights), t[2], o[0]))], [out_shape])
 
     def launch(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None,
                index: torch.Tensor | None) -> torch.Tensor:
@@ -372,8 +370,7 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
         if made_for is not None and made_for > experts:
             raise ValueError(f"grouped_gemm: the layout comes from a dispatch to {made_for} local experts, "
                              f"but w holds {experts}")
-        out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
-        kernel(*rows_of(x, scales, index), w.view(experts * n, k), row_expert, out)
-        return out
+        rows_in = pack((x, scales)) if fp8 else x  # FP8: a dispatch's pair is its own bytes, no copy
+        return call((rows_in, w, row_expert) if index is None else (rows_in, w, row_expert, index))
 
     return launch
