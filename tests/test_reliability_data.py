@@ -127,6 +127,7 @@ def moe_job():
     ("int64-negative", "ValueError", r"got -1099511627776\.\.3 \(1 out of range"),
     ("int32-too-large", "ValueError", r"got 4\.\.4 \(16 out of range"),
     ("float", "TypeError", r"topk_idx must hold integer expert ids, got torch\.float32"),
+    ("float-again", "TypeError", r"topk_idx must hold integer expert ids, got torch\.float32"),
     ("bool", "TypeError", r"got torch\.bool"),
 ])
 def test_moe_expert_ids_are_checked_before_any_cast(moe_job, case, kind, message):

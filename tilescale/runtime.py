@@ -175,6 +175,7 @@ def init(backend: str | None = None, *, device: str | None = None, timeout_s: fl
         _allocate_sync_workspace(_runtime.groups[None])
     except BaseException:
         _runtime = None
+        _groups_changed()
         if owns and dist.is_initialized():
             dist.destroy_process_group()
         raise

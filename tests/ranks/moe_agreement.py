@@ -4,7 +4,7 @@ ranks disagree after each shape has been seen.
 Markers (one line each, checked by tests/test_reliability_data.py):
 
 ``IDS case=<name> rank=<r> type=<exception> msg=<message>``   every rejected id case
-``IDS-OK rank=<r>``                                          a dispatch after them still routes right
+``IDS-OK rank=<r>``                                          a dispatch after them still routes right (its plan reused)
 ``EMPTY-OK rank=<r>``                                        zero tokens on every rank: empty results
 ``MISMATCH case=<op> rank=<r> msg=<message>``                every rank, every disagreeing call
 (the last: ranks combining different dispatches of the same shapes)
@@ -52,6 +52,8 @@ def main() -> None:
     expect(ValueError, "IDS", "int32-too-large",
            lambda: ts.ops.moe_dispatch(x, torch.full_like(idx, EXPERTS, dtype=torch.int32), w, EXPERTS))
     expect(TypeError, "IDS", "float", lambda: ts.ops.moe_dispatch(x, idx.float() + 0.7, w, EXPERTS))
+    # Refused at a key's first call, nothing is kept for it: the next call is refused again.
+    expect(TypeError, "IDS", "float-again", lambda: ts.ops.moe_dispatch(x, idx.float() + 0.7, w, EXPERTS))
     expect(TypeError, "IDS", "bool", lambda: ts.ops.moe_dispatch(x, idx > 0, w, EXPERTS))
     # In-range ids in any integer dtype still route: every token to expert 1 and 2 (rank 0, 1).
     ids = torch.tensor([[1, 2]] * 8, dtype=torch.int16)
@@ -59,6 +61,12 @@ def main() -> None:
     assert counts.tolist() == ([0, 16] if rank == 0 else [16, 0]), counts
     y = ts.ops.moe_combine(recv_x, recv_w, handle)
     assert_close(y, 2 * x)
+    # A second call of the key reuses its plan; ids of another dtype make a new one (read as int32 alike).
+    plans = len(handle.buffer._dispatches)
+    again = ts.ops.moe_dispatch(x, ids, torch.ones(8, 2), EXPERTS)[2]
+    assert len(handle.buffer._dispatches) == plans and torch.equal(again, counts), (plans, again)
+    again = ts.ops.moe_dispatch(x, ids.to(torch.int8), torch.ones(8, 2), EXPERTS)[2]
+    assert len(handle.buffer._dispatches) == plans + 1 and torch.equal(again, counts), (plans, again)
     print(f"IDS-OK rank={rank}", flush=True)
 
     # Zero tokens on every rank: empty results, and combine gives (0, hidden).

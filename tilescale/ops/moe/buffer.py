@@ -318,12 +318,12 @@ class Buffer:
         found = self._dispatches.get(key)
         if found is None:
             found = self._dispatches.put(key, self._call_plan(x, values, tokens, topk_idx, low_latency, in_place))
-        plan, id_dtype = found
+        plan, read_as = found
         sent = pack(x) if fp8 else x
         in_capture = capturing(values)
         if not plan.routed:  # no tokens: one row routed nowhere
             return self._dispatch_nothing(plan, sent, values, topk_weights, in_capture)
-        ids = topk_idx.contiguous() if id_dtype == topk_idx.dtype else topk_idx.to(id_dtype)
+        ids = topk_idx.contiguous() if read_as == topk_idx.dtype else topk_idx.to(read_as)
         weights = topk_weights.float().contiguous()
         # The routing kernels check the ids on the device; the check is read at the end of this
         # call or a later one (raise_bad_ids), queued behind the exchange; not in a graph.
