@@ -9,8 +9,9 @@ calls in the default mode, and replayed from a CUDA graph. Prints the launches l
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py collectives   # that section only
 
-The ``waits`` section also checks that a native call made after a kernel recorded a failed wait
-launches nothing and raises the runtime's message.
+Sections: ``run`` (the TP GEMMs), ``moe``, ``collectives``, ``grouped`` (``grouped_gemm``'s four
+variants) and ``waits`` (a native call made after a kernel recorded a failed wait launches nothing
+and raises the runtime's message).
 """
 
 import os
