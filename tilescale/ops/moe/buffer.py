@@ -43,7 +43,15 @@ from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
 from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, pair_views, quantize_fp8, unpack
 from tilescale.ops.moe.layout import ROW_TILE
-from tilescale.ops.moe.routing import Routing, chunk_counts_shape, id_dtype, raise_bad_ids, router, watch_ids
+from tilescale.ops.moe.routing import (
+    Routing,
+    chunk_counts_shape,
+    expert_ids,
+    id_dtype,
+    raise_bad_ids,
+    router,
+    watch_ids,
+)
 from tilescale.plans import PlanCache, capturing
 
 _serial = itertools.count()  # keys of explicit buffers in their group's state
@@ -315,15 +323,14 @@ class Buffer:
         of its key (:meth:`_call_plan`); later calls only move the tensors."""
         fp8 = values is not x
         key = (tokens, values.shape[1], values.dtype, fp8, topk_idx.shape[1], topk_idx.dtype, low_latency, in_place)
-        found = self._dispatches.get(key)
-        if found is None:
-            found = self._dispatches.put(key, self._call_plan(x, values, tokens, topk_idx, low_latency, in_place))
-        plan, read_as = found
+        plan = self._dispatches.get(key)
+        if plan is None:
+            plan = self._dispatches.put(key, self._call_plan(x, values, tokens, topk_idx, low_latency, in_place))
         sent = pack(x) if fp8 else x
         in_capture = capturing(values)
         if not plan.routed:  # no tokens: one row routed nowhere
             return self._dispatch_nothing(plan, sent, values, topk_weights, in_capture)
-        ids = topk_idx.contiguous() if read_as == topk_idx.dtype else topk_idx.to(read_as)
+        ids = expert_ids(topk_idx, self.num_experts)
         weights = topk_weights.float().contiguous()
         # The routing kernels check the ids on the device; the check is read at the end of this
         # call or a later one (raise_bad_ids), queued behind the exchange; not in a graph.
@@ -338,11 +345,10 @@ class Buffer:
         return recv_x, layout[4], layout[0], handle
 
     def _call_plan(self, x: Rows, values: torch.Tensor, tokens: int, topk_idx: torch.Tensor, low_latency: bool,
-                   in_place: bool) -> tuple[_SendPlan, torch.dtype]:
+                   in_place: bool) -> _SendPlan:
         """The plan of dispatches of ``tokens`` rows like ``values`` (``x``: FP8 rows where they
         differ) with ids like ``topk_idx``: every check one rank decides (in place, fits, the ids'
-        dtype), the ranks' agreement on the mode at its first call; the send (:meth:`_plan`) and
-        the dtype the routing reads the ids as (``routing.id_dtype``)."""
+        dtype), the ranks' agreement on the mode at its first call, then the send (:meth:`_plan`)."""
         dtype = torch.float8_e4m3fn if values is not x else values.dtype
         if in_place and self.sets == 1:
             raise ValueError(f"moe dispatch: in place needs a buffer with two sets of receive rows, not {self!r}")
@@ -354,8 +360,8 @@ class Buffer:
                                                                  str(self.dtype), self.num_experts,
                                                                  f"low_latency={low_latency}", f"SMs={self.sms}"])
             self._modes.add(low_latency)
-        ids = id_dtype(topk_idx.dtype)  # TypeError for ids of no integer dtype
-        return self._plan(tokens, pack(x) if self.fp8 else x, low_latency, ids, in_place), ids
+        # The dtype the routing reads the ids as: TypeError for ids of no integer dtype.
+        return self._plan(tokens, pack(x) if self.fp8 else x, low_latency, id_dtype(topk_idx.dtype), in_place)
 
     def _dispatch_nothing(self, plan: _SendPlan, sent: torch.Tensor, values: torch.Tensor,
                           topk_weights: torch.Tensor, in_capture: bool,
