@@ -467,13 +467,21 @@ def plot_floor(rows: list[dict], png: Path, device: str) -> None:
 
 
 def selected(shapes: list[tuple[str, tuple[int, int, int]]], wanted: str) -> list[tuple[str, tuple[int, int, int]]]:
-    """The (op, shape) pairs of ``shapes`` that ``wanted`` names (``op:MxKxN,...``; empty: all)."""
+    """The (op, shape) pairs ``wanted`` names (``op:MxKxN,...``), of the ops ``shapes`` has: any
+    shape, listed or not, so a run can check others than the lists'; empty: all of ``shapes``."""
     if not wanted:  # e.g. ag:1500x4096x7168,rs:3000x4608x7168
         return shapes
-    names = wanted.split(",")
-    picked = [(op, s) for op, s in shapes if f"{op}:{'x'.join(map(str, s))}" in names]
-    if len(picked) != len(names):
-        raise SystemExit(f"--shapes: not all of {names} are among this mode's shapes (op:MxKxN)")
+    ops = {op for op, _ in shapes}
+    picked = []
+    for name in wanted.split(","):
+        op, _, dims = name.partition(":")
+        try:
+            shape = tuple(int(d) for d in dims.split("x"))
+        except ValueError:
+            shape = ()
+        if op not in ops or len(shape) != 3 or min(shape) < 1:
+            raise SystemExit(f"--shapes: {name!r} is not op:MxKxN with op one of {sorted(ops)}")
+        picked.append((op, shape))
     return picked
 
 
