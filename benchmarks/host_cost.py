@@ -163,8 +163,15 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         rx, rw, _, h = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
         return ts.ops.moe_combine(rx, rw, h)
 
+    def three_adds():
+        x4k.add_(0)
+        x4k.add_(0)
+        x4k.add_(0)
+
     calls = {
         "torch add_ (one launch)": lambda: x4k.add_(0),
+        # What the eager / replay goals ask of the ops, asked of torch's own launches.
+        "torch add_ x3 (three launches)": three_adds,
         "tilelang JITKernel (put)": lambda: kernel.kernel(x4k, y4k, right, table),
         "tilelang entry function (put)": lambda: entry(x4k, y4k, right, table),
     }
@@ -209,10 +216,13 @@ def print_goals(rows: dict[str, dict]) -> None:
     over = [f"{name} {row['vs_budget']:.2f}x" for name, row in rows.items()
             if name.startswith("ops.") and row["vs_budget"] > 1.0]
     print(f"GOAL ops <= 1.3 x torch launch x kernels: {'met' if not over else 'MISSED by ' + ', '.join(over)}")
-    for name, limit in (("ops.moe dispatch + combine", 1.5), ("ops.gemm_all_reduce 128x1024x1024", 1.2)):
+    for name, limit, torch_alike in (("ops.moe dispatch + combine", 1.5, "torch add_ x3 (three launches)"),
+                                     ("ops.gemm_all_reduce 128x1024x1024", 1.2, "torch add_ (one launch)")):
         found = rows[name]["eager_vs_graph"]
         verdict = "not captured" if found is None else f"{found:.2f}x {'met' if found <= limit else 'MISSED'}"
-        print(f"GOAL {name} eager <= {limit}x its replay: {verdict}")
+        alike = rows[torch_alike]["eager_vs_graph"]
+        beside = f" (torch's {torch_alike}: {alike:.2f}x in this run)" if alike else ""
+        print(f"GOAL {name} eager <= {limit}x its replay: {verdict}{beside}")
 
 
 def kernel_calls(fn: Callable[[], object]) -> list[tuple[DistributedKernel, tuple, object]]:
@@ -360,7 +370,7 @@ def main() -> None:
             us = statistics.median(host[name])
             budget = 1.3 * torch_launch * max(counts[name], 1)
             eager = time_fn(fn, warmup=3, iters=50).median_ms * 1e3
-            replay = capturable(fn) if name.startswith(("ops.", "nn.")) else None
+            replay = capturable(fn) if name.startswith(("ops.", "nn.", "torch")) else None
             graph = time_fn(replay, warmup=3, iters=50).median_ms * 1e3 if replay is not None else None
             # Against the budget of the torch launch timed just before it, round by round: the host's
             # speed drifts within a run (and between runs) more than the rounds' median hides.

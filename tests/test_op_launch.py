@@ -4,6 +4,7 @@ parameter bytes are told apart, where a call's arguments stand, and the C++ laun
 The GPU side (captures, ``cuLaunchKernelEx``, every native launch's bytes compared with the entry
 function's, results against torch's, graph replays) runs in ``tests/ranks/native_launch_check.py``."""
 
+import ctypes
 import struct
 import textwrap
 
@@ -164,6 +165,73 @@ def test_launcher_without_a_driver_says_so(launcher):
     native = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(0, 0), (1, 8)], [], [], 2, 0)
     with pytest.raises(RuntimeError, match="libcuda"):
         launcher.Program([native], [([2], None, -1)], 0).call([torch.zeros(2)], [], 0)
+
+
+class _Runtime:
+    last_kernel_spans: tuple = ()
+
+
+def test_a_site_runs_the_program_learned_on_the_tensors_layouts_with_the_next_call_number(launcher):
+    # Direct's C++ half: a call whose tensors have the layouts a program was learned on writes the
+    # call's identity, (the group's next call number << 32) | signature, as the kernel's scalar and
+    # takes that number; any other layout does nothing and returns NotImplemented.
+    if not launcher.driver_missing():
+        pytest.skip("this host has a CUDA driver: the GPU rank programs run the direct calls")
+    step = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(0, 0)], [], [(0, 8, 8)], 3, 1)
+    program = launcher.Program([step], [([2, 3], None, -1)], 0)
+    counter, rt, spans = ctypes.c_int64(41), _Runtime(), (("rows", 0x1000, 64, 2),)
+    site = launcher.Site(counter)
+    a, w = torch.zeros(2, 4), torch.zeros(3, 4)
+    site.add([a, w], program, 0x1234, rt, spans)
+    with pytest.raises(RuntimeError, match="libcuda"):  # written, then launched: no driver on this host
+        site.call([a, w], 0)
+    assert counter.value == 42 and rt.last_kernel_spans == spans
+    assert step.blob() == struct.pack("<qq", a.data_ptr(), (42 << 32) | 0x1234)
+    for other in ([a.double(), w], [torch.zeros(2, 5), w], [torch.zeros(4, 2).t(), w], [a], [a, w, a]):
+        assert site.call(other, 0) is NotImplemented
+    assert counter.value == 42 and site.covers([a, w]) and not site.covers([a.double(), w]) and len(site) == 1
+    counter.value = 0x7FFFFFFF  # call numbers wrap as call_identity's do
+    with pytest.raises(RuntimeError, match="libcuda"):
+        site.call([a, w], 0)
+    assert counter.value == 1
+    with pytest.raises(RuntimeError, match="32 bits"):
+        site.add([a], program, 1 << 32, rt, ())
+
+
+def test_direct_calls_number_their_calls_with_the_groups_python_calls(tmp_path):
+    # A site takes its call numbers from the group's counter, which call_identity numbers the
+    # op path's calls with: the two paths' calls are numbered in one sequence, as the peers'
+    # kernels check them. A failed wait recorded before a call: nothing made, no number taken.
+    script = tmp_path / "site.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale import runtime
+        from tilescale.native import launcher_module
+        from tilescale.ops._common import call_identity
+
+        ts.init(device="cpu")
+        module = launcher_module()
+        state = ts.group_state(None)
+        site = module.Site(state.call_counter)
+        x = torch.zeros(3)
+        site.add([x], module.Program([], [([2], torch.int32, -1)], 0), 5, runtime.current(), ())
+        assert call_identity(state, 5)[1] == (1 << 32) | 5
+        assert site.call([x], 0).shape == (2,) and state.call_counter.value == 2
+        assert call_identity(state, 5)[1] == (3 << 32) | 5
+        state.wait_status[0] = 1
+        try:
+            site.call([x], 0)
+            raise AssertionError("a direct call after a failed wait went through")
+        except module.DeviceWaitFailed:
+            pass
+        assert state.call_counter.value == 3
+        state.wait_status[0] = 0
+        print("SITE-OK", module.direct_calls())
+        ts.finalize()
+    """))
+    proc = run_python(script, timeout=200)
+    assert "SITE-OK 1" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_launcher_takes_descriptors_off_a_64_byte_boundary_if_they_agree(launcher):

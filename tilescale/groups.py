@@ -19,6 +19,7 @@ group's ranks, at the group's first use).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import weakref
 from collections.abc import Callable
@@ -92,8 +93,9 @@ class GroupState:
         self.launched: set[tuple] = set()
         self.exchanges: dict[tuple, Any] = {}
         # Calls announced on the group's call board (tilescale.ops._common.call_identity),
-        # numbered alike on every rank of the group that makes the same calls.
-        self.announced_calls = 0
+        # numbered alike on every rank of the group that makes the same calls; a ctypes integer,
+        # so that the ops' calls made from C++ (tilescale.op_launch.Direct) number theirs in it too.
+        self.call_counter = ctypes.c_int64(0)
         self.released = False
 
     @property

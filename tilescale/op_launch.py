@@ -43,21 +43,26 @@ from tilescale.plans import PlanCache, capturing
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 _MODE = os.environ.get("TILESCALE_NATIVE_LAUNCH", "1")
-# What this process did: launches learned, calls left on the entry function (by reason), native launches.
-_counts: dict[str, int] = {"learned": 0, "native launches": 0}
+# What this process did: launches learned, calls left on the entry function (by reason); the
+# native launches are counted in C++ (every Program's call).
+_counts: dict[str, int] = {"learned": 0}
 
 Arguments = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[int]], tuple]
 
 
 def counts() -> dict[str, int]:
-    """Launches learned, kernels left on the entry function (``"entry: <reason>"``) and native
-    launches made in this process.
+    """Launches learned, kernels left on the entry function (``"entry: <reason>"``), native
+    launches and direct calls made in this process.
 
     Example::
 
-        counts()     # {"learned": 3, "native launches": 1200}
+        counts()     # {"learned": 3, "native launches": 1200, "direct calls": 900}
+
+    Native launches and direct calls (:class:`Direct`) are counted in C++.
     """
-    return dict(_counts)
+    module = launcher_module() if _counts["learned"] else None  # learned nothing: nothing launched natively
+    native = (module.native_launches(), module.direct_calls()) if module is not None else (0, 0)
+    return {**_counts, "native launches": native[0], "direct calls": native[1]}
 
 
 def mode() -> str:
@@ -364,9 +369,17 @@ class OpLaunch:
             except self._wait_failed:  # a kernel recorded a failure (the program read it): nothing launched
                 runtime.check_device_waits()
                 raise
-            _counts["native launches"] += self._kernels
             return out
         return self._entry_call(tensors, scalars, found)
+
+    def native(self, tensors: Sequence[torch.Tensor]) -> tuple[Any, tuple] | None:
+        """The C++ program learned for calls on ``tensors`` and the kernels' spans (what a failed
+        wait names); None if none is, or if symmetric tensors' addresses key the launches (a
+        :class:`Direct` site tells calls apart by their tensors' layouts only)."""
+        if self._symmetric or _MODE != "1":
+            return None
+        found = self._natives.get(self._key(tensors) if self._keyed else ())
+        return None if found is None else (found[0], found[2])
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """A call's outputs, laid out as the C++ program lays them out: each packed one a strided
@@ -505,6 +518,76 @@ class OpLaunch:
         for launcher in launchers:
             launcher.launch(stream)
         _counts["checked launches"] = _counts.get("checked launches", 0) + len(launchers)
+
+
+# What a :class:`Direct` call returns where it made none: the caller takes the op's Python path.
+MISSED = NotImplemented
+
+
+class Direct:
+    """One op's repeated calls made straight from C++, without the op's Python path.
+
+    Example::
+
+        _direct = Direct()
+
+        def gemm_all_reduce(a, weight, plan=None, *, group=None):
+            site = ("gemm_all_reduce", plan, group)      # the op's arguments besides its tensors
+            out = _direct(site, (a, weight))
+            if out is not MISSED:
+                return out
+            ...                                          # the op's path: checks, plan, its OpLaunch call
+            _direct.learn(site, call, (a, weight), state, sig)
+
+    An op's plan is keyed by its other arguments and its tensors' layouts (shape, dtype, device,
+    contiguity), which its first call checked. Here the other arguments key a *site* in Python;
+    the site (``launcher.cpp``'s ``Site``) compares the call's tensors' layouts with those each
+    of its programs was learned on, and on a match, outside a stream capture, runs that program
+    with the call's identity as its one scalar: the group's next call number (the counter
+    ``call_identity`` numbers the group's calls in) and the plan's signature, which the kernels
+    check the ranks agree on, as every call through the op's path. So a repeated call costs a
+    lookup and one C++ call. Any other call (another layout, a capture, not tensors, an address
+    a TMA descriptor refuses) returns :data:`MISSED` having done nothing. Sites are plans: they
+    go at every invalidation (``tilescale.plans``), and with ``TILESCALE_NATIVE_LAUNCH`` other
+    than ``1`` there are none.
+
+    Args:
+        limit: Sites kept (op arguments), and programs per site, at most.
+    """
+
+    def __init__(self, limit: int = OpLaunch.LEARNED_KEYS):
+        self.limit = limit
+        self._sites = PlanCache(limit)  # by site: the C++ site, the device's index, the module's DeviceWaitFailed
+
+    def __call__(self, site: tuple, tensors: tuple) -> Any:
+        """The call's outputs (as its OpLaunch returns them), or :data:`MISSED`."""
+        found = self._sites.get(site)
+        if found is None or _MODE != "1":
+            return MISSED
+        native, device, wait_failed = found
+        try:
+            return native.call(tensors, torch._C._cuda_getCurrentRawStream(device))
+        except (TypeError, ValueError):  # not tensors (the op's checks say so), or a refused address: nothing done
+            return MISSED
+        except wait_failed:  # a kernel recorded a failure: nothing launched
+            runtime.check_device_waits()
+            raise
+
+    def learn(self, site: tuple, call: OpLaunch, tensors: tuple, state: Any, sig: int) -> None:
+        """After a call through the op's path that ran ``call`` on ``tensors`` with the identity of
+        ``sig`` on ``state``'s group as its one scalar (outside a capture): its learned program,
+        if any, for later calls at ``site`` with tensors of these layouts."""
+        learned = call.native(tensors)
+        if learned is None:
+            return
+        found = self._sites.get(site)
+        if found is None:
+            module = launcher_module()
+            found = self._sites.put(site, (module.Site(state.call_counter), tensors[0].device.index,
+                                           module.DeviceWaitFailed))
+        native = found[0]
+        if len(native) < self.limit and not native.covers(tensors):
+            native.add(tensors, learned[0], sig, runtime.current(), learned[1])
 
 
 def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: Any, places: _Places,

@@ -5,8 +5,9 @@ real program ends; this one does too). Every rank first calls every shape of the
 the host's first-call check passes and only the device check can find the difference.
 
     tilescale run -n 2 --share-gpus tests/ranks/agreement_gpu.py eager
-    cases: eager (all_reduce), eager_tp (copy-engine all_gather_gemm), graph (all_reduce and
-    gemm_all_reduce replayed from CUDA graphs), finalize (the last call disagrees, no check
+    cases: eager (all_reduce), eager_tp (copy-engine all_gather_gemm), direct (gemm_all_reduce
+    calls made straight from C++, op_launch.Direct, each rank's shape learned), graph (all_reduce
+    and gemm_all_reduce replayed from CUDA graphs), finalize (the last call disagrees, no check
     before ts.finalize(): the job must not exit 0)
 
 Markers: ``CAUGHT case=<case> rank=<r> poisoned=<0|1> msg=<message>``.
@@ -19,6 +20,7 @@ import sys
 import torch
 
 import tilescale as ts
+from tilescale import op_launch
 
 
 def caught(case: str, out: torch.Tensor | None = None) -> None:
@@ -50,6 +52,16 @@ def main(case: str) -> None:
         a = torch.randn(200 if rank == 0 else 250, 512, device=dev, dtype=torch.bfloat16)
         ts.ops.all_gather_gemm(a, w, plan="fused", producer="copy_engine")
         caught(case)
+    elif case == "direct":
+        w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
+        for m in (128, 256) * 3:  # each shape learned, then called from C++
+            ts.ops.gemm_all_reduce(torch.randn(m, 2048, device=dev, dtype=torch.bfloat16), w, plan="fused")
+        ts.synchronize()
+        made = op_launch.counts()["direct calls"]
+        out = ts.ops.gemm_all_reduce(torch.randn(128 if rank == 0 else 256, 2048, device=dev, dtype=torch.bfloat16),
+                                     w, plan="fused")
+        assert op_launch.counts()["direct calls"] == made + 1, "the disagreeing call was not a direct one"
+        caught(case, out)
     elif case == "graph":
         w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
         for m in (128, 256):

@@ -65,13 +65,19 @@ def cases():
 
 
 def run(mode: str) -> None:
+    """Each TP case's calls with new inputs (from its third call on, in mode ``1``, made straight from
+    C++: ``op_launch.Direct``), then one more of every case in turn (new weights, the same layouts),
+    then a CUDA graph's replays, every result against torch."""
     op_launch.set_mode(mode)
-    for name, op, ref, shape in cases():
+    direct = op_launch.counts()["direct calls"]
+    for _name, op, ref, shape in cases():
         for _ in range(CALLS):
             a = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
             keep = op(a)  # kept: the next call's output lands elsewhere
             assert_close(keep.float(), ref(a), atol=0.05, rtol=0.02)
+    for name, op, ref, shape in cases():  # the layouts interleaved, each a learned site's by now
         a = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+        assert_close(op(a).float(), ref(a), atol=0.05, rtol=0.02)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = op(a)
@@ -80,6 +86,9 @@ def run(mode: str) -> None:
             graph.replay()
             assert_close(y.float(), ref(a), atol=0.05, rtol=0.02)
         print(f"[rank {rank}] {mode} {name} ok", flush=True)
+    made = op_launch.counts()["direct calls"] - direct
+    assert (made > 0) == (mode == "1"), (mode, made)  # only learned programs' calls go direct
+    print(f"[rank {rank}] {mode} TP GEMMs ok, {made} direct calls", flush=True)
 
 
 def moe(mode: str) -> None:

@@ -39,11 +39,13 @@ using LaunchKernelEx = int (*)(const LaunchConfig*, void*, void**, void**);
 using TensorMapReplaceAddress = int (*)(void*, void*);
 using GetErrorString = int (*)(int, const char**);
 using GetProcAddress = int (*)(const char*, void**, int, uint64_t, int*);
+using StreamIsCapturing = int (*)(void*, int*);
 
 struct Driver {
   LaunchKernelEx launch = nullptr;
   TensorMapReplaceAddress replace_address = nullptr;
   GetErrorString error_string = nullptr;
+  StreamIsCapturing is_capturing = nullptr;
   std::string missing;  // why the driver is not usable ("" when it is)
 };
 
@@ -68,8 +70,10 @@ const Driver& driver() {
     d.launch = reinterpret_cast<LaunchKernelEx>(get("cuLaunchKernelEx"));
     d.replace_address = reinterpret_cast<TensorMapReplaceAddress>(get("cuTensorMapReplaceAddress"));
     d.error_string = reinterpret_cast<GetErrorString>(get("cuGetErrorString"));
-    if (d.launch == nullptr || d.replace_address == nullptr || d.error_string == nullptr) {
-      d.missing = "the CUDA driver lacks cuLaunchKernelEx or cuTensorMapReplaceAddress (older than CUDA 12.4)";
+    d.is_capturing = reinterpret_cast<StreamIsCapturing>(get("cuStreamIsCapturing"));
+    if (d.launch == nullptr || d.replace_address == nullptr || d.error_string == nullptr || d.is_capturing == nullptr) {
+      d.missing = "the CUDA driver lacks cuLaunchKernelEx, cuTensorMapReplaceAddress or cuStreamIsCapturing (older "
+                  "than CUDA 12.4)";
     }
     return d;
   }();
@@ -284,6 +288,27 @@ struct DeviceWaitFailed : std::exception {
   const char* what() const noexcept override { return "a device-side wait failed (see the wait-status records)"; }
 };
 
+// Kernels launched by Programs in this process (tilescale.op_launch.counts()).
+int64_t& native_launches() {
+  static int64_t launched = 0;
+  return launched;
+}
+
+// Calls Sites made in this process (tilescale.op_launch.counts()).
+int64_t& direct_calls() {
+  static int64_t made = 0;
+  return made;
+}
+
+// Whether `stream` is being captured into a CUDA graph (or the driver cannot say). Without a driver
+// (the CPU path, whose programs launch nothing) nothing is captured.
+bool capturing(int64_t stream) {
+  const Driver& d = driver();
+  if (!d.missing.empty()) return false;
+  int status = 0;
+  return d.is_capturing(reinterpret_cast<void*>(stream), &status) != 0 || status != 0;
+}
+
 // An op's kernels launched in order by one call: the outputs allocated, every kernel's arguments
 // written, every kernel enqueued on the stream.
 class Program {
@@ -325,6 +350,13 @@ class Program {
 
   // The call's outputs (None if none; the output if one; a list), its kernels enqueued on stream.
   py::object call(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream) {
+    return run(tensors, scalars, stream, nullptr, 0);
+  }
+
+  // As call; with `counter`, `*counter = count` once every kernel's arguments are written (nothing
+  // refused them): a call that raises before it launches has not used its call number.
+  py::object run(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& scalars, int64_t stream,
+                 int64_t* counter, int64_t count) {
     TORCH_CHECK(!tensors.empty(), "program: a call needs its tensors");
     for (const volatile int64_t* word : wait_words().first) {
       if (*word == 1) throw DeviceWaitFailed();
@@ -354,7 +386,9 @@ class Program {
     for (const auto& step : steps_) {
       if (!step->write(addresses, scalars)) throw py::value_error("cuTensorMapReplaceAddress refused an address");
     }
+    if (counter != nullptr) *counter = count;
     for (const auto& step : steps_) step->launch(stream);
+    native_launches() += static_cast<int64_t>(steps_.size());
     for (const View& v : views_) {  // one tensor made each, no dispatcher calls
       auto view = viewing(made[v.of], v.dtype);
       view.unsafeGetTensorImpl()->set_sizes_and_strides(v.shape, v.strides, v.offset);
@@ -372,6 +406,83 @@ class Program {
   int64_t packed_bytes_;
 };
 
+// The layout a learned program's tensor had: what an op's plan checked of it once.
+struct Layout {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  c10::Device device;
+  bool contiguous;
+
+  explicit Layout(const at::Tensor& t)
+      : sizes(t.sizes().vec()), dtype(t.scalar_type()), device(t.device()), contiguous(t.is_contiguous()) {}
+
+  bool matches(const at::Tensor& t) const {
+    return t.scalar_type() == dtype && t.device() == device && t.sizes().equals(sizes) && t.is_contiguous() == contiguous;
+  }
+};
+
+// One call site's learned programs, called straight from here (tilescale.op_launch.Direct): each
+// with the layouts of the tensors it was learned on and its signature. A call whose tensors have
+// one's layouts, outside a stream capture, runs that program with the call's identity as its one
+// scalar: (the group's next call number << 32) | signature, the number taken from and put back
+// into `counter` (a ctypes.c_int64 the group's Python calls number their calls with too). Else
+// nothing happens and the call returns NotImplemented: the caller takes the op's Python path.
+class Site {
+ public:
+  explicit Site(py::object counter) : counter_(std::move(counter)) {
+    count_ = reinterpret_cast<int64_t*>(py::module_::import("ctypes").attr("addressof")(counter_).cast<intptr_t>());
+  }
+
+  // A program learned on `tensors`; `runtime` gets `spans` as its last_kernel_spans at each call
+  // (what a failed wait names).
+  void add(const std::vector<at::Tensor>& tensors, std::shared_ptr<Program> program, int64_t sig,
+           py::object runtime, py::object spans) {
+    TORCH_CHECK(sig >= 0 && sig < (int64_t{1} << 32), "site: a signature is 32 bits");
+    std::vector<Layout> layouts;
+    for (const auto& t : tensors) layouts.emplace_back(t);
+    entries_.push_back({std::move(layouts), std::move(program), sig, std::move(runtime), std::move(spans)});
+  }
+
+  py::object call(const std::vector<at::Tensor>& tensors, int64_t stream) {
+    const Entry* e = find(tensors);
+    if (e == nullptr || capturing(stream)) {  // a capture may take another plan: the op's Python decides
+      return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+    }
+    int64_t count = *count_ % 0x7FFFFFFF + 1;
+    py::setattr(e->runtime, "last_kernel_spans", e->spans);
+    py::object out = e->program->run(tensors, {(count << 32) | e->sig}, stream, count_, count);
+    ++direct_calls();
+    return out;
+  }
+
+  // Whether a program was learned on tensors of these layouts.
+  bool covers(const std::vector<at::Tensor>& tensors) const { return find(tensors) != nullptr; }
+
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    std::vector<Layout> layouts;
+    std::shared_ptr<Program> program;
+    int64_t sig;
+    py::object runtime;
+    py::object spans;
+  };
+  const Entry* find(const std::vector<at::Tensor>& tensors) const {
+    for (const Entry& e : entries_) {
+      if (e.layouts.size() != tensors.size()) continue;
+      bool same = true;
+      for (size_t i = 0; same && i < tensors.size(); ++i) same = e.layouts[i].matches(tensors[i]);
+      if (same) return &e;
+    }
+    return nullptr;
+  }
+
+  py::object counter_;  // kept alive: count_ points into it
+  int64_t* count_;
+  std::vector<Entry> entries_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -387,7 +498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("launch", &Launcher::launch)
       .def("blob", &Launcher::blob)
       .def("forget_addresses", &Launcher::forget_addresses);
-  py::class_<Program>(m, "Program")
+  m.def("native_launches", [] { return native_launches(); }, "Kernels launched by Programs in this process.");
+  m.def("direct_calls", [] { return direct_calls(); }, "Calls Sites made in this process.");
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program")
       .def(py::init<std::vector<std::shared_ptr<Launcher>>,
                     std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>>, int64_t,
                     std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
@@ -396,4 +509,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("views") = std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                                                      at::ScalarType>>())
       .def("call", &Program::call);
+  py::class_<Site>(m, "Site")
+      .def(py::init<py::object>(), py::arg("counter"))
+      .def("add", &Site::add)
+      .def("call", &Site::call)
+      .def("covers", &Site::covers)
+      .def("__len__", &Site::size);
 }

@@ -262,8 +262,9 @@ def call_identity(state: GroupState, sig: int) -> tuple[torch.Tensor, int]:
     board = state.workspaces.get(("call board",))
     if board is None:
         board = call_board(state)
-    state.announced_calls = state.announced_calls % 0x7FFFFFFF + 1
-    return board, (state.announced_calls << 32) | sig
+    counter = state.call_counter
+    counter.value = counter.value % 0x7FFFFFFF + 1
+    return board, (counter.value << 32) | sig
 
 
 def call_board(state: GroupState) -> torch.Tensor:

@@ -23,7 +23,8 @@ from tilescale.ops._gemm import TileConfig
 from tilescale.ops.tp_gemm.exchange import _exchange, _gather_exchange, _StreamWrites
 from tilescale.ops.tp_gemm.kernels import ag_own_gemm_kernel, ag_peer_gemm_kernel, announce_kernel
 from tilescale.ops.tp_gemm.plan import (
-    _cached_plan,
+    AgreedLaunch,
+    _cached_call,
     _check_pair,
     _choose,
     _fused_plan,
@@ -156,12 +157,7 @@ def _sm_gather(state: GroupState, a_shard: torch.Tensor, weight: torch.Tensor, t
     if world > 1:
         steps.append((ag_peer_gemm_kernel(world, dtype, m, padded, k, n, 1, tile, "state", group=group),
                       lambda t, o, s: (ex.buffers, t[1], o[0].view(world, m, n), ex.flags, ex.state, board, s[0])))
-    call = OpLaunch(steps, [(world * m, n)], group=group)
-
-    def launch(a_shard: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return call((a_shard, weight), (call_identity(state, sig)[1],))  # every call: the kernels check it
-
-    return launch
+    return AgreedLaunch(OpLaunch(steps, [(world * m, n)], group=group), state, sig)
 
 
 PRODUCERS = ("copy_engine", "sm")
@@ -240,11 +236,11 @@ def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, plan: str | Non
         RuntimeError: ``producer="copy_engine"`` inside a CUDA graph capture.
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
+    # Calls reuse its plan; a capture may take another producer than eager calls.
+    key, out = _cached_call("all_gather_gemm", a_shard, weight, plan, tile, group, push_blocks, producer)
+    if out is not None:
+        return out
     in_capture = capturing(a_shard)
-    # Calls reuse it; a capture may take another producer than eager calls.
-    key, launch = _cached_plan("all_gather_gemm", a_shard, weight, plan, tile, group, push_blocks, producer, in_capture)
-    if launch is not None:
-        return launch(a_shard, weight)
     _check_pair(a_shard, weight)
     if push_blocks is not None and push_blocks < 1:
         raise ValueError(f"push_blocks must be positive, got {push_blocks}")

@@ -3,7 +3,7 @@ link arithmetic of :func:`_fused_wins` on GPUs) and, for the fused plan, its GEM
 (:class:`GemmGrid`: the tile :func:`choose_tile` picks by the wave model, rows padded, tiles,
 K splits), plus the copy-engine all-gather's chunking (:func:`chunk_tiles`), the pushers of the
 SM-pusher all-gather (:func:`choose_push_blocks`), and the call plan a call of the same key
-resolved before (:func:`_cached_plan`; a fused one stored once every rank built it: :func:`_fused_plan`)."""
+resolved before (:func:`_cached_call`; a fused one stored once every rank built it: :func:`_fused_plan`)."""
 
 import heapq
 from collections.abc import Callable
@@ -16,7 +16,16 @@ from tilescale import runtime
 from tilescale.groups import GroupState
 from tilescale.jit import kernel_lowering
 from tilescale.language.scale import ADDRESS
-from tilescale.ops._common import check_input, launch_together, layout_key, op_plans, sm_count, tl_dtype
+from tilescale.op_launch import MISSED, Direct, OpLaunch
+from tilescale.ops._common import (
+    call_identity,
+    check_input,
+    launch_together,
+    layout_key,
+    op_plans,
+    sm_count,
+    tl_dtype,
+)
 from tilescale.ops._gemm import (
     DEFAULT,
     NARROW,
@@ -29,6 +38,7 @@ from tilescale.ops._gemm import (
     TileConfig,
     swapped_tile,
 )
+from tilescale.plans import capturing
 
 # Pusher blocks the SM-pusher all-gather plan may take (the rest of its first kernel computes
 # the own rows; choose_push_blocks picks one per shape), and what they move: one block ~22 GB/s
@@ -99,17 +109,35 @@ def chunk_tiles(m_tiles: int, k: int, block_M: int, elem_bytes: int) -> int:
     return max(1, min(-(-m_tiles // 2), (8 << 20) // (block_M * k * elem_bytes)))
 
 
-def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | None, tile: TileConfig | None,
-                 group: dist.ProcessGroup | None, *options: object) -> tuple[tuple, Callable | None]:
-    """The key of a TP GEMM call's plan (``tilescale.plans``) and the plan an earlier call of
-    that key resolved (None at the key's first call, which checks its arguments and builds it).
+class AgreedLaunch:
+    """A fused plan's call: its ``OpLaunch`` on ``(a, weight)`` with the call's identity
+    (:func:`call_identity` of ``sig`` on ``state``'s group), which its kernels check the ranks
+    agree on, as its one scalar. Later calls of its layouts go straight to its learned program
+    (:func:`_cached_call`, ``tilescale.op_launch.Direct``)."""
+
+    def __init__(self, call: OpLaunch, state: GroupState, sig: int):
+        self.call, self.state, self.sig = call, state, sig
+
+    def __call__(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.call((a, weight), (call_identity(self.state, self.sig)[1],))
+
+
+# The TP GEMMs' repeated fused calls, made from C++ (a site per op and arguments besides the tensors).
+_direct = Direct()
+
+
+def _cached_call(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | None, tile: TileConfig | None,
+                 group: dist.ProcessGroup | None, *options: object) -> tuple[tuple, torch.Tensor | None]:
+    """A TP GEMM call made by the plan an earlier call of its key resolved: straight from C++
+    where that plan's program was learned for these arguments and the tensors' layouts
+    (``Direct``), else through the plan; at the key's first call nothing is made.
 
     Example::
 
-        key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group)
-        if launch is not None:
-            return launch(a, weight)
-        ...                                  # checks, then op_plans.put(key, launch)
+        key, out = _cached_call("gemm_all_reduce", a, weight, plan, tile, group)
+        if out is not None:
+            return out
+        ...                                  # checks, then op_plans.put(key, launch)(a, weight)
 
     Args:
         op: the op's name.
@@ -118,11 +146,23 @@ def _cached_plan(op: str, a: torch.Tensor, weight: torch.Tensor, plan: str | Non
         *options: the op's other arguments that change its plan.
 
     Returns:
-        The key (with ``TILESCALE_TP_PLAN`` as ``ts.init()`` read it, which ``plan=None`` follows) and
-        the cached plan or None.
+        The key (with ``TILESCALE_TP_PLAN`` as ``ts.init()`` read it, which ``plan=None`` follows,
+        and whether the call is being captured in a CUDA graph, which may take another plan) and
+        the call's output, or None where no plan is cached yet.
     """
-    key = (op, layout_key(a), layout_key(weight), plan, tile, group, runtime.current().tp_plan, *options)
-    return key, op_plans.get(key)
+    site = (op, plan, tile, group, *options)
+    out = _direct(site, (a, weight))
+    if out is not MISSED:
+        return (), out
+    in_capture = capturing(a)
+    key = (op, layout_key(a), layout_key(weight), plan, tile, group, runtime.current().tp_plan, *options, in_capture)
+    launch = op_plans.get(key)
+    if launch is None:
+        return key, None
+    out = launch(a, weight)
+    if isinstance(launch, AgreedLaunch) and not in_capture:
+        _direct.learn(site, launch.call, (a, weight), launch.state, launch.sig)
+    return key, out
 
 
 def _fused_plan(state: GroupState, key: tuple, op: str, launch: Callable) -> Callable:

@@ -11,7 +11,6 @@ from tilescale.groups import GroupState
 from tilescale.op_launch import OpLaunch
 from tilescale.ops._common import (
     call_board,
-    call_identity,
     check_same_across_ranks,
     op_plans,
     signature,
@@ -33,8 +32,9 @@ from tilescale.ops.tp_gemm.plan import (
     FUSED_MIN_ROWS,
     HBM_GBPS,
     NCCL_GBPS,
+    AgreedLaunch,
     GemmGrid,
-    _cached_plan,
+    _cached_call,
     _check_pair,
     _choose,
     _fused_plan,
@@ -67,14 +67,10 @@ def _gemm_then_reduce(state: GroupState, a: torch.Tensor, weight: torch.Tensor, 
     reduce = sum_received_kernel(world, slots, dtype, padded * n, rows * n, sm_count(), group=group)
     received = ex.buffers.view(2 * slots, padded * n)
     board = call_board(state)
-    call = OpLaunch([(push, lambda t, o, s: (*t, ex.buffers, ex.flags, ex.state, board, s[0])),
-                     (reduce, lambda t, o, s: (received, o[0].view(1, rows * n), ex.flags, ex.state, board, s[0]))],
-                    [(rows, n)], group=group)
-
-    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return call((a, weight), (call_identity(state, sig)[1],))  # every call: the kernels check the ranks agree
-
-    return launch
+    return AgreedLaunch(OpLaunch([(push, lambda t, o, s: (*t, ex.buffers, ex.flags, ex.state, board, s[0])),
+                                  (reduce, lambda t, o, s: (received, o[0].view(1, rows * n), ex.flags, ex.state,
+                                                            board, s[0]))],
+                                 [(rows, n)], group=group), state, sig)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -113,9 +109,9 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
-    key, launch = _cached_plan("gemm_reduce_scatter", a, weight, plan, tile, group)  # calls reuse it
-    if launch is not None:
-        return launch(a, weight)
+    key, out = _cached_call("gemm_reduce_scatter", a, weight, plan, tile, group)  # calls reuse its plan
+    if out is not None:
+        return out
     _check_pair(a, weight)
     state = runtime.group_state(group)
     world = state.size
@@ -152,12 +148,7 @@ def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, plan: str | None 
     board = call_board(state)
     call = OpLaunch([(kernel, lambda t, out, s: (*t, ex.buffers, out[0], ex.flags, ex.state, board, s[0]))],
                     [(m // world, n)], group=group)
-
-    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Every call has an identity of its own: the kernel checks the ranks agree on it.
-        return call((a, weight), (call_identity(state, sig)[1],))
-
-    return _fused_plan(state, key, "gemm_reduce_scatter", launch)(a, weight)
+    return _fused_plan(state, key, "gemm_reduce_scatter", AgreedLaunch(call, state, sig))(a, weight)
 
 
 def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = None,
@@ -201,11 +192,11 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
             or the ranks' shapes or dtype differ at a shape's first call (checked on the host).
         ts.ShapeMismatchError: a later fused call differs across ranks (checked on the device).
     """
+    # Calls reuse its plan; a capture may take another plan than eager calls (one_kernel_wins).
+    key, out = _cached_call("gemm_all_reduce", a, weight, plan, tile, group)
+    if out is not None:
+        return out
     in_capture = capturing(a)
-    # Calls reuse it; a capture may take another plan than eager calls (one_kernel_wins).
-    key, launch = _cached_plan("gemm_all_reduce", a, weight, plan, tile, group, in_capture)
-    if launch is not None:
-        return launch(a, weight)
     _check_pair(a, weight)
     state = runtime.group_state(group)
     world = state.size
@@ -261,12 +252,7 @@ def gemm_all_reduce(a: torch.Tensor, weight: torch.Tensor, plan: str | None = No
     board = call_board(state)
     call = OpLaunch([(kernel, lambda t, out, s: (*t, ex.buffers, out[0], parts, ex.flags, ex.state, board, s[0]))],
                     [(m, n)], group=group)
-
-    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Every call has an identity of its own: the kernel checks the ranks agree on it.
-        return call((a, weight), (call_identity(state, sig)[1],))
-
-    return _fused_plan(state, key, "gemm_all_reduce", launch)(a, weight)
+    return _fused_plan(state, key, "gemm_all_reduce", AgreedLaunch(call, state, sig))(a, weight)
 
 
 def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tensor, grid: GemmGrid,
@@ -287,9 +273,4 @@ def _gemm_scatter_gather(state: GroupState, a: torch.Tensor, weight: torch.Tenso
     if world > 1:  # the copy of the peers' segments into place
         steps.append((gather_segments_kernel(world, dtype, m, n, tile, group=group),
                       lambda t, o, s: (ex.buffers, o[0], ex.flags, ex.state, board, s[0])))
-    call = OpLaunch(steps, [(m, n)], group=group)
-
-    def launch(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return call((a, weight), (call_identity(state, sig)[1],))  # every call: the kernels check the ranks agree
-
-    return launch
+    return AgreedLaunch(OpLaunch(steps, [(m, n)], group=group), state, sig)
