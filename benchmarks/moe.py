@@ -13,6 +13,7 @@ baseline cannot be captured: it reads the split sizes on the host).
     tilescale run -n 2 benchmarks/moe.py --rows bf16,fp8  # which rows to dispatch (bf16, fp8, in-place)
     tilescale run -n 2 --cpu benchmarks/moe.py --small
     tilescale run -n 1 benchmarks/moe.py --floor          # each step's own cost beside its floor
+    tilescale run -n 2 benchmarks/moe.py --cases normal=2048x4096x6x64 --layer 1024x2048x768x32x4   # other sizes
 
 ``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a CUDA
 graph replay (alone, and ``in_graph_us``: one of ``IN_GRAPH`` calls in one graph, as inside a
@@ -440,13 +441,34 @@ def fp8_layer_row(shape: tuple[int, int, int, int, int], floor: float, iters: in
                                                             "ok": True}]}
 
 
+def sizes(text: str, names: tuple[str, ...], fields: int) -> dict[str, tuple[int, ...]]:
+    """``name=AxBx...,...`` as {name: (A, B, ...)}, each of ``fields`` positive integers."""
+    picked = {}
+    for item in filter(None, text.split(",")):
+        name, _, dims = item.partition("=")
+        try:
+            shape = tuple(int(d) for d in dims.split("x"))
+        except ValueError:
+            shape = ()
+        if name not in names or len(shape) != fields or min(shape) < 1:
+            raise SystemExit(f"{item!r}: need name=" + "x".join("N" * fields) + f" with name one of {names}")
+        picked[name] = shape
+    return picked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--floor", action="store_true", help="one rank: each step's own cost beside its floor")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rows", default="bf16,fp8,in-place", help=f"dispatched rows, of {', '.join(VARIANTS)}")
+    parser.add_argument("--cases", default="", help="other sizes: case=TOKENSxHIDDENxTOPKxEXPERTS,... (case: "
+                        "normal, low-latency; the cases named only)")
+    parser.add_argument("--layer", default="", help="the layer's size: TOKENSxHIDDENxFFNxEXPERTSxTOPK")
     args = parser.parse_args()
+    cases = sizes(args.cases, tuple(CASES), 4) or (SMALL if args.small else CASES)
+    layer_shape = sizes(f"layer={args.layer}" if args.layer else "", ("layer",), 5).get(
+        "layer", SMALL_LAYER if args.small else LAYER)
     ts.init()
     if args.floor:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
@@ -462,7 +484,7 @@ def main() -> None:
     report = Report("moe", columns=["case", "rows", "tokens", "hidden", "topk", "experts", "dispatch_us",
                                     "a2a_dispatch_us", "combine_us", "a2a_combine_us", "graph_dispatch_us",
                                     "graph_combine_us", "dispatch_GBps", "combine_GBps"])
-    for case, (tokens, hidden, topk, experts) in (SMALL if args.small else CASES).items():
+    for case, (tokens, hidden, topk, experts) in cases.items():
         for variant in args.rows.split(","):
             report.add(measure(case, tokens, hidden, topk, experts, args.iters, variant))
             report.save()  # after every row: a job cut off at its time limit keeps what it measured
@@ -470,7 +492,7 @@ def main() -> None:
     layer = Report("moe-layer", columns=["tokens", "hidden", "ffn", "experts", "topk", "layer_ms", "torch_layer_ms",
                                          "layer_speedup", "graph_layer_ms"])
     with torch.no_grad():  # inference: both layers without autograd bookkeeping
-        layer.add(measure_layer(SMALL_LAYER if args.small else LAYER, args.iters))
+        layer.add(measure_layer(layer_shape, args.iters))
     layer.print_table()
     layer.save()
     report.save()
