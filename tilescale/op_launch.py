@@ -546,8 +546,9 @@ class Direct:
     with the call's identity as its one scalar: the group's next call number (the counter
     ``call_identity`` numbers the group's calls in) and the plan's signature, which the kernels
     check the ranks agree on, as every call through the op's path. So a repeated call costs a
-    lookup and one C++ call. Any other call (another layout, a capture, not tensors, an address
-    a TMA descriptor refuses) returns :data:`MISSED` having done nothing. Sites are plans: they
+    lookup and one C++ call. An op whose kernels take no scalar (no call identity: a rank-local
+    op) learns with ``sig=None``. Any other call (another layout, a capture, not tensors, an
+    address a TMA descriptor refuses) returns :data:`MISSED` having done nothing. Sites are plans: they
     go at every invalidation (``tilescale.plans``), and with ``TILESCALE_NATIVE_LAUNCH`` other
     than ``1`` there are none.
 
@@ -573,21 +574,22 @@ class Direct:
             runtime.check_device_waits()
             raise
 
-    def learn(self, site: tuple, call: OpLaunch, tensors: tuple, state: Any, sig: int) -> None:
+    def learn(self, site: tuple, call: OpLaunch, tensors: tuple, state: Any = None, sig: int | None = None) -> None:
         """After a call through the op's path that ran ``call`` on ``tensors`` with the identity of
-        ``sig`` on ``state``'s group as its one scalar (outside a capture): its learned program,
-        if any, for later calls at ``site`` with tensors of these layouts."""
+        ``sig`` on ``state``'s group as its one scalar, or with no scalar where ``sig`` is None
+        (a site's calls are all of one kind), outside a capture: its learned program, if any, for
+        later calls at ``site`` with tensors of these layouts."""
         learned = call.native(tensors)
         if learned is None:
             return
         found = self._sites.get(site)
         if found is None:
             module = launcher_module()
-            found = self._sites.put(site, (module.Site(state.call_counter), tensors[0].device.index,
-                                           module.DeviceWaitFailed))
+            found = self._sites.put(site, (module.Site(None if sig is None else state.call_counter),
+                                           tensors[0].device.index, module.DeviceWaitFailed))
         native = found[0]
         if len(native) < self.limit and not native.covers(tensors):
-            native.add(tensors, learned[0], sig, runtime.current(), learned[1])
+            native.add(tensors, learned[0], -1 if sig is None else sig, runtime.current(), learned[1])
 
 
 def _launcher(module: ModuleType, first: Any, first_places: _Places, captured: Any, places: _Places,

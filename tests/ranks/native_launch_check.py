@@ -10,8 +10,8 @@ calls in the default mode, and replayed from a CUDA graph. Prints the launches l
     tilescale run -n 2 --share-gpus tests/ranks/native_launch_check.py collectives   # that section only
 
 Sections: ``run`` (the TP GEMMs), ``moe``, ``collectives``, ``grouped`` (``grouped_gemm``'s four
-variants) and ``waits`` (a native call made after a kernel recorded a failed wait launches nothing
-and raises the runtime's message).
+variants, and on a dispatch's layouts) and ``waits`` (a native call made after a kernel recorded a
+failed wait launches nothing and raises the runtime's message).
 """
 
 import os
@@ -185,6 +185,22 @@ def grouped(mode: str) -> None:
             graph.replay()
             assert_close(y[valid].float(), ref(x), atol=0.05, rtol=0.02)
         print(f"[rank {rank}] {mode} grouped_gemm {name} ok", flush=True)
+    # A dispatch's grouped rows and layout, new at every call (from the third on, in mode 1, a
+    # call made straight from C++: op_launch.Direct), two token counts interleaved.
+    direct = op_launch.counts()["direct calls"]
+    num_experts, hidden = 8 * world, 256
+    expert_w = torch.randn(num_experts // world, n, hidden, device=dev, dtype=torch.bfloat16) / hidden ** 0.5
+    for tokens in (96, 40) * CALLS:
+        x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, num_experts, device=dev).topk(2, dim=1)
+        recv_x, _, _, handle = ts.ops.moe_dispatch(x, ids, weights, num_experts, max_tokens=96)
+        got = ts.ops.grouped_gemm(recv_x, expert_w, handle.row_expert)
+        held = handle.row_expert >= 0
+        expected = torch.einsum("rk,rnk->rn", recv_x[held].float(), expert_w.float()[handle.row_expert[held].long()])
+        assert_close(got[held].float(), expected, atol=0.05, rtol=0.02)
+    made = op_launch.counts()["direct calls"] - direct
+    assert (made > 0) == (mode == "1"), (mode, made)
+    print(f"[rank {rank}] {mode} grouped_gemm on dispatch layouts ok, {made} direct calls", flush=True)
 
 
 def waits(mode: str) -> None:

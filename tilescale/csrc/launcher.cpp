@@ -425,19 +425,26 @@ struct Layout {
 // with the layouts of the tensors it was learned on and its signature. A call whose tensors have
 // one's layouts, outside a stream capture, runs that program with the call's identity as its one
 // scalar: (the group's next call number << 32) | signature, the number taken from and put back
-// into `counter` (a ctypes.c_int64 the group's Python calls number their calls with too). Else
-// nothing happens and the call returns NotImplemented: the caller takes the op's Python path.
+// into `counter` (a ctypes.c_int64 the group's Python calls number their calls with too); a site
+// without a counter runs programs that take no scalar. Else nothing happens and the call returns
+// NotImplemented: the caller takes the op's Python path.
 class Site {
  public:
   explicit Site(py::object counter) : counter_(std::move(counter)) {
-    count_ = reinterpret_cast<int64_t*>(py::module_::import("ctypes").attr("addressof")(counter_).cast<intptr_t>());
+    if (!counter_.is_none()) {
+      count_ = reinterpret_cast<int64_t*>(py::module_::import("ctypes").attr("addressof")(counter_).cast<intptr_t>());
+    }
   }
 
   // A program learned on `tensors`; `runtime` gets `spans` as its last_kernel_spans at each call
   // (what a failed wait names).
   void add(const std::vector<at::Tensor>& tensors, std::shared_ptr<Program> program, int64_t sig,
            py::object runtime, py::object spans) {
-    TORCH_CHECK(sig >= 0 && sig < (int64_t{1} << 32), "site: a signature is 32 bits");
+    if (count_ == nullptr) {
+      TORCH_CHECK(sig == -1, "site: a site without a call counter runs programs without an identity (sig -1)");
+    } else {
+      TORCH_CHECK(sig >= 0 && sig < (int64_t{1} << 32), "site: a signature is 32 bits");
+    }
     std::vector<Layout> layouts;
     for (const auto& t : tensors) layouts.emplace_back(t);
     entries_.push_back({std::move(layouts), std::move(program), sig, std::move(runtime), std::move(spans)});
@@ -448,9 +455,14 @@ class Site {
     if (e == nullptr || capturing(stream)) {  // a capture may take another plan: the op's Python decides
       return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     }
-    int64_t count = *count_ % 0x7FFFFFFF + 1;
     py::setattr(e->runtime, "last_kernel_spans", e->spans);
-    py::object out = e->program->run(tensors, {(count << 32) | e->sig}, stream, count_, count);
+    py::object out;
+    if (count_ == nullptr) {
+      out = e->program->run(tensors, {}, stream, nullptr, 0);
+    } else {
+      int64_t count = *count_ % 0x7FFFFFFF + 1;
+      out = e->program->run(tensors, {(count << 32) | e->sig}, stream, count_, count);
+    }
     ++direct_calls();
     return out;
   }
@@ -478,8 +490,8 @@ class Site {
     return nullptr;
   }
 
-  py::object counter_;  // kept alive: count_ points into it
-  int64_t* count_;
+  py::object counter_;  // kept alive: count_ points into it (None: no identity)
+  int64_t* count_ = nullptr;
   std::vector<Entry> entries_;
 };
 

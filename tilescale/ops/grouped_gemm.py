@@ -19,7 +19,7 @@ import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.op_launch import OpLaunch, Output
+from tilescale.op_launch import MISSED, Direct, OpLaunch, Output
 from tilescale.ops._common import check_input, layout_key, op_plans, tl_dtype
 from tilescale.ops._gemm import DEFAULT, TileConfig, check_unswapped, gemm_tile, store_tile
 from tilescale.ops.grouped_layout import check_layout
@@ -235,6 +235,8 @@ def _tile(rows: int, n: int, small_segments: bool, gathered: bool) -> TileConfig
 
 
 _identity: dict[tuple[int, torch.device], torch.Tensor] = {}  # (rows, device) -> arange(rows), int32
+# Repeated calls on a dispatch's grouped bf16 rows, made from C++ (a site per tile choice and layout's experts).
+_direct = Direct()
 
 
 def _identity_index(rows: int, device: torch.device) -> torch.Tensor:
@@ -295,21 +297,34 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     """
     # Only a tile left to the choice depends on the segments' size (one plan for an explicit tile).
     small = tile is None and rows_per_expert is not None and rows_per_expert <= SMALL_SEGMENT_ROWS
+    made_for = getattr(row_expert, "_ts_experts", None)  # moe_dispatch's layout: its experts
+    # A dispatch's grouped bf16 rows: nothing to check per call but the layouts (made_for keys the
+    # site: its calls' w had these layouts, so as many experts as checked), so calls go straight
+    # to the learned program (op_launch.Direct); rows through an index or FP8 rows take the path below.
+    site = (tile, small, made_for) if made_for is not None and scales is None and index is None else None
+    if site is not None and (out := _direct(site, (x, w, row_expert))) is not MISSED:
+        return out
     key = ("grouped_gemm", layout_key(x), layout_key(w), layout_key(row_expert),
            "none" if scales is None else layout_key(scales), "none" if index is None else layout_key(index), tile,
            small)
-    launch = op_plans.get(key)
-    if launch is None:  # the first call of these layouts: every check, then the plan
-        launch = op_plans.put(key, _plan(x, w, row_expert, scales, index, tile, small))
+    plan = op_plans.get(key)
+    if plan is None:  # the first call of these layouts: every check, then the plan
+        plan = op_plans.put(key, _plan(x, w, row_expert, scales, index, tile, small))
     if index is not None:
         check_in_place_rows(index, x.shape[0])  # the index's rows themselves: every call
-    return launch(x, w, row_expert, scales, index)
+    launch, call = plan
+    out = launch(x, w, row_expert, scales, index)
+    if site is not None:
+        _direct.learn(site, call, (x, w, row_expert))
+    return out
 
 
 def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: torch.Tensor | None,
-          index: torch.Tensor | None, tile: TileConfig | None, small_segments: bool) -> Callable[..., torch.Tensor]:
+          index: torch.Tensor | None, tile: TileConfig | None,
+          small_segments: bool) -> tuple[Callable[..., torch.Tensor], OpLaunch]:
     """:func:`grouped_gemm`'s arguments checked, and its launch for tensors of their layouts
-    (``small_segments``: at most ``SMALL_SEGMENT_ROWS`` rows per expert on average)."""
+    (``small_segments``: at most ``SMALL_SEGMENT_ROWS`` rows per expert on average) with the
+    ``OpLaunch`` it calls."""
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8 and scales is None:
         raise ValueError("grouped_gemm: FP8 rows need their scales")
@@ -373,4 +388,4 @@ def _plan(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, scales: to
         rows_in = pack((x, scales)) if fp8 else x  # FP8: a dispatch's pair is its own bytes, no copy
         return call((rows_in, w, row_expert) if index is None else (rows_in, w, row_expert, index))
 
-    return launch
+    return launch, call
