@@ -198,6 +198,20 @@ def test_a_site_runs_the_program_learned_on_the_tensors_layouts_with_the_next_ca
         site.add([a], program, 1 << 32, rt, ())
 
 
+def test_a_site_without_a_counter_runs_programs_that_take_no_scalar(launcher):
+    # A rank-local op (grouped_gemm) has no call identity: its site takes no call number.
+    site = launcher.Site(None)
+    x = torch.zeros(4, 8)
+    site.add([x], launcher.Program([], [([2, 2], None, -1)], 0), -1, _Runtime(), ())
+    made = launcher.direct_calls()
+    assert site.call([x], 0).shape == (2, 2) and launcher.direct_calls() == made + 1
+    assert site.call([x.half()], 0) is NotImplemented and launcher.direct_calls() == made + 1
+    with pytest.raises(RuntimeError, match="without a call counter"):
+        site.add([x], launcher.Program([], [], 0), 5, _Runtime(), ())
+    with pytest.raises(RuntimeError, match="32 bits"):
+        launcher.Site(ctypes.c_int64(0)).add([x], launcher.Program([], [], 0), -1, _Runtime(), ())
+
+
 def test_direct_calls_number_their_calls_with_the_groups_python_calls(tmp_path):
     # A site takes its call numbers from the group's counter, which call_identity numbers the
     # op path's calls with: the two paths' calls are numbered in one sequence, as the peers'
