@@ -21,6 +21,10 @@ argument's address into it changes nothing, a scalar parameter the one scalar wh
 it. Any other change, or a parameter that two arguments could explain, leaves the call on the entry
 functions. The map must then rebuild the first call's parameters exactly, and the second's.
 
+An op whose repeated calls need nothing per call but their tensors' layouts and its call
+identity goes further: :class:`Direct` sends such a call straight to the learned program, the
+layouts compared and the call numbered in C++, without the op's Python path.
+
 ``TILESCALE_NATIVE_LAUNCH``: ``1`` (default), ``0`` (every call through the entry function),
 ``check`` (every learned launch's bytes compared with a capture of the entry function's: tests).
 """

@@ -249,7 +249,8 @@ def call_identity(state: GroupState, sig: int) -> tuple[torch.Tensor, int]:
         board, ident = call_identity(state, signature("gemm_all_reduce", a, n))   # kernel arguments
 
     The identity is ``(call number << 32) | sig``; the call number counts this process's calls
-    on the group through here, so it is the same on every rank of the group for the same call.
+    on the group, through here and through ``op_launch.Direct`` (one counter), so it is the same
+    on every rank of the group for the same call.
     A CUDA graph replays the number it captured, which every rank's graph replays alike.
 
     Args:
