@@ -251,6 +251,27 @@ def graphed(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
     return graph.replay
 
 
+def named_sizes(text: str, names: Iterable[str], fields: int, sep: str = "=") -> list[tuple[str, tuple[int, ...]]]:
+    """The ``name<sep>AxBx...`` items of a comma-separated command-line value, each name one of
+    ``names`` and each size ``fields`` positive integers; SystemExit naming the first that is not.
+
+    >>> named_sizes("ag:64x96x80,rs:128x64x96", ("ag", "rs"), 3, sep=":")
+    [('ag', (64, 96, 80)), ('rs', (128, 64, 96))]
+    """
+    names = sorted(set(names))
+    picked = []
+    for item in filter(None, text.split(",")):
+        name, _, dims = item.partition(sep)
+        try:
+            size = tuple(int(d) for d in dims.split("x"))
+        except ValueError:
+            size = ()
+        if name not in names or len(size) != fields or min(size) < 1:
+            raise SystemExit(f"{item!r} is not name{sep}{'x'.join('N' * fields)} with name one of {names}")
+        picked.append((name, size))
+    return picked
+
+
 def columns_against(names: list[str], baseline: str) -> list[str]:
     """The report columns :func:`replays_against` fills: the baseline's time, each call's, then
     each call's ratio to the baseline.

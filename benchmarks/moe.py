@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from harness import Report, check_close, graphed, time_fn, time_interleaved
+from harness import Report, check_close, graphed, named_sizes, time_fn, time_interleaved
 
 import tilescale as ts
 from tilescale.ops._gemm import DEFAULT
@@ -441,21 +441,6 @@ def fp8_layer_row(shape: tuple[int, int, int, int, int], floor: float, iters: in
                                                             "ok": True}]}
 
 
-def sizes(text: str, names: tuple[str, ...], fields: int) -> dict[str, tuple[int, ...]]:
-    """``name=AxBx...,...`` as {name: (A, B, ...)}, each of ``fields`` positive integers."""
-    picked = {}
-    for item in filter(None, text.split(",")):
-        name, _, dims = item.partition("=")
-        try:
-            shape = tuple(int(d) for d in dims.split("x"))
-        except ValueError:
-            shape = ()
-        if name not in names or len(shape) != fields or min(shape) < 1:
-            raise SystemExit(f"{item!r}: need name=" + "x".join("N" * fields) + f" with name one of {names}")
-        picked[name] = shape
-    return picked
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -466,8 +451,8 @@ def main() -> None:
                         "normal, low-latency; the cases named only)")
     parser.add_argument("--layer", default="", help="the layer's size: TOKENSxHIDDENxFFNxEXPERTSxTOPK")
     args = parser.parse_args()
-    cases = sizes(args.cases, tuple(CASES), 4) or (SMALL if args.small else CASES)
-    layer_shape = sizes(f"layer={args.layer}" if args.layer else "", ("layer",), 5).get(
+    cases = dict(named_sizes(args.cases, CASES, 4)) or (SMALL if args.small else CASES)
+    layer_shape = dict(named_sizes(f"layer={args.layer}" if args.layer else "", ("layer",), 5)).get(
         "layer", SMALL_LAYER if args.small else LAYER)
     ts.init()
     if args.floor:

@@ -37,7 +37,7 @@ import tilelang
 import torch
 import torch.distributed as dist
 from gemm_tiles import Variant, build
-from harness import Report, check_close, device_info, graphed, progress, time_interleaved
+from harness import Report, check_close, device_info, graphed, named_sizes, progress, time_interleaved
 from tp_shapes import AG_SHAPES, AR_SHAPES, FLOOR_SHAPES, RS_SHAPES
 
 import tilescale as ts
@@ -471,18 +471,7 @@ def selected(shapes: list[tuple[str, tuple[int, int, int]]], wanted: str) -> lis
     shape, listed or not, so a run can check others than the lists'; empty: all of ``shapes``."""
     if not wanted:  # e.g. ag:1500x4096x7168,rs:3000x4608x7168
         return shapes
-    ops = {op for op, _ in shapes}
-    picked = []
-    for name in wanted.split(","):
-        op, _, dims = name.partition(":")
-        try:
-            shape = tuple(int(d) for d in dims.split("x"))
-        except ValueError:
-            shape = ()
-        if op not in ops or len(shape) != 3 or min(shape) < 1:
-            raise SystemExit(f"--shapes: {name!r} is not op:MxKxN with op one of {sorted(ops)}")
-        picked.append((op, shape))
-    return picked
+    return named_sizes(wanted, (op for op, _ in shapes), 3, sep=":")
 
 
 def run_floor(args: argparse.Namespace) -> None:

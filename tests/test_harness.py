@@ -318,3 +318,12 @@ def test_measure_shapes_saves_after_every_shape_and_checks_only_when_untimed(tmp
     harness.measure_shapes(checks, [1, 2], measure, timed=False)
     assert checks.rows == [] and checks.path is None and list(tmp_path.iterdir()) == [report.path]
     assert "shape" in capsys.readouterr().out  # the table (its header) is printed either way
+
+
+def test_named_sizes_takes_any_size_of_a_known_name_and_refuses_the_rest():
+    assert harness.named_sizes("normal=2048x4096x6x64,low-latency=64x8x2x4", ("normal", "low-latency"), 4) == [
+        ("normal", (2048, 4096, 6, 64)), ("low-latency", (64, 8, 2, 4))]
+    assert harness.named_sizes("", ("ag",), 3, sep=":") == []
+    for bad in ("rs:1x2x3", "ag:1x2", "ag:0x2x3", "ag:1xbx3"):
+        with pytest.raises(SystemExit, match="is not name:NxNxN"):
+            harness.named_sizes(bad, ("ag",), 3, sep=":")
