@@ -547,11 +547,12 @@ class Direct:
     contiguity), which its first call checked. Here the other arguments key a *site* in Python;
     the site (``launcher.cpp``'s ``Site``) compares the call's tensors' layouts with those each
     of its programs was learned on, and on a match, outside a stream capture, runs that program
-    with the call's identity as its one scalar: the group's next call number (the counter
-    ``call_identity`` numbers the group's calls in) and the plan's signature, which the kernels
-    check the ranks agree on, as every call through the op's path. So a repeated call costs a
-    lookup and one C++ call. An op whose kernels take no scalar (no call identity: a rank-local
-    op) learns with ``sig=None``. Any other call (another layout, a capture, not tensors, an
+    with the call's identity as its last scalar: the group's next call number (the counter
+    ``call_identity`` numbers the group's calls in) and the plan's signature (or one the call
+    passes), which the kernels check the ranks agree on, as every call through the op's path.
+    So a repeated call costs a lookup and one C++ call. Scalars that differ from call to call
+    besides the identity (a dispatch's id-check word) the call passes. An op whose kernels take
+    no identity (a rank-local op) learns with ``sig=None``. Any other call (another layout, a capture, not tensors, an
     address a TMA descriptor refuses) returns :data:`MISSED` having done nothing. Sites are plans: they
     go at every invalidation (``tilescale.plans``), and with ``TILESCALE_NATIVE_LAUNCH`` other
     than ``1`` there are none.
@@ -564,23 +565,36 @@ class Direct:
         self.limit = limit
         self._sites = PlanCache(limit)  # by site: the C++ site, the device's index, the module's DeviceWaitFailed
 
-    def __call__(self, site: tuple, tensors: tuple) -> Any:
-        """The call's outputs (as its OpLaunch returns them), or :data:`MISSED`."""
+    def __call__(self, site: tuple, tensors: tuple, scalars: tuple = (), sig: int = -1) -> Any:
+        """The call's outputs (as its OpLaunch returns them), or :data:`MISSED`.
+
+        Args:
+            site: The op's arguments besides its tensors.
+            tensors: The call's tensors.
+            scalars: The call's scalars before its identity (a dispatch's id-check word).
+            sig: The identity's signature where it differs from call to call (a combine names
+                its dispatch: ``numbered_signature``); -1: the one the program was learned with.
+        """
         found = self._sites.get(site)
         if found is None or _MODE != "1":
             return MISSED
         native, device, wait_failed = found
         try:
-            return native.call(tensors, torch._C._cuda_getCurrentRawStream(device))
+            return native.call(tensors, torch._C._cuda_getCurrentRawStream(device), scalars, sig)
         except (TypeError, ValueError):  # not tensors (the op's checks say so), or a refused address: nothing done
             return MISSED
         except wait_failed:  # a kernel recorded a failure: nothing launched
             runtime.check_device_waits()
             raise
 
+    def knows(self, site: tuple) -> bool:
+        """Whether calls at ``site`` may go direct: a program learned there, native launches on (a
+        caller with per-call work before the call, such as a dispatch's id-check word, asks first)."""
+        return _MODE == "1" and self._sites.get(site) is not None
+
     def learn(self, site: tuple, call: OpLaunch, tensors: tuple, state: Any = None, sig: int | None = None) -> None:
         """After a call through the op's path that ran ``call`` on ``tensors`` with the identity of
-        ``sig`` on ``state``'s group as its one scalar, or with no scalar where ``sig`` is None
+        ``sig`` on ``state``'s group as its last scalar, or with no identity where ``sig`` is None
         (a site's calls are all of one kind), outside a capture: its learned program, if any, for
         later calls at ``site`` with tensors of these layouts."""
         learned = call.native(tensors)

@@ -95,8 +95,11 @@ def moe(mode: str) -> None:
     """Dispatch + combine with identity experts: the combine gives each token's weighted sum back.
     Low-latency and normal mode (routing in one and in several chunks), grouped and in place,
     bf16 and FP8 rows, a re-dispatch along the same routes; the ranks' counts differ on some
-    calls, and one rank passes none on others."""
+    calls, and one rank passes none on others. In mode ``1`` a call whose layouts were learned
+    goes straight to its program (``op_launch.Direct``), among the others' op-path calls; the
+    second call's ids are not contiguous (converted on the op's path: not learned)."""
     op_launch.set_mode(mode)
+    direct = op_launch.counts()["direct calls"]
     hidden, topk, experts = 512, 4, 8 * world
     for low_latency, tokens in ((True, 64), (False, 200)):
         for variant in ("grouped", "in place", "fp8"):
@@ -104,6 +107,7 @@ def moe(mode: str) -> None:
                 t = (tokens - (call % 2) * 3 * rank) if call != CALLS else tokens * (rank != 1)
                 x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
                 idx = torch.rand(t, experts, device=dev).argsort(dim=1)[:, :topk]  # distinct experts per token
+                idx = idx if call == 1 else idx.contiguous()
                 w = torch.rand(t, topk, device=dev)
                 sent = ts.ops.moe.quantize_fp8(x) if variant == "fp8" else x
                 recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(sent, idx, w, experts, low_latency=low_latency,
@@ -114,11 +118,14 @@ def moe(mode: str) -> None:
                     recv_x = recv_x[handle.source_row.clamp(min=0).long()]  # grouped rows through the index
                 y = ts.ops.moe_combine(recv_x, recv_w, handle)
                 assert_close(y.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
-                if variant == "grouped" and call % 2:
+                if variant == "grouped":
                     x2 = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
                     y2 = ts.ops.moe_combine(ts.ops.moe_redispatch(x2, handle), recv_w, handle)
                     assert_close(y2.float(), x2.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
             print(f"[rank {rank}] {mode} moe low_latency={low_latency} {variant} ok {op_launch.counts()}", flush=True)
+    made = op_launch.counts()["direct calls"] - direct
+    assert (made > 0) == (mode == "1"), (mode, made)
+    print(f"[rank {rank}] {mode} moe ok, {made} direct calls", flush=True)
 
 
 def collectives(mode: str) -> None:

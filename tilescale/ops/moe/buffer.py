@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tilescale import runtime
 from tilescale.errors import numbered_signature
 from tilescale.jit import DistributedKernel
-from tilescale.op_launch import OpLaunch, Output
+from tilescale.op_launch import MISSED, Direct, OpLaunch, Output
 from tilescale.ops._common import (
     call_board,
     call_identity,
@@ -41,7 +41,18 @@ from tilescale.ops._common import (
 )
 from tilescale.ops.moe.combine import combine_kernel
 from tilescale.ops.moe.dispatch import dispatch_kernel, dispatch_plan
-from tilescale.ops.moe.fp8 import BLOCK, Rows, is_fp8, mark, pack, packed_width, pair_views, quantize_fp8, unpack
+from tilescale.ops.moe.fp8 import (
+    BLOCK,
+    Rows,
+    is_fp8,
+    mark,
+    marked_rows,
+    pack,
+    packed_width,
+    pair_views,
+    quantize_fp8,
+    unpack,
+)
 from tilescale.ops.moe.layout import ROW_TILE
 from tilescale.ops.moe.routing import (
     Routing,
@@ -51,6 +62,7 @@ from tilescale.ops.moe.routing import (
     raise_bad_ids,
     router,
     watch_ids,
+    withdraw_watch,
 )
 from tilescale.plans import PlanCache, capturing
 
@@ -191,8 +203,12 @@ class Buffer:
         self._dispatches = PlanCache(PLANS_KEPT)
         # combine's (kernel, return rows, signature, its OpLaunch per token count) by (hidden, dtype)
         self._combines_by: dict[tuple, tuple] = {}
+        # Repeated calls straight to their learned programs (``op_launch.Direct``), at sites
+        # ("dispatch", low_latency, in_place), ("combine", hidden, dtype) and ("redispatch",).
+        self._direct = Direct()
         # FP8 rows travel as bytes (values, then scales), and come back bf16.
-        received = self._received(*((packed_width(hidden), torch.uint8) if self.fp8 else (hidden, dtype)))
+        self._receive_rows = received = self._received(*((packed_width(hidden), torch.uint8) if self.fp8
+                                                          else (hidden, dtype)))
         for low_latency in (False, True):
             self._flags_of(low_latency, received)
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
@@ -247,6 +263,7 @@ class Buffer:
         self._flags, self._rows_in, self._rows_back, self._combines_by = {}, {}, {}, {}
         self._plans.clear()
         self._dispatches.clear()
+        self._direct, self._receive_rows = Direct(), None
         self._idx = self._w = self._slot = self._counts = self._expert_counts = self._arrived = None
 
     def _check_live(self) -> None:
@@ -306,6 +323,9 @@ class Buffer:
             ``recv_x`` is a ``(values, scales)`` pair of views of the grouped (or received) bytes.
         """
         self._check_live()
+        done = self._dispatch_direct(x, topk_idx, topk_weights, low_latency, in_place)
+        if done is not MISSED:
+            return done
         if self.fp8 and not is_fp8(x) and x.dtype != torch.float8_e4m3fn:
             x = quantize_fp8(x)
         values = x[0] if is_fp8(x) else x
@@ -338,6 +358,39 @@ class Buffer:
         recv_x, layout, routes = self._send(plan, (sent, ids, weights), watch)
         if not in_capture and not ids.is_cuda:
             watch_ids(topk_idx, self.num_experts, bad=routes[5])
+        if not in_capture and ids is topk_idx and weights is topk_weights:  # the caller's tensors, as they are
+            self._direct.learn(("dispatch", low_latency, in_place), plan.send, (sent, ids, weights), self.state,
+                               plan.signature)
+        return self._routed(tokens, weights, recv_x, layout, routes, in_capture)
+
+    def _dispatch_direct(self, x: Rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, low_latency: bool,
+                         in_place: bool) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle] | object:
+        """A dispatch straight to the program learned on tensors of these layouts (rows, FP8 rows
+        as a dispatch or ``quantize_fp8`` made them, ids and weights as the kernels take them:
+        ``op_launch.Direct``), whose first call made every check one rank decides from them; the
+        ranks' agreement is the kernels', as on every call. :data:`MISSED`: nothing done."""
+        site = ("dispatch", low_latency, in_place)
+        if not self._direct.knows(site):
+            return MISSED
+        sent = x if isinstance(x, torch.Tensor) else marked_rows(x) if is_fp8(x) and len(x) == 2 else None
+        if sent is None:
+            return MISSED
+        watch = watch_ids(topk_idx, self.num_experts)  # launched on CUDA only: the pinned word
+        try:
+            out = self._direct(site, (sent, topk_idx, topk_weights), (watch,))
+        except BaseException:  # a failed wait recorded, a refused launch: no kernel stores the word
+            withdraw_watch()
+            raise
+        if out is MISSED:
+            withdraw_watch()
+            return MISSED
+        recv_x, layout, routes = self._sent_outputs(out, in_place, self._receive_rows, views=self.fp8)
+        return self._routed(sent.shape[0], topk_weights, recv_x, layout, routes, False)
+
+    def _routed(self, tokens: int, weights: torch.Tensor, recv_x: Rows, layout: list[torch.Tensor],
+                routes: list[torch.Tensor], in_capture: bool,
+                ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
+        """A routed dispatch's result (``_send``'s rows, layout and routes; ``weights`` as sent)."""
         dest, slot, send_counts, expert_slot, expert_counts, _, idx, _ = routes
         handle = self._handle(tokens, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, layout)
         if not in_capture:
@@ -478,14 +531,20 @@ class Buffer:
         handle outlives the next call): new on every call."""
         ident = call_identity(self.state, plan.signature)[1]
         out = plan.send(tensors, (bad_host, ident) if plan.routed else (ident,))
+        return self._sent_outputs(out, plan.in_place, plan.received, bool(plan.send.views))
+
+    def _sent_outputs(self, out: list[torch.Tensor], in_place: bool, received: torch.Tensor,
+                 views: bool) -> tuple[Rows, list[torch.Tensor], list[torch.Tensor]]:
+        """A send's outputs (``_send_launch``'s order) as ``_send`` returns them; the call counted.
+        ``received``: its receive rows; ``views``: the outputs end with the FP8 rows' views."""
         self._calls += 1
         layout = out[:7]
-        if plan.in_place:
-            recv_x = plan.received.view(-1, tensors[0].shape[1])
+        if in_place:
+            recv_x = received.view(-1, received.shape[-1])
             layout[5]._ts_in_place = (self, self._calls, recv_x.shape[0])  # source_row, for check_in_place_rows
             if self.fp8:  # the received bytes' (values, scales)
                 recv_x = unpack(recv_x, self.hidden)
-        elif plan.send.views:  # FP8: the grouped bytes' (values, scales)
+        elif views:  # FP8: the grouped bytes' (values, scales)
             recv_x = mark(out[-3], out[-2], out[-1])
         else:
             recv_x = out[-1]
@@ -507,13 +566,21 @@ class Buffer:
             ValueError: ``x`` is not (``handle.tokens``, hidden) or not contiguous on this rank's device.
             RuntimeError: the buffer is released.
         """
+        routes = (handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot, handle.send_counts,
+                  handle.expert_send_counts)
+        out = self._direct(("redispatch",), (x, *routes))  # a learned layout: x's rows are the handle's tokens
+        if out is not MISSED:
+            return self._sent_outputs(out, False, None, False)[0]
         self._check_live()
         check_input(x, "x")
         if x.dim() != 2 or x.shape[0] != handle.tokens:
             raise ValueError(f"moe_redispatch: x must be (tokens={handle.tokens}, hidden), got {tuple(x.shape)}")
         plan = self._plan(handle.tokens, x, low_latency=False, id_dtype=None)
-        return self._send(plan, (_padded(x, 0), handle.topk_idx, handle.topk_w, handle.expert_slot, handle.slot,
-                                 handle.send_counts, handle.expert_send_counts))[0]
+        sent = _padded(x, 0)
+        recv_x = self._send(plan, (sent, *routes))[0]
+        if sent is x and not capturing(x):
+            self._direct.learn(("redispatch",), plan.send, (x, *routes), self.state, plan.signature)
+        return recv_x
 
     def combine(self, expert_out: torch.Tensor, recv_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Weighted sum of each token's expert outputs, back on its source rank in its order
@@ -532,7 +599,11 @@ class Buffer:
             ValueError: wrong shapes, or an earlier dispatch found expert ids out of range.
             RuntimeError: the buffer is released.
         """
-        if not capturing(expert_out):
+        out = self._combine_direct(expert_out, recv_weights, handle)
+        if out is not MISSED:
+            return out
+        in_capture = capturing(expert_out)
+        if not in_capture:
             raise_bad_ids()  # a bad expert id of an earlier dispatch, if the device has reported it by now
         self._check_live()
         check_input(expert_out, "expert_out")
@@ -557,10 +628,30 @@ class Buffer:
             call = calls[tokens] = OpLaunch(
                 [(kernel, lambda t, o, s: (*t[:6], back, o[0], self._combines, s[0]))], [(max(tokens, 1), hidden)],
                 group=self.group)
-        sig = numbered_signature(sig, handle.dispatch, "dispatch")  # which dispatch: ranks must agree on it too
-        out = call((expert_out, recv_weights.float().contiguous(), handle.position, handle.recv_counts, handle.dest,
-                    handle.slot), (sig,))
+        weights = recv_weights.float().contiguous()
+        tensors = (expert_out, weights, handle.position, handle.recv_counts, handle.dest, handle.slot)
+        out = call(tensors, (numbered_signature(sig, handle.dispatch, "dispatch"),))  # ranks must agree on which
+        if tokens and weights is recv_weights and not in_capture:
+            self._direct.learn(("combine", *key), call, tensors, self.state, sig)
         return out if tokens else out[:0]
+
+    def _combine_direct(self, expert_out: torch.Tensor, recv_weights: torch.Tensor,
+                        handle: DispatchHandle) -> torch.Tensor | object:
+        """A combine straight to the program learned on tensors of these layouts (``op_launch.Direct``),
+        signed with its dispatch's number as every combine; then the id check of earlier
+        dispatches. :data:`MISSED`: nothing done."""
+        if not handle.tokens or not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2:
+            return MISSED  # no tokens: the learned layouts of one token would match
+        key = (expert_out.shape[1], expert_out.dtype)
+        plan = self._combines_by.get(key)
+        site = ("combine", *key)
+        if plan is None or not self._direct.knows(site):
+            return MISSED
+        tensors = (expert_out, recv_weights, handle.position, handle.recv_counts, handle.dest, handle.slot)
+        out = self._direct(site, tensors, sig=numbered_signature(plan[2], handle.dispatch, "dispatch"))
+        if out is not MISSED:
+            raise_bad_ids()  # after the launch: the peers' combines wait for this one
+        return out
 
 
 def check_in_place_rows(index: torch.Tensor, rows: int) -> None:

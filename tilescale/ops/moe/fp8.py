@@ -147,10 +147,10 @@ def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """FP8 rows as one byte row per token (values, then scales): what the dispatch kernel moves.
     A pair that already is views of such rows (:func:`unpack`'s, e.g. a dispatch's output)
     gives those bytes back without a copy."""
+    rows = marked_rows(x)
+    if rows is not None:
+        return rows
     values, scales = x
-    marked = getattr(values, "_ts_rows", None)
-    if marked is not None and getattr(scales, "_ts_rows", None) is marked and _layout(values, scales) == marked[1]:
-        return marked[0]  # both views as unpack made them of these rows (no in-place reshape since)
     if values.dim() != 2 or values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
         raise TypeError(f"FP8 rows are (values: float8_e4m3fn (tokens, hidden), scales: float32 (tokens, hidden // "
                         f"{BLOCK})), got {values.dtype} {tuple(values.shape)} and {scales.dtype}")
@@ -164,6 +164,16 @@ def pack(x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             and values.untyped_storage().data_ptr() == scales.untyped_storage().data_ptr()):
         return values.view(torch.uint8).as_strided((n, width), (width, 1))
     return torch.cat([values.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+
+
+def marked_rows(x: tuple) -> torch.Tensor | None:
+    """The byte rows a pair is views of, as :func:`unpack` made them (no in-place reshape since);
+    None for any other pair."""
+    values, scales = x
+    marked = getattr(values, "_ts_rows", None)
+    if marked is not None and getattr(scales, "_ts_rows", None) is marked and _layout(values, scales) == marked[1]:
+        return marked[0]
+    return None
 
 
 def kernel_views(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

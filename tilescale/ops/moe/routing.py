@@ -396,6 +396,14 @@ def watch_ids(idx: torch.Tensor, num_experts: int, bad: torch.Tensor | None = No
     return host.data_ptr()
 
 
+def withdraw_watch() -> None:
+    """Forget the check :func:`watch_ids` queued last: its call launched nothing (a direct call
+    that missed, ``tilescale.op_launch.Direct``), so no kernel will store its count."""
+    check = _id_checks.pop()
+    if check.host is not None:
+        _spare.append((check.host, check.bad))
+
+
 def raise_bad_ids() -> None:
     """Raise for the first finished id check that found ids out of range (finished checks are dropped)."""
     while _id_checks and _id_checks[0].bad[0] >= 0:
