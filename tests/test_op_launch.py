@@ -198,9 +198,9 @@ def test_a_site_runs_the_program_learned_on_the_tensors_layouts_with_the_next_ca
         site.add([a], program, 1 << 32, rt, ())
 
 
-def test_a_site_writes_the_calls_scalars_before_its_identity_and_a_signature_the_call_passes(launcher):
-    # A dispatch passes its id-check word before the identity; a combine signs each call with the
-    # number of the dispatch it combines, which the entry's signature does not hold.
+def test_a_site_writes_the_calls_scalars_before_its_identity(launcher):
+    # A dispatch passes its id-check word before the identity; a site without a counter (a combine,
+    # whose one scalar is its signature) writes the call's scalars alone.
     if not launcher.driver_missing():
         pytest.skip("this host has a CUDA driver: the GPU rank programs run the direct calls")
     step = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8, 16], bytes(24), [(0, 0)], [],
@@ -209,19 +209,16 @@ def test_a_site_writes_the_calls_scalars_before_its_identity_and_a_signature_the
     site = launcher.Site(counter)
     site.add([x], launcher.Program([step], [([2], None, -1)], 0), 0x55, _Runtime(), ())
     with pytest.raises(RuntimeError, match="libcuda"):
-        site.call([x], 0, [0xABC], 0x77)
-    assert step.blob() == struct.pack("<qqq", x.data_ptr(), 0xABC, (7 << 32) | 0x77) and counter.value == 7
-    with pytest.raises(RuntimeError, match="libcuda"):
-        site.call([x], 0, [0xDEF])  # the entry's signature
-    assert step.blob() == struct.pack("<qqq", x.data_ptr(), 0xDEF, (8 << 32) | 0x55) and counter.value == 8
-    for scalars, sig, refused in (([1], 1 << 32, "32 bits"), ([], -1, "2 scalars expected")):
-        with pytest.raises(RuntimeError, match=refused):  # nothing written, no number taken
-            site.call([x], 0, scalars, sig)
-    assert counter.value == 8
+        site.call([x], 0, [0xABC])
+    assert step.blob() == struct.pack("<qqq", x.data_ptr(), 0xABC, (7 << 32) | 0x55) and counter.value == 7
+    with pytest.raises(RuntimeError, match="2 scalars expected"):  # nothing written, no number taken
+        site.call([x], 0)
+    assert counter.value == 7
     local = launcher.Site(None)
-    local.add([x], launcher.Program([], [([2], None, -1)], 0), -1, _Runtime(), ())
-    with pytest.raises(RuntimeError, match="only a site with a call counter"):
-        local.call([x], 0, [], 5)
+    local.add([x], launcher.Program([step], [([2], None, -1)], 0), -1, _Runtime(), ())
+    with pytest.raises(RuntimeError, match="libcuda"):
+        local.call([x], 0, [0xDEF, 0x77])
+    assert step.blob() == struct.pack("<qqq", x.data_ptr(), 0xDEF, 0x77) and counter.value == 7
 
 
 def test_a_site_without_a_counter_runs_programs_that_take_no_scalar(launcher):

@@ -548,11 +548,12 @@ class Direct:
     the site (``launcher.cpp``'s ``Site``) compares the call's tensors' layouts with those each
     of its programs was learned on, and on a match, outside a stream capture, runs that program
     with the call's identity as its last scalar: the group's next call number (the counter
-    ``call_identity`` numbers the group's calls in) and the plan's signature (or one the call
-    passes), which the kernels check the ranks agree on, as every call through the op's path.
-    So a repeated call costs a lookup and one C++ call. Scalars that differ from call to call
-    besides the identity (a dispatch's id-check word) the call passes. An op whose kernels take
-    no identity (a rank-local op) learns with ``sig=None``. Any other call (another layout, a capture, not tensors, an
+    ``call_identity`` numbers the group's calls in) and the plan's signature, which the kernels
+    check the ranks agree on, as every call through the op's path. So a repeated call costs a
+    lookup and one C++ call. Scalars that differ from call to call besides the identity (a
+    dispatch's id-check word) the call passes. An op whose kernels take no identity (a
+    rank-local op; a combine, whose signature names its dispatch and takes no call number, as
+    on its path) learns with ``sig=None``. Any other call (another layout, a capture, not tensors, an
     address a TMA descriptor refuses) returns :data:`MISSED` having done nothing. Sites are plans: they
     go at every invalidation (``tilescale.plans``), and with ``TILESCALE_NATIVE_LAUNCH`` other
     than ``1`` there are none.
@@ -565,22 +566,21 @@ class Direct:
         self.limit = limit
         self._sites = PlanCache(limit)  # by site: the C++ site, the device's index, the module's DeviceWaitFailed
 
-    def __call__(self, site: tuple, tensors: tuple, scalars: tuple = (), sig: int = -1) -> Any:
+    def __call__(self, site: tuple, tensors: tuple, scalars: tuple = ()) -> Any:
         """The call's outputs (as its OpLaunch returns them), or :data:`MISSED`.
 
         Args:
             site: The op's arguments besides its tensors.
             tensors: The call's tensors.
-            scalars: The call's scalars before its identity (a dispatch's id-check word).
-            sig: The identity's signature where it differs from call to call (a combine names
-                its dispatch: ``numbered_signature``); -1: the one the program was learned with.
+            scalars: The call's scalars other than its identity, which comes last (a dispatch's
+                id-check word; a combine's signature, which names its dispatch and no call number).
         """
         found = self._sites.get(site)
         if found is None or _MODE != "1":
             return MISSED
         native, device, wait_failed = found
         try:
-            return native.call(tensors, torch._C._cuda_getCurrentRawStream(device), scalars, sig)
+            return native.call(tensors, torch._C._cuda_getCurrentRawStream(device), scalars)
         except (TypeError, ValueError):  # not tensors (the op's checks say so), or a refused address: nothing done
             return MISSED
         except wait_failed:  # a kernel recorded a failure: nothing launched

@@ -424,11 +424,10 @@ struct Layout {
 // One call site's learned programs, called straight from here (tilescale.op_launch.Direct): each
 // with the layouts of the tensors it was learned on and its signature. A call whose tensors have
 // one's layouts, outside a stream capture, runs that program with the call's scalars, then its
-// identity as the last scalar: (the group's next call number << 32) | signature (the entry's, or
-// one the call passes: a combine's names its dispatch), the number taken from and put back into
-// `counter` (a ctypes.c_int64 the group's Python calls number their calls with too); a site
-// without a counter runs programs that take no identity. Else nothing happens and the call
-// returns NotImplemented: the caller takes the op's Python path.
+// identity as the last scalar: (the group's next call number << 32) | signature, the number
+// taken from and put back into `counter` (a ctypes.c_int64 the group's Python calls number
+// their calls with too); a site without a counter runs programs that take no identity. Else
+// nothing happens and the call returns NotImplemented: the caller takes the op's Python path.
 class Site {
  public:
   explicit Site(py::object counter) : counter_(std::move(counter)) {
@@ -451,21 +450,19 @@ class Site {
     entries_.push_back({std::move(layouts), std::move(program), sig, std::move(runtime), std::move(spans)});
   }
 
-  // `scalars`: the call's scalars before its identity; `sig`: the identity's signature (-1: the entry's).
-  py::object call(const std::vector<at::Tensor>& tensors, int64_t stream, std::vector<int64_t> scalars, int64_t sig) {
+  // `scalars`: the call's scalars (before its identity, where the site has a counter).
+  py::object call(const std::vector<at::Tensor>& tensors, int64_t stream, std::vector<int64_t> scalars) {
     const Entry* e = find(tensors);
     if (e == nullptr || capturing(stream)) {  // a capture may take another plan: the op's Python decides
       return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     }
-    TORCH_CHECK(sig < (int64_t{1} << 32) && (count_ != nullptr || sig == -1),
-                "site: a call's signature is 32 bits, and only a site with a call counter takes one");
     py::setattr(e->runtime, "last_kernel_spans", e->spans);
     py::object out;
     if (count_ == nullptr) {
       out = e->program->run(tensors, scalars, stream, nullptr, 0);
     } else {
       int64_t count = *count_ % 0x7FFFFFFF + 1;
-      scalars.push_back((count << 32) | (sig < 0 ? e->sig : sig));
+      scalars.push_back((count << 32) | e->sig);
       out = e->program->run(tensors, scalars, stream, count_, count);
     }
     ++direct_calls();
@@ -529,8 +526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Site>(m, "Site")
       .def(py::init<py::object>(), py::arg("counter"))
       .def("add", &Site::add)
-      .def("call", &Site::call, py::arg("tensors"), py::arg("stream"), py::arg("scalars") = std::vector<int64_t>{},
-           py::arg("sig") = -1)
+      .def("call", &Site::call, py::arg("tensors"), py::arg("stream"), py::arg("scalars") = std::vector<int64_t>{})
       .def("covers", &Site::covers)
       .def("__len__", &Site::size);
 }

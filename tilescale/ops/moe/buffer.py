@@ -632,14 +632,14 @@ class Buffer:
         tensors = (expert_out, weights, handle.position, handle.recv_counts, handle.dest, handle.slot)
         out = call(tensors, (numbered_signature(sig, handle.dispatch, "dispatch"),))  # ranks must agree on which
         if tokens and weights is recv_weights and not in_capture:
-            self._direct.learn(("combine", *key), call, tensors, self.state, sig)
+            self._direct.learn(("combine", *key), call, tensors)  # its one scalar: the signature, no call number
         return out if tokens else out[:0]
 
     def _combine_direct(self, expert_out: torch.Tensor, recv_weights: torch.Tensor,
                         handle: DispatchHandle) -> torch.Tensor | object:
         """A combine straight to the program learned on tensors of these layouts (``op_launch.Direct``),
-        signed with its dispatch's number as every combine; then the id check of earlier
-        dispatches. :data:`MISSED`: nothing done."""
+        signed with its dispatch's number as every combine (its one scalar: combines take no call
+        number); then the id check of earlier dispatches. :data:`MISSED`: nothing done."""
         if not handle.tokens or not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2:
             return MISSED  # no tokens: the learned layouts of one token would match
         key = (expert_out.shape[1], expert_out.dtype)
@@ -648,7 +648,7 @@ class Buffer:
         if plan is None or not self._direct.knows(site):
             return MISSED
         tensors = (expert_out, recv_weights, handle.position, handle.recv_counts, handle.dest, handle.slot)
-        out = self._direct(site, tensors, sig=numbered_signature(plan[2], handle.dispatch, "dispatch"))
+        out = self._direct(site, tensors, (numbered_signature(plan[2], handle.dispatch, "dispatch"),))
         if out is not MISSED:
             raise_bad_ids()  # after the launch: the peers' combines wait for this one
         return out
