@@ -70,8 +70,11 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
             assert tuple(rows.shape) == (tokens, moe.fp8.packed_width(hidden))
             assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
             assert moe.fp8.pack((values, scales)) is rows  # unpack's pair: its rows at once
+            assert moe.fp8.marked_rows((values, scales)) is rows  # what a direct dispatch sends
+            assert moe.fp8.marked_rows((values.contiguous(), scales.contiguous())) is None
             reshaped, reshaped_scales = moe.quantize_fp8(x)
             reshaped.t_()  # no longer the layout unpack made: checked (and refused) as any other pair
+            assert moe.fp8.marked_rows((reshaped, reshaped_scales)) is None
             try:
                 moe.fp8.pack((reshaped, reshaped_scales))
                 raise AssertionError("a transposed FP8 pair was packed")
@@ -101,6 +104,34 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_withdrawn_id_check_is_neither_read_nor_raised(tmp_path):
+    # A direct dispatch queues its id check before the call; a call that goes nowhere withdraws it,
+    # else the check (whose word no kernel would store) would hold back every later one.
+    script = tmp_path / "withdraw.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import tilescale as ts
+        from tilescale.ops.moe import routing
+
+        ts.init(device="cpu")
+        bad = torch.full((2, 2), 99)
+        routing.watch_ids(bad, 8, bad=torch.tensor([3], dtype=torch.int32))
+        routing.withdraw_watch()
+        assert not routing._id_checks
+        routing.raise_bad_ids()  # nothing withdrawn is raised
+        routing.watch_ids(bad, 8, bad=torch.tensor([3], dtype=torch.int32))
+        try:
+            routing.raise_bad_ids()
+            raise AssertionError("a queued bad-id check was not raised")
+        except ValueError as err:
+            assert "expert ids must be in" in str(err)
+        print("WITHDRAW-OK")
+        ts.finalize()
+    """))
+    proc = run_python(script, timeout=200)
+    assert "WITHDRAW-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_dispatches_back_to_back_under_scheduling_jitter():
     # Blocks sleep up to 50 ms after each signal (TILESCALE_CPU_JITTER_S), so a rank runs calls
     # ahead of its peers as a GPU's schedule lets it. With the two sets of receive buffers merged

@@ -375,7 +375,7 @@ class Buffer:
         sent = x if isinstance(x, torch.Tensor) else marked_rows(x) if is_fp8(x) and len(x) == 2 else None
         if sent is None:
             return MISSED
-        watch = watch_ids(topk_idx, self.num_experts)  # launched on CUDA only: the pinned word
+        watch = watch_ids(topk_idx, self.num_experts)  # sites exist on GPUs only: a pinned word the routing stores into
         try:
             out = self._direct(site, (sent, topk_idx, topk_weights), (watch,))
         except BaseException:  # a failed wait recorded, a refused launch: no kernel stores the word
@@ -533,8 +533,8 @@ class Buffer:
         out = plan.send(tensors, (bad_host, ident) if plan.routed else (ident,))
         return self._sent_outputs(out, plan.in_place, plan.received, bool(plan.send.views))
 
-    def _sent_outputs(self, out: list[torch.Tensor], in_place: bool, received: torch.Tensor,
-                 views: bool) -> tuple[Rows, list[torch.Tensor], list[torch.Tensor]]:
+    def _sent_outputs(self, out: list[torch.Tensor], in_place: bool, received: torch.Tensor | None,
+                      views: bool) -> tuple[Rows, list[torch.Tensor], list[torch.Tensor]]:
         """A send's outputs (``_send_launch``'s order) as ``_send`` returns them; the call counted.
         ``received``: its receive rows; ``views``: the outputs end with the FP8 rows' views."""
         self._calls += 1
