@@ -142,6 +142,13 @@ def test_dispatches_back_to_back_under_scheduling_jitter():
     assert proc.stdout.count("dispatches back to back: MOE-OK") == 3
 
 
+def test_the_explicit_buffer_section_runs_alone():
+    # GPU runs short of time check it alone (moe_check.py --buffers); the full run reaches it last.
+    proc = run_cpu("tests/ranks/moe_check.py", 2, args=("--buffers",))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("BUFFER-OK") == 2 and "MOE-OK" not in proc.stdout, proc.stdout[-2000:]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
 def test_moe_layer_gradients_match_autograd(n):

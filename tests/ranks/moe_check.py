@@ -1,6 +1,6 @@
 """Rank program: MoE dispatch/combine against a single-process reference: skewed routing, different
 token counts per rank (a rank with none, one with the most), dispatches back to back, an explicit
-buffer reused and released. ``--back-to-back``: that section alone."""
+buffer reused and released. ``--back-to-back`` / ``--buffers``: that section alone."""
 
 import sys
 
@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tilescale as ts
+from tilescale.ops._common import call_board
 from tilescale.testing import assert_close, moe_dispatch_in_place
 
 ts.init()
@@ -59,6 +60,101 @@ def combine_and_check(case, x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
     reference = (x.float()[:, None, :] * (topk_w * (topk_idx + 1).float())[:, :, None]).sum(1)
     assert_close(y.float(), reference, rtol=3e-2, atol=3e-2)
 
+
+def explicit_buffers() -> None:
+    """An explicit ``ts.ops.moe.Buffer``: reused across counts and shapes, refusing calls that do
+    not fit, released; one set of receive rows; any token count building no kernel."""
+    # An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
+    # own; a call that does not fit is refused; after release() it is gone.
+    buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)
+    call_board(ts.group_state())  # the group's own, made at its first call (run alone: the buffer's first)
+    allocations = len(ts.group_state().allocations)
+    for step, tokens in enumerate((24, 0 if rank == 0 else 3, 11 + rank)):
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+        recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=step == 1)
+        y = buf.combine(recv_x, recv_w, handle)  # identity experts
+        assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+        assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
+    # Calls of one shape reuse the first one's plan (kernels, output sizes) and the buffer's
+    # memory; each call's results are right for its own routing (a token naming one expert twice
+    # in the second), and an earlier handle's outputs stay as they were (they are the caller's).
+    scale = (rank * (num_experts // world) + torch.arange(num_experts // world) + 1).float()
+    for step in range(3):
+        g = torch.Generator(device=ts.device()).manual_seed(700 + 10 * step + rank)
+        x = torch.randn(24, hidden, generator=g).to(torch.bfloat16)
+        topk_w, topk_idx = torch.rand(24, num_experts, generator=g).topk(2, dim=1)
+        if step == 1:
+            topk_idx[:, 1] = topk_idx[:, 0]
+        recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=True)
+        expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
+        y = buf.combine(expert_out, recv_w, handle)
+        want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
+        assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+        if step == 0:
+            # tokens, hidden, dtype, low_latency, id dtype, in place
+            key = (24, hidden, torch.bfloat16, True, torch.int64, False)
+            plans, plan = len(buf._plans), buf._plans.get(key)
+            kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
+                    handle.expert_slot, recv_w]
+            then = [t.clone() for t in kept]
+        assert len(buf._plans) == plans and buf._plans.get(key) is plan, "plan not reused"
+        assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
+    assert all(map(torch.equal, kept, then)), "a later call overwrote an earlier handle's outputs"
+    for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),
+                                                          torch.zeros(25, 2, dtype=torch.long), torch.ones(25, 2))),
+                       ("top-1", lambda: buf.dispatch(torch.randn(4, hidden).to(torch.bfloat16),
+                                                      torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)))):
+        try:
+            call()
+            raise AssertionError(f"rank {rank}: {what}: no error")
+        except ValueError as err:
+            assert "do not fit Buffer(max_tokens=24" in str(err), err
+    buf.release()
+    assert len(ts.group_state().allocations) < allocations, "release() kept the buffers"
+    try:
+        buf.dispatch(x, topk_idx, topk_w)
+        raise AssertionError(f"rank {rank}: a released buffer dispatched")
+    except RuntimeError as err:
+        assert "is released" in str(err), err
+    # in_place=False: one set of receive rows (half the memory); dispatches that group work, an
+    # in-place one is refused.
+    one_set = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts, in_place=False)
+    assert one_set._rows_in[(hidden, torch.bfloat16)].shape[0] == 1
+    for _ in range(3):  # consecutive calls reuse the one set
+        x = torch.randn(11 + rank, hidden).to(torch.bfloat16)
+        topk_w, topk_idx = torch.rand(11 + rank, num_experts).topk(2, dim=1)
+        recv_x, recv_w, counts, handle = one_set.dispatch(x, topk_idx, topk_w)
+        y = one_set.combine(recv_x, recv_w, handle)  # identity experts
+        assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    try:
+        one_set.dispatch(x, topk_idx, topk_w, in_place=True)
+        raise AssertionError(f"rank {rank}: an in-place dispatch through one set of receive rows")
+    except ValueError as err:
+        assert "in place needs a buffer with two sets" in str(err), err
+    one_set.release()
+    # Kernels take the token count at run time: once a count of each routing class (a decode batch;
+    # chunks of 32 tokens) has built them, every other count, on any rank, in either mode, builds
+    # none, each call right for its own tokens. Ranks pass different counts at every step.
+    wide = ts.ops.moe.Buffer(None, max_tokens=200, hidden=hidden, topk=2, num_experts=num_experts)
+    moe = ts.ops.moe
+    factories = (moe.route_count_kernel, moe.route_finish_kernel, moe.dispatch_kernel, moe.combine_kernel)
+    for step, tokens in enumerate((5, 129, 77 + rank, 0, 200 - rank, 1, 150 + 7 * rank, 128 + rank)):
+        if step == 2:  # both routing classes, both modes built
+            built = [len(f._compiled) for f in factories]
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
+        recv_x, recv_w, counts, handle = wide.dispatch(x, topk_idx, topk_w, low_latency=step % 2 == 1)
+        combine_and_check(f"any count {tokens}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
+    assert [len(f._compiled) for f in factories] == built, ("a new token count built kernels", built)
+    wide.release()
+    print(f"rank {rank}: BUFFER-OK", flush=True)
+
+
+if sys.argv[1:] == ["--buffers"]:  # that section alone (GPU runs short of time)
+    explicit_buffers()
+    ts.finalize()
+    sys.exit(0)
 
 # Dispatches back to back through one buffer, nothing between them that waits for the other
 # ranks (each mode's first call, which checks on the host that the ranks agree, comes before):
@@ -316,89 +412,7 @@ except RuntimeError as e:
     assert "is for inference" in str(e), e
 print(f"rank {rank}: layer with FP8 dispatch, error {error:.4f} against bf16: FP8-LAYER-OK", flush=True)
 
-# An explicit buffer: one allocation serves calls of any count up to its size, on each rank its
-# own; a call that does not fit is refused; after release() it is gone.
-buf = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts)
-allocations = len(ts.group_state().allocations)
-for step, tokens in enumerate((24, 0 if rank == 0 else 3, 11 + rank)):
-    x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
-    recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=step == 1)
-    y = buf.combine(recv_x, recv_w, handle)  # identity experts
-    assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
-    assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
-# Calls of one shape reuse the first one's plan (kernels, output sizes) and the buffer's
-# memory; each call's results are right for its own routing (a token naming one expert twice
-# in the second), and an earlier handle's outputs stay as they were (they are the caller's).
-scale = (rank * (num_experts // world) + torch.arange(num_experts // world) + 1).float()
-for step in range(3):
-    g = torch.Generator(device=ts.device()).manual_seed(700 + 10 * step + rank)
-    x = torch.randn(24, hidden, generator=g).to(torch.bfloat16)
-    topk_w, topk_idx = torch.rand(24, num_experts, generator=g).topk(2, dim=1)
-    if step == 1:
-        topk_idx[:, 1] = topk_idx[:, 0]
-    recv_x, recv_w, counts, handle = buf.dispatch(x, topk_idx, topk_w, low_latency=True)
-    expert_out = (recv_x.float() * scale[handle.row_expert.long()][:, None]).to(torch.bfloat16)
-    y = buf.combine(expert_out, recv_w, handle)
-    want = x.float() * (topk_w * (topk_idx + 1).float()).sum(1, keepdim=True)
-    assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
-    if step == 0:
-        key = (24, hidden, torch.bfloat16, True, torch.int64, False)  # tokens, hidden, dtype, low_latency, id dtype,
-        # in place
-        plans, plan = len(buf._plans), buf._plans.get(key)
-        kept = [handle.row_expert, handle.source_row, handle.counts, handle.position, handle.dest, handle.slot,
-                handle.expert_slot, recv_w]
-        then = [t.clone() for t in kept]
-    assert len(buf._plans) == plans and buf._plans.get(key) is plan, "plan not reused"
-    assert len(ts.group_state().allocations) == allocations, "the buffer allocated again"
-assert all(map(torch.equal, kept, then)), "a later call overwrote an earlier handle's outputs"
-for what, call in (("25 tokens", lambda: buf.dispatch(torch.randn(25, hidden).to(torch.bfloat16),
-                                                      torch.zeros(25, 2, dtype=torch.long), torch.ones(25, 2))),
-                   ("top-1", lambda: buf.dispatch(torch.randn(4, hidden).to(torch.bfloat16),
-                                                  torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)))):
-    try:
-        call()
-        raise AssertionError(f"rank {rank}: {what}: no error")
-    except ValueError as err:
-        assert "do not fit Buffer(max_tokens=24" in str(err), err
-buf.release()
-assert len(ts.group_state().allocations) < allocations, "release() kept the buffers"
-try:
-    buf.dispatch(x, topk_idx, topk_w)
-    raise AssertionError(f"rank {rank}: a released buffer dispatched")
-except RuntimeError as err:
-    assert "is released" in str(err), err
-# in_place=False: one set of receive rows (half the memory); dispatches that group work, an
-# in-place one is refused.
-one_set = ts.ops.moe.Buffer(None, max_tokens=24, hidden=hidden, topk=2, num_experts=num_experts, in_place=False)
-assert one_set._rows_in[(hidden, torch.bfloat16)].shape[0] == 1
-for _ in range(3):  # consecutive calls reuse the one set
-    x = torch.randn(11 + rank, hidden).to(torch.bfloat16)
-    topk_w, topk_idx = torch.rand(11 + rank, num_experts).topk(2, dim=1)
-    recv_x, recv_w, counts, handle = one_set.dispatch(x, topk_idx, topk_w)
-    y = one_set.combine(recv_x, recv_w, handle)  # identity experts
-    assert_close(y.float(), x.float() * topk_w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
-try:
-    one_set.dispatch(x, topk_idx, topk_w, in_place=True)
-    raise AssertionError(f"rank {rank}: an in-place dispatch through one set of receive rows")
-except ValueError as err:
-    assert "in place needs a buffer with two sets" in str(err), err
-one_set.release()
-# Kernels take the token count at run time: once a count of each routing class (a decode batch;
-# chunks of 32 tokens) has built them, every other count, on any rank, in either mode, builds
-# none, each call right for its own tokens. Ranks pass different counts at every step.
-wide = ts.ops.moe.Buffer(None, max_tokens=200, hidden=hidden, topk=2, num_experts=num_experts)
-factories = (moe.route_count_kernel, moe.route_finish_kernel, moe.dispatch_kernel, moe.combine_kernel)
-for step, tokens in enumerate((5, 129, 77 + rank, 0, 200 - rank, 1, 150 + 7 * rank, 128 + rank)):
-    if step == 2:  # both routing classes, both modes built
-        built = [len(f._compiled) for f in factories]
-    x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    topk_w, topk_idx = torch.rand(tokens, num_experts).topk(2, dim=1)
-    recv_x, recv_w, counts, handle = wide.dispatch(x, topk_idx, topk_w, low_latency=step % 2 == 1)
-    combine_and_check(f"any count {tokens}", x, topk_idx, topk_w, recv_x, recv_w, counts, handle)
-assert [len(f._compiled) for f in factories] == built, ("a new token count built kernels", built)
-wide.release()
-print(f"rank {rank}: BUFFER-OK", flush=True)
+explicit_buffers()
 
 try:
     ts.ops.moe_dispatch(torch.randn(4, hidden), torch.full((4, 1), num_experts), torch.ones(4, 1), num_experts)
