@@ -16,6 +16,7 @@ from tilescale import op_launch
 from tilescale.native import launcher_module, launcher_unavailable
 from tilescale.op_launch import (
     PACK_ALIGN,
+    OpLaunch,
     Output,
     ParamMap,
     map_params,
@@ -304,6 +305,30 @@ def test_packed_outputs_are_aligned_views_of_one_allocation(launcher):
     assert made[2].sum().item() == 750 and made[0].tolist() == [7, 7, 7]
     with pytest.raises(RuntimeError, match="does not fit"):
         launcher.Program([], [([3], torch.int32, PACK_ALIGN)], PACK_ALIGN)
+
+
+def test_scratch_outputs_are_written_where_packed_and_not_returned(launcher):
+    # A re-dispatch's grouped layout: packed outputs the kernels write, the call does not return.
+    outputs = [Output((3,), torch.int32, packed=True), Output((4,), torch.int32, packed=True, returned=False),
+               Output((2, 4), torch.bfloat16)]
+    offsets, size = packed_layout(outputs)
+    spec = [(list(o.shape), o.dtype, at) for o, at in zip(outputs, offsets, strict=True)]
+    views = [(2, [4, 2], [1, 4], 0, torch.bfloat16)]  # of the output after the scratch one: numbered as declared
+    kept, own, transposed = launcher.Program([], spec, size, views, [1]).call([torch.zeros(2)], [], 0)
+    assert (kept.shape, own.shape, transposed.shape) == ((3,), (2, 4), (4, 2))
+    assert transposed.data_ptr() == own.data_ptr() and transposed.stride() == (1, 4)
+    assert launcher.Program([], spec, size, [], [0, 1]).call([torch.zeros(2)], [], 0).shape == (2, 4)  # the one left
+    # The kernels get every output's address: the scratch one's inside the packed bytes.
+    if launcher.driver_missing():
+        step = launcher.Launcher(0, [1, 1, 1], [1, 1, 1], 0, [], [0, 8], bytes(16), [(1, 0), (2, 8)], [], [], 4, 0)
+        with pytest.raises(RuntimeError, match="libcuda"):  # written, then launched: no driver on this host
+            launcher.Program([step], spec, size, [], [1]).call([torch.zeros(2)], [], 0)
+        first, scratch = struct.unpack("<qq", step.blob())
+        assert scratch - first == offsets[1] - offsets[0]
+    with pytest.raises(RuntimeError, match="scratch output is a packed"):
+        launcher.Program([], spec, size, [], [2])
+    with pytest.raises(ValueError, match="not returned is a packed"):
+        OpLaunch([], [Output((2, 4), torch.int32, returned=False)])
 
 
 def layout(t: torch.Tensor) -> tuple:

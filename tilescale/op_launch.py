@@ -254,11 +254,14 @@ class Output:
         packed: Viewed in the call's one allocation of packed outputs (``PACK_ALIGN``-aligned):
             one allocation for an op's small outputs instead of one each (their memory goes
             back when all of them are dropped). Needs ``dtype``.
+        returned: Whether the call returns it; False: scratch the kernels write and read (a packed
+            output: no tensor is made for it, which costs an eager call ~0.5 us per tensor).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
     packed: bool = False
+    returned: bool = True
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,7 @@ class OpLaunch:
             (those that change between calls) with ``outputs`` (allocated per call) and the
             integer ``scalars`` that change between calls. A kernel may take some of them only.
         outputs: What each call allocates: an :class:`Output`, or a shape (the first tensor's
-            dtype, on its device).
+            dtype, on its device). A call returns those it returns (all but scratch), in order.
         views: What each call returns after its outputs: views of them (:class:`View`).
         group: The kernel calls' ``group=``.
     """
@@ -345,6 +348,9 @@ class OpLaunch:
         if bad := [v for v in self.views if not 0 <= v.of < len(self.outputs) or self.outputs[v.of].packed
                    or self.outputs[v.of].dtype is None]:
             raise ValueError(f"a view is of an output with a dtype and an allocation of its own: {bad}")
+        if bad := [o for o in self.outputs if not (o.returned or o.packed)]:
+            raise ValueError(f"an output not returned is a packed one: {bad}")
+        self._returned = [i for i, o in enumerate(self.outputs) if o.returned]
         self._offsets, self._packed_bytes = packed_layout(self.outputs)
         # Each output's contiguous strides, for the entry path's views of the packed bytes.
         self._strides = [[math.prod(o.shape[i + 1:]) for i in range(len(o.shape))] for o in self.outputs]
@@ -404,7 +410,8 @@ class OpLaunch:
 
     def _with_views(self, outputs: list[torch.Tensor]) -> Any:
         """A call's result: its outputs and views (None if none, the one, or a list)."""
-        made = outputs + [outputs[v.of].view(v.dtype).as_strided(v.shape, v.strides, v.offset) for v in self.views]
+        made = [outputs[i] for i in self._returned]
+        made += [outputs[v.of].view(v.dtype).as_strided(v.shape, v.strides, v.offset) for v in self.views]
         return None if not made else made[0] if len(made) == 1 else made
 
     def _entry_call(self, tensors: Sequence[torch.Tensor], scalars: Sequence[int], found: tuple | None) -> Any:
@@ -489,7 +496,8 @@ class OpLaunch:
         program = module.Program(launchers, [(list(o.shape), o.dtype, offset)
                                              for o, offset in zip(self.outputs, self._offsets, strict=True)],
                                  self._packed_bytes,
-                                 [(v.of, list(v.shape), list(v.strides), v.offset, v.dtype) for v in self.views])
+                                 [(v.of, list(v.shape), list(v.strides), v.offset, v.dtype) for v in self.views],
+                                 [i for i, o in enumerate(self.outputs) if not o.returned])
         self._natives.put(key, (program, launchers, spans))
         self._device = device.index
         _counts["learned"] += 1

@@ -216,12 +216,14 @@ class Launcher {
   LaunchConfig config_{};
 };
 
-// An output a Program's call allocates: its shape, its dtype (none: the call's first tensor's), and
-// its byte offset in the call's one allocation of packed outputs (-1: an allocation of its own).
+// An output a Program's call allocates: its shape, its dtype (none: the call's first tensor's), its
+// byte offset in the call's one allocation of packed outputs (-1: an allocation of its own), and
+// whether it is scratch.
 struct Output {
   std::vector<int64_t> shape;
   std::optional<at::ScalarType> dtype;
   int64_t offset;
+  bool scratch = false;  // packed, written by the kernels, not returned (no tensor made for it)
 };
 
 // A new contiguous tensor like at::empty's, without a pass through the dispatcher (a few
@@ -316,7 +318,8 @@ class Program {
   Program(std::vector<std::shared_ptr<Launcher>> steps,
           std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>> outputs,
           int64_t packed_bytes,
-          std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, at::ScalarType>> views)
+          std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, at::ScalarType>> views,
+          const std::vector<int64_t>& scratch)
       : steps_(std::move(steps)), packed_bytes_(packed_bytes) {
     for (auto& [shape, dtype, offset] : outputs) {
       if (offset >= 0) {  // a packed output: whole elements inside the packed bytes
@@ -328,6 +331,11 @@ class Program {
                     " does not fit ", packed_bytes_, " bytes");
       }
       outputs_.push_back({shape, dtype, offset});
+    }
+    for (int64_t i : scratch) {  // packed outputs the kernels write and the call does not return
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(outputs_.size()) && outputs_[i].offset >= 0,
+                  "program: a scratch output is a packed output");
+      outputs_[i].scratch = true;
     }
     for (auto& [of, shape, strides, offset, dtype] : views) {  // inside its output's bytes
       TORCH_CHECK(of >= 0 && of < static_cast<int64_t>(outputs_.size()) && outputs_[of].offset < 0 &&
@@ -363,24 +371,30 @@ class Program {
     }
     const at::Tensor& first = tensors[0];
     at::Tensor packed = packed_bytes_ > 0 ? allocate(first, {packed_bytes_}, at::kByte) : at::Tensor();
-    std::vector<at::Tensor> made;
+    std::vector<int64_t> addresses;
+    addresses.reserve(tensors.size() + outputs_.size());
+    for (const auto& t : tensors) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    std::vector<at::Tensor> made;  // the returned outputs
     made.reserve(outputs_.size());
-    for (const Output& o : outputs_) {
+    std::vector<int64_t> made_as(outputs_.size(), -1);  // each output's place in `made` (-1: scratch)
+    for (size_t i = 0; i < outputs_.size(); ++i) {
+      const Output& o = outputs_[i];
       auto dtype = o.dtype ? *o.dtype : first.scalar_type();
-      if (o.offset < 0) {
-        made.push_back(allocate(first, o.shape, dtype));
+      if (o.scratch) {  // no tensor made: its bytes stay the packed allocation's, used in stream order
+        addresses.push_back(reinterpret_cast<int64_t>(static_cast<char*>(packed.data_ptr()) + o.offset));
         continue;
       }
-      // A view of the packed bytes: one tensor made, no dispatcher calls.
-      auto view = viewing(packed, dtype);
-      view.unsafeGetTensorImpl()->set_storage_offset(o.offset / c10::elementSize(dtype));
-      view.unsafeGetTensorImpl()->set_sizes_contiguous(o.shape);
-      made.push_back(std::move(view));
+      if (o.offset < 0) {
+        made.push_back(allocate(first, o.shape, dtype));
+      } else {  // a view of the packed bytes: one tensor made, no dispatcher calls
+        auto view = viewing(packed, dtype);
+        view.unsafeGetTensorImpl()->set_storage_offset(o.offset / c10::elementSize(dtype));
+        view.unsafeGetTensorImpl()->set_sizes_contiguous(o.shape);
+        made.push_back(std::move(view));
+      }
+      made_as[i] = static_cast<int64_t>(made.size()) - 1;
+      addresses.push_back(reinterpret_cast<int64_t>(made.back().data_ptr()));
     }
-    std::vector<int64_t> addresses;
-    addresses.reserve(tensors.size() + made.size());
-    for (const auto& t : tensors) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
-    for (const auto& t : made) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
     // Every kernel's arguments first: a refused address (a TMA descriptor's alignment) launches
     // nothing, and the caller routes the whole call through the entry functions.
     for (const auto& step : steps_) {
@@ -390,7 +404,7 @@ class Program {
     for (const auto& step : steps_) step->launch(stream);
     native_launches() += static_cast<int64_t>(steps_.size());
     for (const View& v : views_) {  // one tensor made each, no dispatcher calls
-      auto view = viewing(made[v.of], v.dtype);
+      auto view = viewing(made[made_as[v.of]], v.dtype);
       view.unsafeGetTensorImpl()->set_sizes_and_strides(v.shape, v.strides, v.offset);
       made.push_back(std::move(view));
     }
@@ -518,10 +532,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<std::shared_ptr<Launcher>>,
                     std::vector<std::tuple<std::vector<int64_t>, std::optional<at::ScalarType>, int64_t>>, int64_t,
                     std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                                           at::ScalarType>>>(),
+                                           at::ScalarType>>,
+                    const std::vector<int64_t>&>(),
            py::arg("steps"), py::arg("outputs"), py::arg("packed_bytes"),
            py::arg("views") = std::vector<std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                                                     at::ScalarType>>())
+                                                     at::ScalarType>>(),
+           py::arg("scratch") = std::vector<int64_t>())
       .def("call", &Program::call);
   py::class_<Site>(m, "Site")
       .def(py::init<py::object>(), py::arg("counter"))

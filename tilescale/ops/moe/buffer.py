@@ -84,6 +84,7 @@ class _SendPlan:
     signature: int  # what the ranks must agree on, for the call board
     received: torch.Tensor  # the receive rows
     in_place: bool  # received rows left where they land (the call allocates no grouped rows)
+    layout: bool  # its calls return the grouped layout (a re-dispatch's is scratch: it returns the rows alone)
 
 
 @dataclass
@@ -391,7 +392,7 @@ class Buffer:
                 routes: list[torch.Tensor], in_capture: bool,
                 ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """A routed dispatch's result (``_send``'s rows, layout and routes; ``weights`` as sent)."""
-        dest, slot, send_counts, expert_slot, expert_counts, _, idx, _ = routes
+        dest, slot, send_counts, expert_slot, expert_counts, _, idx = routes
         handle = self._handle(tokens, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, layout)
         if not in_capture:
             raise_bad_ids()
@@ -455,26 +456,28 @@ class Buffer:
             world, topk, held, rows = self.world, self.topk, max(tokens, 1), self.rows
             received = self._received(hidden, dtype)
             routed = bool(tokens and id_dtype)
+            layout = id_dtype is not None  # a re-dispatch's rows follow a layout its dispatch returned
             kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, in_place=in_place, sets=self.sets, group=self.group)
             route = router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
                            group=self.group) if routed else None
             plan = self._plans.put(key, _SendPlan(
                 send=self._send_launch(kernel, route, held, received, self._flags_of(low_latency, received), in_place,
-                                       fp8_pair=self.fp8 and id_dtype is not None),
+                                       fp8_pair=self.fp8 and layout, layout=layout),
                 routed=routed,
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
                 signature=signature("moe_dispatch", received[0], f"topk={topk}", f"experts={self.num_experts}",
                                     f"low_latency={low_latency}", f"SMs={self.sms}"),
-                received=received, in_place=in_place))
+                received=received, in_place=in_place, layout=layout))
             # The ranks meet once their kernels are built (a slow build must not time out the peers'
             # waits), once per buffer, mode and row type: not per token count or in_place, each rank's own.
             launch_together(self.state, "moe_dispatch", (self._serial, hidden, dtype, low_latency))
         return plan
 
     def _send_launch(self, kernel: DistributedKernel, route: Routing | None, held: int, received: torch.Tensor,
-                     flags: tuple[torch.Tensor, torch.Tensor], in_place: bool, fp8_pair: bool = False) -> OpLaunch:
+                     flags: tuple[torch.Tensor, torch.Tensor], in_place: bool, fp8_pair: bool = False,
+                     layout: bool = True) -> OpLaunch:
         """The routing kernels of ``route`` (None: the call passes known routes) and the dispatch
         ``kernel``, in one ``OpLaunch`` with this buffer's ``received`` rows, ``flags`` and the rest
         bound. ``held``: the rows of the call's tensors.
@@ -487,20 +490,22 @@ class Buffer:
         each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r is its
         order among this rank's tokens going to r), then the grouped rows unless
         ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
-        are packed in one allocation. ``fp8_pair``: a dispatch of FP8 byte rows, whose grouped
-        rows the call also returns as their ``(values, scales)`` views (``fp8.unpack``'s layout).
+        are packed in one allocation. A call returns them all but the chunk counts, and the
+        grouped layout only where ``layout`` (a re-dispatch returns its rows alone): the others
+        are scratch. ``fp8_pair``: a dispatch of FP8 byte rows, whose grouped rows the call also
+        returns as their ``(values, scales)`` views (``fp8.unpack``'s layout).
         """
         board, (ranges, progress) = call_board(self.state), flags
         bound = (received, self._idx, self._w, self._slot, self._counts, self._expert_counts, ranges, progress,
                  self._arrived, self._sends)
         world, topk, rows, i32 = self.world, self.topk, self.rows, torch.int32
-        outputs = [Output(shape, dtype, packed=True) for shape, dtype in (
+        outputs = [Output(shape, dtype, packed=True, returned=layout) for shape, dtype in (
             ((self.per_rank,), i32), ((self.per_rank,), i32), ((world,), i32), ((world * self.max_tokens, topk), i32),
             ((rows,), torch.float32), ((rows,), i32), ((rows,), i32))]
         if route is not None:
             outputs += [Output(shape, i32, packed=True) for shape in (
-                (world, held), (world, held), (world,), (held, topk), (self.num_experts,), (1,), (held, topk),
-                chunk_counts_shape(world, held, self.num_experts))]
+                (world, held), (world, held), (world,), (held, topk), (self.num_experts,), (1,), (held, topk))]
+            outputs.append(Output(chunk_counts_shape(world, held, self.num_experts), i32, packed=True, returned=False))
         unused = torch.empty(1, received.shape[-1], dtype=received.dtype, device=received.device) if in_place else None
         views = []
         if not in_place:
@@ -531,12 +536,16 @@ class Buffer:
         handle outlives the next call): new on every call."""
         ident = call_identity(self.state, plan.signature)[1]
         out = plan.send(tensors, (bad_host, ident) if plan.routed else (ident,))
+        if not plan.layout:  # a re-dispatch: its grouped rows alone
+            self._calls += 1
+            return out, [], []
         return self._sent_outputs(out, plan.in_place, plan.received, bool(plan.send.views))
 
     def _sent_outputs(self, out: list[torch.Tensor], in_place: bool, received: torch.Tensor | None,
                       views: bool) -> tuple[Rows, list[torch.Tensor], list[torch.Tensor]]:
-        """A send's outputs (``_send_launch``'s order) as ``_send`` returns them; the call counted.
-        ``received``: its receive rows; ``views``: the outputs end with the FP8 rows' views."""
+        """A send's outputs as its call returns them (``_send_launch``'s order, with the grouped
+        layout) as ``_send`` returns them; the call counted. ``received``: its receive rows;
+        ``views``: the outputs end with the FP8 rows' views."""
         self._calls += 1
         layout = out[:7]
         if in_place:
@@ -548,7 +557,7 @@ class Buffer:
             recv_x = mark(out[-3], out[-2], out[-1])
         else:
             recv_x = out[-1]
-        return recv_x, layout, out[7:15]
+        return recv_x, layout, out[7:14]
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send the rows of ``x`` (tokens, any hidden) along the routes of ``handle``, grouped as
@@ -570,7 +579,8 @@ class Buffer:
                   handle.expert_send_counts)
         out = self._direct(("redispatch",), (x, *routes))  # a learned layout: x's rows are the handle's tokens
         if out is not MISSED:
-            return self._sent_outputs(out, False, None, False)[0]
+            self._calls += 1
+            return out
         self._check_live()
         check_input(x, "x")
         if x.dim() != 2 or x.shape[0] != handle.tokens:
