@@ -58,14 +58,13 @@ def main() -> None:
     chunk_counts = torch.empty(moe.chunk_counts_shape(world, tokens, num_experts), dtype=torch.int32,
                                device=x.device)
     ids = torch.empty_like(h.topk_idx)
-    # the dispatch's kernels and sizes, as its first call made them
-    send = h.buffer._plan(tokens, x, low_latency, experts.dtype)
-    routes = {"dest": h.dest, "slot": h.slot, "send_counts": h.send_counts, "expert_slot": h.expert_slot,
-              "expert_counts": h.expert_send_counts}
+    # The dispatch kernel alone: its plan along known routes (a re-dispatch's), on the dispatch's routes.
+    send = h.buffer._plan(tokens, x, low_latency, None)
+    routes = (h.topk_idx, h.topk_w, h.expert_slot, h.slot, h.send_counts, h.expert_send_counts)
     steps = {
         "route": lambda: route(experts, h.dest, h.slot, h.send_counts, h.expert_slot, h.expert_send_counts, bad, ids,
                                chunk_counts, 0),
-        "send + group": lambda: h.buffer._send(x, h.topk_idx, h.topk_w, routes, send),
+        "send + group": lambda: h.buffer._send(send, (x, *routes)),
     }
     steps["moe_dispatch"] = lambda: ts.ops.moe_dispatch(x, experts, weights, num_experts, low_latency=low_latency)
     medians = torch.tensor([time_fn(fn, iters=args.iters, barrier=dist.barrier).median_ms * 1e3
