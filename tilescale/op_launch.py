@@ -255,7 +255,7 @@ class Output:
             one allocation for an op's small outputs instead of one each (their memory goes
             back when all of them are dropped). Needs ``dtype``.
         returned: Whether the call returns it; False: scratch the kernels write and read (a packed
-            output: no tensor is made for it, which costs an eager call ~0.5 us per tensor).
+            output: the C++ program makes, wraps and frees no tensor for it).
     """
 
     shape: tuple[int, ...]

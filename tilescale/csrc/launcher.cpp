@@ -379,11 +379,11 @@ class Program {
     std::vector<int64_t> made_as(outputs_.size(), -1);  // each output's place in `made` (-1: scratch)
     for (size_t i = 0; i < outputs_.size(); ++i) {
       const Output& o = outputs_[i];
-      auto dtype = o.dtype ? *o.dtype : first.scalar_type();
       if (o.scratch) {  // no tensor made: its bytes stay the packed allocation's, used in stream order
         addresses.push_back(reinterpret_cast<int64_t>(static_cast<char*>(packed.data_ptr()) + o.offset));
         continue;
       }
+      auto dtype = o.dtype ? *o.dtype : first.scalar_type();
       if (o.offset < 0) {
         made.push_back(allocate(first, o.shape, dtype));
       } else {  // a view of the packed bytes: one tensor made, no dispatcher calls
