@@ -3,12 +3,11 @@ against ``torch._grouped_mm`` (what a PyTorch user calls) on the same rows, one 
 
 Both GEMMs of an expert FFN (``x @ w1.T``: K = hidden, N = FFN; ``h @ w2.T``: K = FFN,
 N = hidden) at two layer shapes, with each tile ``grouped_gemm`` can take (``chosen``: its
-default) and, where no wide tile divides N, one whose columns do (``dividing_tile``), each
-result checked against torch's first, then timed in interleaved rounds (CUDA events, median
-of ``--iters`` per round, the median round reported). torch gets the valid rows sorted by
-expert (no padding); ``grouped_gemm`` the dispatch's layout, each expert's rows padded to
-128-row tiles, so its time includes that padding. ``TFLOPs`` counts the FLOPs of the rows
-that hold tokens. The first GEMM also runs on an FP8 dispatch's rows (what
+default), each result checked against torch's first, then timed in interleaved rounds (CUDA
+events, median of ``--iters`` per round, the median round reported). torch gets the valid
+rows sorted by expert (no padding); ``grouped_gemm`` the dispatch's layout, each expert's
+rows padded to 128-row tiles, so its time includes that padding. ``TFLOPs`` counts the
+FLOPs of the rows that hold tokens. The first GEMM also runs on an FP8 dispatch's rows (what
 ``ExpertParallelMoE(fp8_dispatch=True)`` feeds it), dequantised as they load: grouped FP8
 rows by TMA where K allows (``fp8 grouped``) and the same rows gathered through an identity
 index by ``cp.async`` (``fp8 gathered``, every FP8 GEMM's path before the TMA one), both
@@ -19,30 +18,18 @@ checked against torch's GEMM of the dequantised rows.
 """
 
 import argparse
-import dataclasses
 
 import torch
 from harness import Report, check_close, time_fn
 from moe import LAYER, SMALL_LAYER, routing, torch_grouped_mm
 
 import tilescale as ts
-from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224, TileConfig
+from tilescale.ops._gemm import DEFAULT, WIDE, WIDE_192, WIDE_224
 
 # A layer shape of DeepSeek-V3's proportions beside moe.py's (tokens, hidden, FFN, experts, top-k).
 SHAPES = (LAYER, (2048, 7168, 2048, 32, 8))
 TILES = {"chosen": None, "128x256": WIDE, "128x224": WIDE_224, "128x192": WIDE_192, "128x128": DEFAULT}
 ROUNDS = 5
-
-
-def dividing_tile(n: int) -> TileConfig | None:
-    """WIDE's recipe with the widest tile columns (a multiple of 16 below 256) that divide ``n``,
-    where none of ``TILES``' wide tiles does: an FFN of 1408 in 128x176 tiles computes no padding
-    columns, where 128x256 tiles compute 1536 (9% more); whether that beats the narrower tile's
-    lower speed per FLOP is what this row measures. None where a listed tile divides ``n``."""
-    if any(n % t.block_N == 0 for t in (WIDE, WIDE_224, WIDE_192)):
-        return None
-    width = next((w for w in range(240, 128, -16) if n % w == 0), None)
-    return None if width is None else dataclasses.replace(WIDE, block_N=width)
 
 
 def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
@@ -60,11 +47,8 @@ def gemm_rows(shape: tuple[int, int, int, int, int], iters: int) -> list[dict]:
         w = (torch.randn(num_experts, n, k, device=ts.device()) / k**0.5).to(torch.bfloat16)
         dense = a[valid][order].contiguous()
         plans = {"torch._grouped_mm": lambda d=dense, w=w: torch_grouped_mm(d, w, ends)}
-        tiles = dict(TILES)
-        if (exact := dividing_tile(n)) is not None:
-            tiles[f"128x{exact.block_N}"] = exact
         plans.update({f"grouped_gemm {label}": (lambda a=a, w=w, t=tile: ts.ops.grouped_gemm(a, w, row_expert, tile=t))
-                      for label, tile in tiles.items()})
+                      for label, tile in TILES.items()})
         wants = {label: plans["torch._grouped_mm"]().float() for label in plans if label != "torch._grouped_mm"}
         if k == hidden:  # FP8 rows as an FP8 dispatch groups them: the same layout as the bf16 dispatch's
             (values, scales), _, _, h8 = ts.ops.moe_dispatch(ts.ops.moe.quantize_fp8(x), experts, weights,
