@@ -158,6 +158,7 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
     merged = ts.nn.MergedColumnParallelLinear(1024, [1024, 1024], dtype=BF16)
     row = ts.nn.RowParallelLinear(1024, 1024, dtype=BF16, sequence_parallel=False)
     redispatch_x = torch.randn(tokens, hidden, device=dev, dtype=BF16)
+    gate_up = torch.randn(tokens, 2 * 512, device=dev, dtype=BF16)  # the EP layer's first GEMM output, ffn 512
 
     def dispatch_combine():
         rx, rw, _, h = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
@@ -200,6 +201,7 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         "ops.moe dispatch + combine": dispatch_combine,
         "ops.moe_redispatch 128 tok": lambda: ts.ops.moe_redispatch(redispatch_x, handle),
         "ops.grouped_gemm": lambda: ts.ops.grouped_gemm(recv_x, local_w, handle.row_expert),
+        "ops.silu_and_mul 128 rows": lambda: ts.ops.silu_and_mul(gate_up),
         "nn.ColumnParallelLinear forward 64 rows": lambda: column(rows),
         "nn.MergedColumnParallelLinear forward 64 rows": lambda: merged(rows),
         "nn.RowParallelLinear forward 128 rows (all-reduce)": lambda: row(decode),

@@ -41,6 +41,12 @@ def test_example(example):
 
 
 @pytest.mark.timeout(300)
+def test_silu_and_mul_serves_every_row_count():
+    proc = run(str(RANKS / "activation_check.py"), ranks=1, share=[])
+    assert proc.returncode == 0 and "ACT-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
 def test_symmetric_tensors_under_mpirun():
     proc = run("--launcher", "mpirun", "examples/symmetric_tensors.py")
     assert proc.returncode == 0

@@ -32,17 +32,19 @@ def _silu(x):
 
 
 @jit
-def silu_and_mul_kernel(rows: int, ffn: int, dtype: str):
+def silu_and_mul_kernel(ffn: int, dtype: str):
     """``out[i, j] = silu(h[i, j]) * h[i, ffn + j]`` in float32, rounded once to ``dtype``.
 
+    The row count is a dynamic size: one kernel serves every batch of rows.
+
     Args:
-        rows: Rows of ``h`` and ``out``.
         ffn: Columns of ``out`` (``h`` has twice as many: the gate, then the up projection).
         dtype: TileLang dtype of ``h`` and ``out``.
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
+    rows = T.dynamic("rows")
 
     @T.prim_func
     def main(h: T.Tensor((rows, 2 * ffn), dtype), out: T.Tensor((rows, ffn), dtype)):
@@ -82,5 +84,5 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     rows, ffn = h.shape[0], h.shape[1] // 2
     out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
     if rows and ffn:
-        silu_and_mul_kernel(rows, ffn, tl_dtype(h))(h, out)
+        silu_and_mul_kernel(ffn, tl_dtype(h))(h, out)
     return out
