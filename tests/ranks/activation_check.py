@@ -1,7 +1,8 @@
-"""Rank program: ``ts.ops.silu_and_mul`` on this rank's device at row counts one kernel serves
-(the row count is a run-time argument), against torch's composition.
+"""Rank program: ``ts.ops.silu_and_mul`` on this rank's device against torch's composition, at
+row counts one kernel serves (the row count is a run-time argument), and its refusals of bad input.
 
-    tilescale run -n 1 tests/ranks/activation_check.py
+    tilescale run -n 1 tests/ranks/activation_check.py          # a GPU (tests/test_gpu.py)
+    tilescale run -n 1 --cpu tests/ranks/activation_check.py    # the CPU path (tests/test_activation.py)
 """
 
 import torch
@@ -10,15 +11,28 @@ import tilescale as ts
 
 ts.init()
 g = torch.Generator(device=ts.device()).manual_seed(0)
-# Rows not a multiple of the block's 8, an MoE layer's grouped rows, columns not a multiple of a vector.
-for rows, ffn, dtype in [(1, 1408, torch.bfloat16), (37, 1408, torch.bfloat16), (24577, 1408, torch.bfloat16),
-                         (24576, 1408, torch.bfloat16), (300, 5, torch.float16), (64, 768, torch.float32)]:
+# Rows and columns past the block's (8 x 256), columns not a multiple of a vector (300, 5), an MoE
+# layer's grouped rows and one more: each (ffn, dtype) one kernel for every row count.
+for rows, ffn, dtype in [(37, 300, torch.bfloat16), (16, 512, torch.float16), (9, 5, torch.float32),
+                         (1, 1408, torch.bfloat16), (24576, 1408, torch.bfloat16), (24577, 1408, torch.bfloat16),
+                         (64, 768, torch.float32)]:
     h = (torch.randn(rows, 2 * ffn, generator=g, device=ts.device()) * 4).to(dtype)
     gate, up = h.chunk(2, -1)
     want = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
     got = ts.ops.silu_and_mul(h)
+    assert got.shape == (rows, ffn) and got.dtype == dtype, (got.shape, got.dtype)
+    # one rounding of the same float32 value (sigmoid's form may move the last float32 bit)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    if dtype != torch.float32:  # one rounding of the same float32 value: equal but for rare ties
+    if dtype != torch.float32:  # rounded to 16 bits: equal but for rare ties
         assert (got != want).float().mean() < 0.01, (rows, ffn, dtype)
-print(f"rank {ts.rank()}: silu_and_mul matches torch at 6 shapes ACT-OK", flush=True)
+assert ts.ops.silu_and_mul(torch.empty(0, 8, dtype=torch.bfloat16, device=ts.device())).shape == (0, 4)
+for bad, what in [(torch.zeros(4, 7), ValueError), (torch.zeros(8), ValueError),
+                  (torch.zeros(4, 8, dtype=torch.int32), ValueError), (torch.zeros(8, 4).T, ValueError)]:
+    try:
+        ts.ops.silu_and_mul(bad.to(ts.device()))
+    except what as e:
+        print("refused:", e)
+    else:
+        raise AssertionError(f"accepted {tuple(bad.shape)} {bad.dtype}")
+print(f"rank {ts.rank()}: silu_and_mul matches torch ACT-OK", flush=True)
 ts.finalize()
