@@ -574,7 +574,7 @@ class Direct:
         self.limit = limit
         self._sites = PlanCache(limit)  # by site: the C++ site, the device's index, the module's DeviceWaitFailed
 
-    def __call__(self, site: tuple, tensors: tuple, scalars: tuple = ()) -> Any:
+    def __call__(self, site: tuple, tensors: tuple, scalars: tuple = (), found: Any = None) -> Any:
         """The call's outputs (as its OpLaunch returns them), or :data:`MISSED`.
 
         Args:
@@ -582,10 +582,13 @@ class Direct:
             tensors: The call's tensors.
             scalars: The call's scalars other than its identity, which comes last (a dispatch's
                 id-check word; a combine's signature, which names its dispatch and no call number).
+            found: What :meth:`find` gave for ``site`` just before, if the caller asked (one
+                lookup a call, not two).
         """
-        found = self._sites.get(site)
-        if found is None or _MODE != "1":
-            return MISSED
+        if found is None:
+            found = self.find(site)
+            if found is None:
+                return MISSED
         native, device, wait_failed = found
         try:
             return native.call(tensors, torch._C._cuda_getCurrentRawStream(device), scalars)
@@ -595,10 +598,11 @@ class Direct:
             runtime.check_device_waits()
             raise
 
-    def knows(self, site: tuple) -> bool:
-        """Whether calls at ``site`` may go direct: a program learned there, native launches on (a
-        caller with per-call work before the call, such as a dispatch's id-check word, asks first)."""
-        return _MODE == "1" and self._sites.get(site) is not None
+    def find(self, site: tuple) -> Any:
+        """The site's entry if calls at ``site`` may go direct (a program learned there, native
+        launches on), else None. A caller with per-call work before the call (a dispatch's
+        id-check word) asks first, and passes the entry to the call as ``found``."""
+        return self._sites.get(site) if _MODE == "1" else None
 
     def learn(self, site: tuple, call: OpLaunch, tensors: tuple, state: Any = None, sig: int | None = None) -> None:
         """After a call through the op's path that ran ``call`` on ``tensors`` with the identity of

@@ -1,5 +1,7 @@
 """Rank program: ``ts.ops.silu_and_mul`` on this rank's device against torch's composition, at
-row counts one kernel serves (the row count is a run-time argument), and its refusals of bad input.
+row counts one kernel serves (the row count is a run-time argument), repeated calls of a row count
+(its first call the kernel's own, then an OpLaunch that learns, then on a GPU straight from C++) among
+other counts and in a CUDA graph, and its refusals of bad input, also of a layout learned before.
 
     tilescale run -n 1 tests/ranks/activation_check.py          # a GPU (tests/test_gpu.py)
     tilescale run -n 1 --cpu tests/ranks/activation_check.py    # the CPU path (tests/test_activation.py)
@@ -25,6 +27,29 @@ for rows, ffn, dtype in [(37, 300, torch.bfloat16), (16, 512, torch.float16), (9
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     if dtype != torch.float32:  # rounded to 16 bits: equal but for rare ties
         assert (got != want).float().mean() < 0.01, (rows, ffn, dtype)
+
+from tilescale.ops import activation  # noqa: E402
+
+# Repeated calls, two row counts interleaved, new values each time: every path gives torch's result.
+for _ in range(6):
+    for rows in (128, 33):
+        h = (torch.randn(rows, 2 * 512, generator=g, device=ts.device()) * 4).to(torch.bfloat16)
+        want = (torch.nn.functional.silu(h[:, :512].float()) * h[:, 512:].float()).to(torch.bfloat16)
+        torch.testing.assert_close(ts.ops.silu_and_mul(h), want, rtol=1e-2, atol=1e-2)
+if ts.device().type == "cuda" and activation._direct.find(activation._SITE) is not None:
+    print("direct calls: yes", flush=True)
+    graph = torch.cuda.CUDAGraph()  # a capture takes the op's path; the replay reads h as it is then
+    with torch.cuda.graph(graph):
+        captured = ts.ops.silu_and_mul(h)
+    h.copy_((torch.randn(h.shape, generator=g, device=ts.device()) * 4).to(torch.bfloat16))
+    graph.replay()
+    want = (torch.nn.functional.silu(h[:, :512].float()) * h[:, 512:].float()).to(torch.bfloat16)
+    torch.testing.assert_close(captured, want, rtol=1e-2, atol=1e-2)
+elif ts.device().type == "cuda":
+    raise AssertionError("silu_and_mul: repeated calls of a row count did not go straight to C++")
+# A layout learned (contiguous float32 (4, 8)) and the same shape not contiguous: still refused.
+for _ in range(3):
+    ts.ops.silu_and_mul(torch.zeros(4, 8, device=ts.device()))
 assert ts.ops.silu_and_mul(torch.empty(0, 8, dtype=torch.bfloat16, device=ts.device())).shape == (0, 4)
 for bad, what in [(torch.zeros(4, 7), ValueError), (torch.zeros(8), ValueError),
                   (torch.zeros(4, 8, dtype=torch.int32), ValueError), (torch.zeros(8, 4).T, ValueError)]:

@@ -291,6 +291,7 @@ for low_latency in (False, True):
     (values, scales), recv_w, counts, h = ts.ops.moe_dispatch(moe.quantize_fp8(x), topk_idx, topk_w, num_experts,
                                                               low_latency=low_latency, max_tokens=16)
     assert values.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (values.shape[0], fp8_hidden // 128)
+    assert moe.fp8.marked_rows((values, scales)) is not None  # marked in the layout its views have: no pack copy
     valid = h.row_expert >= 0
     assert torch.equal(h.row_expert, ref.row_expert) and torch.equal(counts, ref_counts), low_latency
     assert torch.equal(recv_w, ref_w) and torch.equal(h.source_row, ref.source_row), low_latency

@@ -112,7 +112,8 @@ def moe(mode: str) -> None:
                 sent = ts.ops.moe.quantize_fp8(x) if variant == "fp8" else x
                 recv_x, recv_w, counts, handle = ts.ops.moe_dispatch(sent, idx, w, experts, low_latency=low_latency,
                                                                       max_tokens=tokens, in_place=variant == "in place")
-                if variant == "fp8":
+                if variant == "fp8":  # the grouped pair marked in its views' layout (a later pack: no copy)
+                    assert ts.ops.moe.fp8.marked_rows(recv_x) is not None
                     x, recv_x = ts.ops.moe.dequantize_fp8(*sent), ts.ops.moe.dequantize_fp8(*recv_x)
                 elif variant == "in place":
                     recv_x = recv_x[handle.source_row.clamp(min=0).long()]  # grouped rows through the index

@@ -17,13 +17,23 @@ import torch
 
 import tilescale.language as T
 from tilescale.jit import jit
-from tilescale.ops._common import check_input, tl_dtype
+from tilescale.op_launch import MISSED, Direct, OpLaunch
+from tilescale.ops._common import check_input, layout_key, tl_dtype
+from tilescale.plans import PlanCache
 
 # Each block: BLOCK_ROWS rows x BLOCK_COLS output columns, 16 elements a thread (vector loads
 # of 16-bit values two 16-byte words wide).
 BLOCK_ROWS = 8
 BLOCK_COLS = 256
 THREADS = 128
+
+# A row count's calls: the first through the kernel's own call (a batch size seen once, as in
+# prefill, teaches no launch), later ones through an OpLaunch (by layout of h), which learns its
+# launch at its first two calls; then straight from C++ (op_launch.Direct: one site, a program
+# per row count). Its own cache: a stream of row counts must not push other ops' plans out.
+_launches = PlanCache()
+_direct = Direct()
+_SITE = ("silu_and_mul",)
 
 
 def _silu(x):
@@ -78,11 +88,26 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
         ValueError: ``h`` is not 2-D with an even number of columns, or not contiguous.
         TypeError: ``h``'s dtype is not a floating one the kernels handle.
     """
+    out = _direct(_SITE, (h,))  # a layout whose launch was learned: its first call made the checks
+    if out is not MISSED:
+        return out
     check_input(h, "h")
     if h.dim() != 2 or h.shape[1] % 2 or not h.dtype.is_floating_point:
         raise ValueError(f"silu_and_mul: h must be (rows, 2 * ffn) floating rows, got {tuple(h.shape)} {h.dtype}")
     rows, ffn = h.shape[0], h.shape[1] // 2
-    out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
-    if rows and ffn:
-        silu_and_mul_kernel(ffn, tl_dtype(h))(h, out)
+    if not (rows and ffn):
+        return torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
+    kernel = silu_and_mul_kernel(ffn, tl_dtype(h))
+    key = layout_key(h)
+    launch = _launches.get(key)
+    if launch is None:  # the layout's first call
+        _launches.put(key, False)
+    elif launch is False:  # its second: from now on through a launch that learns
+        launch = _launches.put(key, OpLaunch([(kernel, lambda t, o, s: (t[0], o[0]))], [(rows, ffn)]))
+    if not launch:
+        out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
+        kernel(h, out)
+        return out
+    out = launch((h,))
+    _direct.learn(_SITE, launch, (h,))  # once learned (outside captures): later calls go direct
     return out

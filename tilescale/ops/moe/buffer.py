@@ -49,6 +49,7 @@ from tilescale.ops.moe.fp8 import (
     marked_rows,
     pack,
     packed_width,
+    pair_layout,
     pair_views,
     quantize_fp8,
     unpack,
@@ -213,7 +214,10 @@ class Buffer:
         for low_latency in (False, True):
             self._flags_of(low_latency, received)
         self._returned(hidden, torch.bfloat16 if self.fp8 else dtype)
+        # An FP8 dispatch's grouped (values, scales) views, as its call makes them (fp8.mark).
+        self._pair_layout = pair_layout(self.rows, hidden) if self.fp8 else None
         device = runtime.device()
+        self._routes_end = 13 if device.type == "cuda" else 14  # a call's outputs past its routes (_send_launch)
         self._sends = torch.zeros(3, dtype=torch.int32, device=device)  # the dispatch's T.count_call state
         self._calls = 0  # dispatch kernels issued (the host's count; in-place rows are valid until the next)
         self._combines = torch.zeros(1, dtype=torch.int32, device=device)
@@ -371,14 +375,15 @@ class Buffer:
         ``op_launch.Direct``), whose first call made every check one rank decides from them; the
         ranks' agreement is the kernels', as on every call. :data:`MISSED`: nothing done."""
         site = ("dispatch", low_latency, in_place)
-        if not self._direct.knows(site):
+        found = self._direct.find(site)
+        if found is None:
             return MISSED
         sent = x if isinstance(x, torch.Tensor) else marked_rows(x) if is_fp8(x) and len(x) == 2 else None
         if sent is None:
             return MISSED
         watch = watch_ids(topk_idx, self.num_experts)  # sites exist on GPUs only: a pinned word the routing stores into
         try:
-            out = self._direct(site, (sent, topk_idx, topk_weights), (watch,))
+            out = self._direct(site, (sent, topk_idx, topk_weights), (watch,), found)
         except BaseException:  # a failed wait recorded, a refused launch: no kernel stores the word
             withdraw_watch()
             raise
@@ -392,7 +397,7 @@ class Buffer:
                 routes: list[torch.Tensor], in_capture: bool,
                 ) -> tuple[Rows, torch.Tensor, torch.Tensor, DispatchHandle]:
         """A routed dispatch's result (``_send``'s rows, layout and routes; ``weights`` as sent)."""
-        dest, slot, send_counts, expert_slot, expert_counts, _, idx = routes
+        dest, slot, send_counts, expert_slot, expert_counts, *_, idx = routes  # *_: bad, on the CPU path
         handle = self._handle(tokens, idx, weights, expert_slot, dest, slot, send_counts, expert_counts, layout)
         if not in_capture:
             raise_bad_ids()
@@ -490,7 +495,8 @@ class Buffer:
         each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r is its
         order among this rank's tokens going to r), then the grouped rows unless
         ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
-        are packed in one allocation. A call returns them all but the chunk counts, and the
+        are packed in one allocation. A call returns them all but the chunk counts, ``bad`` only
+        on the CPU path (a GPU's count reaches the host word ``watch_ids`` gave), and the
         grouped layout only where ``layout`` (a re-dispatch returns its rows alone): the others
         are scratch. ``fp8_pair``: a dispatch of FP8 byte rows, whose grouped rows the call also
         returns as their ``(values, scales)`` views (``fp8.unpack``'s layout).
@@ -504,7 +510,10 @@ class Buffer:
             ((rows,), torch.float32), ((rows,), i32), ((rows,), i32))]
         if route is not None:
             outputs += [Output(shape, i32, packed=True) for shape in (
-                (world, held), (world, held), (world,), (held, topk), (self.num_experts,), (1,), (held, topk))]
+                (world, held), (world, held), (world,), (held, topk), (self.num_experts,))]
+            # The count of bad ids: on GPUs the routing stores it in the call's pinned host word (watch_ids).
+            outputs += [Output((1,), i32, packed=True, returned=not received.is_cuda), Output((held, topk), i32,
+                                                                                           packed=True)]
             outputs.append(Output(chunk_counts_shape(world, held, self.num_experts), i32, packed=True, returned=False))
         unused = torch.empty(1, received.shape[-1], dtype=received.dtype, device=received.device) if in_place else None
         views = []
@@ -553,11 +562,11 @@ class Buffer:
             layout[5]._ts_in_place = (self, self._calls, recv_x.shape[0])  # source_row, for check_in_place_rows
             if self.fp8:  # the received bytes' (values, scales)
                 recv_x = unpack(recv_x, self.hidden)
-        elif views:  # FP8: the grouped bytes' (values, scales)
-            recv_x = mark(out[-3], out[-2], out[-1])
+        elif views:  # FP8: the grouped bytes' (values, scales), in the layout the views were made in
+            recv_x = mark(out[-3], out[-2], out[-1], self._pair_layout)
         else:
             recv_x = out[-1]
-        return recv_x, layout, out[7:14]
+        return recv_x, layout, out[7:self._routes_end]
 
     def redispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send the rows of ``x`` (tokens, any hidden) along the routes of ``handle``, grouped as
@@ -655,10 +664,11 @@ class Buffer:
         key = (expert_out.shape[1], expert_out.dtype)
         plan = self._combines_by.get(key)
         site = ("combine", *key)
-        if plan is None or not self._direct.knows(site):
+        found = None if plan is None else self._direct.find(site)
+        if found is None:
             return MISSED
         tensors = (expert_out, recv_weights, handle.position, handle.recv_counts, handle.dest, handle.slot)
-        out = self._direct(site, tensors, (numbered_signature(plan[2], handle.dispatch, "dispatch"),))
+        out = self._direct(site, tensors, (numbered_signature(plan[2], handle.dispatch, "dispatch"),), found)
         if out is not MISSED:
             raise_bad_ids()  # after the launch: the peers' combines wait for this one
         return out

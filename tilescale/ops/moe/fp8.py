@@ -221,13 +221,24 @@ def pair_views(of: int, rows: int, hidden: int) -> list[View]:
             View(of, (rows, hidden // BLOCK), torch.float32, (width // 4, 1), hidden // 4)]
 
 
-def mark(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mark(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+         layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)``, views of the packed ``rows`` as :func:`unpack` lays them out, marked
     so that :func:`pack` gives ``rows`` back at once while both keep this layout (the checks of
     any other pair cost several microseconds of each dispatch's host time); a tensor made from
-    either view has no such mark."""
-    values._ts_rows = scales._ts_rows = (rows, _layout(values, scales))
+    either view has no such mark. ``layout``: the views' layout where the caller knows it
+    (:func:`pair_layout`; None: read from them)."""
+    values._ts_rows = scales._ts_rows = (rows, _layout(values, scales) if layout is None else layout)
     return values, scales
+
+
+def pair_layout(rows: int, hidden: int) -> tuple:
+    """The layout (:func:`_layout`'s) of :func:`unpack`'s views of ``rows`` packed rows of
+    ``hidden`` channels in an allocation of their own (storage offset 0), such as
+    :func:`pair_views` makes: known before the views are, so a call that makes them need not
+    read it back from them."""
+    width = packed_width(hidden)
+    return ((rows, hidden), (width, 1), 0, (rows, hidden // BLOCK), (width // 4, 1), hidden // 4)
 
 
 def _layout(values: torch.Tensor, scales: torch.Tensor) -> tuple:
