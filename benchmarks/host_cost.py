@@ -164,6 +164,10 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         rx, rw, _, h = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True)
         return ts.ops.moe_combine(rx, rw, h)
 
+    def in_place_gemm():  # the decode layer's first GEMM: the received rows where they landed, through the index
+        rx, _, _, h = ts.ops.moe_dispatch(moe_x, moe_idx, moe_w, experts, low_latency=True, in_place=True)
+        return ts.ops.grouped_gemm(rx, local_w, h.row_expert, index=h.source_row)
+
     def three_adds():
         x4k.add_(0)
         x4k.add_(0)
@@ -201,6 +205,7 @@ def calls_to_measure() -> dict[str, Callable[[], object]]:
         "ops.moe dispatch + combine": dispatch_combine,
         "ops.moe_redispatch 128 tok": lambda: ts.ops.moe_redispatch(redispatch_x, handle),
         "ops.grouped_gemm": lambda: ts.ops.grouped_gemm(recv_x, local_w, handle.row_expert),
+        "ops.moe_dispatch in place + grouped_gemm through its index": in_place_gemm,
         "ops.silu_and_mul 128 rows": lambda: ts.ops.silu_and_mul(gate_up),
         "nn.ColumnParallelLinear forward 64 rows": lambda: column(rows),
         "nn.MergedColumnParallelLinear forward 64 rows": lambda: merged(rows),

@@ -209,6 +209,27 @@ def grouped(mode: str) -> None:
     made = op_launch.counts()["direct calls"] - direct
     assert (made > 0) == (mode == "1"), (mode, made)
     print(f"[rank {rank}] {mode} grouped_gemm on dispatch layouts ok, {made} direct calls", flush=True)
+    # In place: the received rows through the dispatch's index (direct from the third call in mode
+    # 1), and the index of an earlier dispatch refused once a later one went through the buffer.
+    direct = op_launch.counts()["direct calls"]
+    for tokens in (96, 40) * CALLS:
+        x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, num_experts, device=dev).topk(2, dim=1)
+        recv_x, _, _, handle = ts.ops.moe_dispatch(x, ids, weights, num_experts, max_tokens=96, in_place=True)
+        got = ts.ops.grouped_gemm(recv_x, expert_w, handle.row_expert, index=handle.source_row)
+        held = handle.row_expert >= 0
+        rows_in = recv_x[handle.source_row[held].long()].float()
+        expected = torch.einsum("rk,rnk->rn", rows_in, expert_w.float()[handle.row_expert[held].long()])
+        assert_close(got[held].float(), expected, atol=0.05, rtol=0.02)
+    made = op_launch.counts()["direct calls"] - direct
+    assert (made > 0) == (mode == "1"), (mode, made)
+    ts.ops.moe_dispatch(x, ids, weights, num_experts, max_tokens=96, in_place=True)  # the rows above: stale
+    try:
+        ts.ops.grouped_gemm(recv_x, expert_w, handle.row_expert, index=handle.source_row)
+        raise AssertionError("grouped_gemm read in-place rows a later dispatch may have overwritten")
+    except RuntimeError as e:
+        assert "no longer valid" in str(e), e
+    print(f"[rank {rank}] {mode} grouped_gemm through in-place indexes ok, {made} direct calls", flush=True)
 
 
 def waits(mode: str) -> None:

@@ -298,12 +298,21 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     # Only a tile left to the choice depends on the segments' size (one plan for an explicit tile).
     small = tile is None and rows_per_expert is not None and rows_per_expert <= SMALL_SEGMENT_ROWS
     made_for = getattr(row_expert, "_ts_experts", None)  # moe_dispatch's layout: its experts
-    # A dispatch's grouped bf16 rows: nothing to check per call but the layouts (made_for keys the
-    # site: its calls' w had these layouts, so as many experts as checked), so calls go straight
-    # to the learned program (op_launch.Direct); rows through an index or FP8 rows take the path below.
-    site = (tile, small, made_for) if made_for is not None and scales is None and index is None else None
-    if site is not None and (out := _direct(site, (x, w, row_expert))) is not MISSED:
-        return out
+    # A dispatch's bf16 rows, grouped or in place through its own index: nothing to check per call
+    # but the layouts (made_for keys the site: its calls' w had these layouts, so as many experts
+    # as checked) and, in place, that no later dispatch has overwritten the rows; so calls go
+    # straight to the learned program (op_launch.Direct). Other indexes (checked on the device)
+    # and FP8 rows take the path below.
+    in_place = index is not None and getattr(index, "_ts_in_place", None) is not None
+    direct = made_for is not None and scales is None and (index is None or in_place)
+    site = (tile, small, made_for, in_place) if direct else None
+    tensors = (x, w, row_expert) if index is None else (x, w, row_expert, index)
+    found = None if site is None else _direct.find(site)
+    if found is not None:
+        if in_place and isinstance(x, torch.Tensor):
+            check_in_place_rows(index, x.shape[0])  # every call: its rows may be stale by now
+        if (out := _direct(site, tensors, (), found)) is not MISSED:
+            return out
     key = ("grouped_gemm", layout_key(x), layout_key(w), layout_key(row_expert),
            "none" if scales is None else layout_key(scales), "none" if index is None else layout_key(index), tile,
            small)
@@ -315,7 +324,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor, sca
     launch, call = plan
     out = launch(x, w, row_expert, scales, index)
     if site is not None:
-        _direct.learn(site, call, (x, w, row_expert))
+        _direct.learn(site, call, tensors)
     return out
 
 
