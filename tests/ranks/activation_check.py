@@ -10,6 +10,9 @@ other counts and in a CUDA graph, and its refusals of bad input, also of a layou
 import torch
 
 import tilescale as ts
+from tilescale.op_launch import OpLaunch
+from tilescale.ops import activation
+from tilescale.ops._common import layout_key
 
 ts.init()
 g = torch.Generator(device=ts.device()).manual_seed(0)
@@ -28,14 +31,20 @@ for rows, ffn, dtype in [(37, 300, torch.bfloat16), (16, 512, torch.float16), (9
     if dtype != torch.float32:  # rounded to 16 bits: equal but for rare ties
         assert (got != want).float().mean() < 0.01, (rows, ffn, dtype)
 
-from tilescale.ops import activation  # noqa: E402
-
 # Repeated calls, two row counts interleaved, new values each time: every path gives torch's result.
 for _ in range(6):
     for rows in (128, 33):
         h = (torch.randn(rows, 2 * 512, generator=g, device=ts.device()) * 4).to(torch.bfloat16)
         want = (torch.nn.functional.silu(h[:, :512].float()) * h[:, 512:].float()).to(torch.bfloat16)
         torch.testing.assert_close(ts.ops.silu_and_mul(h), want, rtol=1e-2, atol=1e-2)
+# The plans: a row count called once keeps no launch (prefill's ever new batch sizes learn
+# nothing); one called again runs through an OpLaunch, one per layout.
+once = torch.zeros(77, 2 * 512, dtype=torch.bfloat16, device=ts.device())
+ts.ops.silu_and_mul(once)
+assert activation._launches.get(layout_key(once)) is False
+launches = [activation._launches.get(layout_key(torch.empty(rows, 2 * 512, dtype=torch.bfloat16, device=ts.device())))
+            for rows in (128, 33)]
+assert all(isinstance(launch, OpLaunch) for launch in launches) and launches[0] is not launches[1], launches
 if ts.device().type == "cuda" and activation._direct.find(activation._SITE) is not None:
     print("direct calls: yes", flush=True)
     graph = torch.cuda.CUDAGraph()  # a capture takes the op's path; the replay reads h as it is then
