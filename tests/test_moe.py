@@ -71,6 +71,8 @@ def test_quantized_rows_are_the_dispatch_layout(tmp_path):
             assert torch.equal(moe.fp8.pack((values.contiguous(), scales.contiguous())), rows)
             assert moe.fp8.pack((values, scales)) is rows  # unpack's pair: its rows at once
             assert moe.fp8.marked_rows((values, scales)) is rows  # what a direct dispatch sends
+            # the layout a dispatch marks its grouped pair with, known before its views are made
+            assert moe.fp8.pair_layout(tokens, hidden) == moe.fp8._layout(values, scales)
             assert moe.fp8.marked_rows((values.contiguous(), scales.contiguous())) is None
             reshaped, reshaped_scales = moe.quantize_fp8(x)
             reshaped.t_()  # no longer the layout unpack made: checked (and refused) as any other pair
