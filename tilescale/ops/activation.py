@@ -100,17 +100,16 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     rows, ffn = h.shape[0], h.shape[1] // 2
     if not (rows and ffn):
         return torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
-    kernel = silu_and_mul_kernel(ffn, tl_dtype(h))
     key = layout_key(h)
     launch = _launches.get(key)
-    if launch is None:  # the layout's first call
+    if launch is None:  # the layout's first call: the kernel's own call
         _launches.put(key, False)
-    elif launch is False:  # its second: from now on through a launch that learns
-        launch = _launches.put(key, OpLaunch([(kernel, lambda t, o, s: (t[0], o[0]))], [(rows, ffn)]))
-    if not launch:
         out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
-        kernel(h, out)
+        silu_and_mul_kernel(ffn, tl_dtype(h))(h, out)
         return out
+    if launch is False:  # its second: from now on through a launch that learns
+        kernel = silu_and_mul_kernel(ffn, tl_dtype(h))
+        launch = _launches.put(key, OpLaunch([(kernel, lambda t, o, s: (t[0], o[0]))], [(rows, ffn)]))
     out = launch((h,))
     _direct.learn(_SITE, launch, (h,))  # once learned (outside captures): later calls go direct
     return out

@@ -233,12 +233,11 @@ def mark(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 
 
 def pair_layout(rows: int, hidden: int) -> tuple:
-    """The layout (:func:`_layout`'s) of :func:`unpack`'s views of ``rows`` packed rows of
-    ``hidden`` channels in an allocation of their own (storage offset 0), such as
-    :func:`pair_views` makes: known before the views are, so a call that makes them need not
-    read it back from them."""
-    width = packed_width(hidden)
-    return ((rows, hidden), (width, 1), 0, (rows, hidden // BLOCK), (width // 4, 1), hidden // 4)
+    """The layout (:func:`_layout`'s) of the views :func:`pair_views` makes of ``rows`` packed rows
+    of ``hidden`` channels in an allocation of their own (storage offset 0): known before the views
+    are, so a call that makes them need not read it back from them."""
+    values, scales = pair_views(0, rows, hidden)
+    return (values.shape, values.strides, values.offset, scales.shape, scales.strides, scales.offset)
 
 
 def _layout(values: torch.Tensor, scales: torch.Tensor) -> tuple:
