@@ -13,6 +13,7 @@ baseline cannot be captured: it reads the split sizes on the host).
     tilescale run -n 2 benchmarks/moe.py --rows bf16,fp8  # which rows to dispatch (bf16, fp8, in-place)
     tilescale run -n 2 --cpu benchmarks/moe.py --small
     tilescale run -n 1 benchmarks/moe.py --floor          # each step's own cost beside its floor
+    tilescale run -n 1 benchmarks/moe.py --floor --cases low-latency=128x7168x8x256   # those exchanges alone
     tilescale run -n 2 benchmarks/moe.py --cases normal=2048x4096x6x64 --layer 1024x2048x768x32x4   # other sizes
 
 ``--floor`` (a one-rank job: no link, every expert local) times each step eagerly and as a CUDA
@@ -350,18 +351,21 @@ def expert_gemm_rows(shape: tuple[int, int, int, int, int], rate: float, iters: 
              **({"checks": checks} if label == "grouped rows" else {})} for label, t in times.items()]
 
 
-def floor_rows(iters: int, small: bool) -> Iterator[dict]:
+def floor_rows(iters: int, small: bool, cases: dict[str, tuple[int, ...]] | None = None) -> Iterator[dict]:
     """One rank: dispatch (bf16, FP8, low-latency), combine and the layer, each eager and
     replayed, beside the HBM / tensor-core floor of what it must move or compute; rows are
-    yielded as they are measured."""
+    yielded as they are measured. ``cases`` (``--cases``): those exchanges alone, no layer."""
     if ts.world_size() != 1:
         raise SystemExit("--floor is a one-rank job: tilescale run -n 1 benchmarks/moe.py --floor")
     bandwidth, rate = copy_bandwidth(iters, small), gemm_rate(iters, small)
     context = {"copy_GBps": bandwidth / 1e9, "gemm_TFLOPs": rate / 1e12}
-    for case, fp8 in (("normal", False), ("normal", True), ("low-latency", False), ("low-latency", True)):
-        for in_place in (False, True):
-            for row in floor_case(case, fp8, (SMALL if small else CASES)[case], bandwidth, iters, in_place=in_place):
-                yield {**row, **context}
+    for case, shape in (cases or (SMALL if small else CASES)).items():
+        for fp8 in (False, True):
+            for in_place in (False, True):
+                for row in floor_case(case, fp8, shape, bandwidth, iters, in_place=in_place):
+                    yield {**row, **context}
+    if cases:
+        return
     for row in expert_gemm_rows(SMALL_LAYER if small else LAYER, rate, iters):
         yield {**row, **context}
     shape = SMALL_LAYER if small else LAYER
@@ -448,7 +452,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rows", default="bf16,fp8,in-place", help=f"dispatched rows, of {', '.join(VARIANTS)}")
     parser.add_argument("--cases", default="", help="other sizes: case=TOKENSxHIDDENxTOPKxEXPERTS,... (case: "
-                        "normal, low-latency; the cases named only)")
+                        "normal, low-latency; the cases named only; with --floor: their exchanges alone, no layer)")
     parser.add_argument("--layer", default="", help="the layer's size: TOKENSxHIDDENxFFNxEXPERTSxTOPK")
     args = parser.parse_args()
     cases = dict(named_sizes(args.cases, CASES, 4)) or (SMALL if args.small else CASES)
@@ -459,7 +463,7 @@ def main() -> None:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
                                               "in_graph_us", "floor_us", "graph_over_floor", "eager_over_grouped",
                                               "torch_same_bytes_us", "graph_over_torch", "torch_layer_us"])
-        for row in floor_rows(args.iters, args.small):
+        for row in floor_rows(args.iters, args.small, dict(named_sizes(args.cases, CASES, 4))):
             report.add(row)
             report.save()  # after every step: a job cut off at its time limit keeps what it measured
         report.print_table()

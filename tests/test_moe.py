@@ -391,7 +391,10 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, tm
         assert "__restrict__" not in src
         # Every source's counts (equal to its dispatch count + 1), then each peer group's progress.
         assert "tilescale::block_wait((&(arrived[" in src and "tilescale::block_wait((&(progress[" in src
-        assert "CumSum2D<128, 0, false>" in src and "CumSum1D<128, false>" in src  # the layout, in every block
+        # The layout, in every block: the sources' counts summed by a loop over sources (no
+        # column-by-column warp scan), the experts' segments by a scan.
+        assert "CumSum2D" not in src and re.search(rf"for \(int src\w* = 1; src\w* < {W};", src)
+        assert "CumSum1D<128, false>" in src
         # Rows are stored by TMA: into the grouped rows, or in place (no grouped row written)
         # only this rank's own rows, into its own receive rows.
         assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place
