@@ -110,7 +110,7 @@ def test_unsupported_construct_names_itself_and_its_line(tmp_path):
             def main(A: T.Tensor((N, 4), "float32")):
                 with T.Kernel(1, threads=128):
                     for i in T.Parallel(N):
-                        for k in T.serial(4):
+                        for k in T.serial(i):
                             A[i, k] = A[i, k] + 1
 
             return main
@@ -136,7 +136,8 @@ def test_unsupported_construct_names_itself_and_its_line(tmp_path):
             print("NotImplementedError:", err)
     """))
     proc = run_python(script, timeout=100, cwd=tmp_path)
-    assert "NotImplementedError: CPU path: For inside T.Parallel is not supported" in proc.stdout, proc.stderr
+    assert ("NotImplementedError: CPU path: a loop inside T.Parallel whose bounds differ per element is not supported"
+            in proc.stdout), proc.stdout + proc.stderr
     assert "unsupported.py:12)" in proc.stdout
     assert "NotImplementedError: CPU path: thread-level code (T.get_thread_binding / threadIdx)" in proc.stdout
 
@@ -205,7 +206,24 @@ def test_single_process_kernels_compute(tmp_path):
 
             return main
 
+        @ts.jit
+        def row_prefix(N, W):
+            # A serial loop inside T.Parallel: each element's steps in order (a prefix along
+            # each row, every row at once).
+            @T.prim_func
+            def main(X: T.Tensor((N, W), "float32")):
+                with T.Kernel(1, threads=128):
+                    for i in T.Parallel(N):
+                        for k in T.serial(1, W):
+                            X[i, k] = X[i, k] + X[i, k - 1]
+
+            return main
+
         ts.init(device="cpu")
+        X = torch.randn(6, 5)
+        ref = X.cumsum(1)
+        row_prefix(6, 5)(X)
+        torch.testing.assert_close(X, ref)
         X, Y = torch.randn(2, 40), torch.zeros(2, 40)
         scaled_rows(40, 1024)(X, Y)
         torch.testing.assert_close(Y, 2 * X)

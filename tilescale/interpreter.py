@@ -756,6 +756,17 @@ class _Block:
             self.run(stmt)
             if isinstance(stmt, tirx.Bind):  # a value per element, like the loop variables
                 self._parallel_vars.add(stmt.var)
+        elif isinstance(stmt, tirx.For) and stmt.kind in (tirx.ForKind.SERIAL, tirx.ForKind.UNROLLED):
+            # A loop inside the nest runs its steps in order, each for every element at once:
+            # what each GPU thread does for its own elements, where no element reads another's
+            # values written in the loop (a race on the GPU too).
+            start, extent = self.eval(stmt.min), self.eval(stmt.extent)
+            if isinstance(start, torch.Tensor) or isinstance(extent, torch.Tensor):
+                raise self.unsupported("a loop inside T.Parallel whose bounds differ per element")
+            for i in range(int(start), int(start) + int(extent)):
+                self.env[stmt.loop_var] = i
+                self.parallel_body(stmt.body)
+            self.env.pop(stmt.loop_var, None)
         elif isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
             # Masked store: evaluate the condition per element, store where it holds.
             cond = self.eval(stmt.condition)
