@@ -455,7 +455,8 @@ def main() -> None:
                         "normal, low-latency; the cases named only; with --floor: their exchanges alone, no layer)")
     parser.add_argument("--layer", default="", help="the layer's size: TOKENSxHIDDENxFFNxEXPERTSxTOPK")
     args = parser.parse_args()
-    cases = dict(named_sizes(args.cases, CASES, 4)) or (SMALL if args.small else CASES)
+    named = dict(named_sizes(args.cases, CASES, 4))
+    cases = named or (SMALL if args.small else CASES)
     layer_shape = dict(named_sizes(f"layer={args.layer}" if args.layer else "", ("layer",), 5)).get(
         "layer", SMALL_LAYER if args.small else LAYER)
     ts.init()
@@ -463,7 +464,7 @@ def main() -> None:
         report = Report("moe-floor", columns=["step", "tokens", "hidden", "topk", "experts", "eager_us", "graph_us",
                                               "in_graph_us", "floor_us", "graph_over_floor", "eager_over_grouped",
                                               "torch_same_bytes_us", "graph_over_torch", "torch_layer_us"])
-        for row in floor_rows(args.iters, args.small, dict(named_sizes(args.cases, CASES, 4))):
+        for row in floor_rows(args.iters, args.small, named):
             report.add(row)
             report.save()  # after every step: a job cut off at its time limit keeps what it measured
         report.print_table()
