@@ -188,6 +188,25 @@ def test_single_process_kernels_compute(tmp_path):
             return main
 
         @ts.jit
+        def parallel_histogram(N, K, bins):
+            # Element atomics inside T.Parallel, masked and not: every element's update lands,
+            # also where several elements name one bin (a plain store would keep one).
+            @T.prim_func
+            def main(X: T.Tensor((N, K), "int32"), H: T.Tensor((bins,), "int32"), M: T.Tensor((bins,), "int32")):
+                with T.Kernel(1, threads=128):
+                    hist = T.alloc_shared((bins,), "int32")
+                    T.fill(hist, 0)
+                    for t, k in T.Parallel(N, K):
+                        if X[t, k] < bins - 1:
+                            T.atomic_add(hist[X[t, k]], 1)
+                    for t, k in T.Parallel(N, K):
+                        T.atomic_max(M[X[t, k]], t)
+                    for e in T.Parallel(bins):
+                        H[e] = hist[e]
+
+            return main
+
+        @ts.jit
         def scaled_rows(N, width):
             # Registers padded past the row (as the MoE combine's): the guarded loads and
             # stores past N read and write nothing, as on the GPU.
@@ -230,6 +249,16 @@ def test_single_process_kernels_compute(tmp_path):
         X, H = torch.randint(0, 8, (64,), dtype=torch.int32), torch.zeros(8)
         histogram(64, 8)(X, H)
         torch.testing.assert_close(H, torch.bincount(X, minlength=8).float())
+        X = torch.randint(0, 8, (64, 4), dtype=torch.int32)
+        H, M = torch.zeros(8, dtype=torch.int32), torch.full((8,), -1, dtype=torch.int32)
+        parallel_histogram(64, 4, 8)(X, H, M)
+        want = torch.bincount(X.flatten(), minlength=8).int()
+        want[7] = 0  # the masked bin
+        torch.testing.assert_close(H, want)
+        last = torch.full((8,), -1, dtype=torch.int32)
+        for t in range(64):
+            last[X[t]] = t
+        torch.testing.assert_close(M, last)
         M, N, K = 32, 16, 64
         A, B = torch.randn(M, K).half(), torch.randn(N, K).half()
         C, S = torch.empty(M, N), torch.empty(M)

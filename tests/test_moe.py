@@ -223,8 +223,9 @@ LAYOUT_CHECK = textwrap.dedent("""
             assert int(send_counts[d]) == int(goes.sum())
     print(f"rank {rank}: ROUTE-OK", flush=True)
 
-    tokens = 150
-    for low_latency in (False, True):  # the same layout whether rows are announced in groups or one by one
+    # The same layout whether rows are announced in groups or one by one, and whether the
+    # routing kernels run first or (a decode batch) the dispatch kernel routes its own tokens.
+    for tokens, low_latency in ((150, False), (150, True), (100, True)):
         idx, w, x = draw(tokens, 100 + rank)
         idx[::5, 1] = idx[::5, 0]  # a token naming an expert twice has two entries, two grouped rows
         recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=low_latency)
@@ -254,14 +255,15 @@ LAYOUT_CHECK = textwrap.dedent("""
             torch.testing.assert_close(y.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
         print(f"rank {rank}: LAYOUT-OK", flush=True)
 
-    idx, w, x = draw(tokens, 200 + rank)
-    if rank == 0:
-        idx[5, 1] = -3
-    try:
-        ts.ops.moe_dispatch(x, idx, w, num_experts)
-        print(f"rank {rank}: no error", flush=True)
-    except ValueError as err:
-        print(f"rank {rank}: ValueError: {err}", flush=True)
+    for tokens, low_latency in ((150, False), (100, True)):  # counted by the routing kernels, by the dispatch's
+        idx, w, x = draw(tokens, 200 + rank)
+        if rank == 0:
+            idx[5, 1] = -3
+        try:
+            ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=low_latency)
+            print(f"rank {rank}: no error", flush=True)
+        except ValueError as err:
+            print(f"rank {rank}: ValueError: {err}", flush=True)
     idx[5, 1] = 0
     recv_x, recv_w, counts, h = ts.ops.moe_dispatch(x, idx, w, num_experts, low_latency=True)
     y = ts.ops.moe_combine(recv_x, recv_w, h)
@@ -288,13 +290,13 @@ def test_grouped_layout_entry_by_entry(n, tmp_path):
     program.write_text(LAYOUT_CHECK)
     proc = run_cpu(str(program), n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for marker, times in (("ROUTE-OK", 1), ("LAYOUT-OK", 2), ("RECOVERED-OK", 1), ("OUT-OF-ORDER-OK", 1)):
+    for marker, times in (("ROUTE-OK", 1), ("LAYOUT-OK", 3), ("RECOVERED-OK", 1), ("OUT-OF-ORDER-OK", 1)):
         assert proc.stdout.count(marker) == times * n, marker
     # The rank with the bad id raises in that call (the CPU path finishes the device check at
-    # once); the others are unaffected, and every rank goes on.
-    assert "rank 0: ValueError: moe_dispatch: rank 0: expert ids must be in [0, " in proc.stdout
-    assert "got -3.." in proc.stdout and "(1 out of range, not sent)" in proc.stdout
-    assert proc.stdout.count("no error") == n - 1
+    # once), in both modes; the others are unaffected, and every rank goes on.
+    assert proc.stdout.count("rank 0: ValueError: moe_dispatch: rank 0: expert ids must be in [0, ") == 2
+    assert proc.stdout.count("got -3..") == 2 and proc.stdout.count("(1 out of range, not sent)") == 2
+    assert proc.stdout.count("no error") == 2 * (n - 1)
 
 
 def test_dispatch_plan_shares_sms_by_row_size():
@@ -357,14 +359,15 @@ LL_ROWS = 12288  # grouped_rows(128, 8, 32) with 8 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @needs_nvcc
-@pytest.mark.parametrize(("name", "tokens", "low_latency", "in_place", "sets"), [
-    ("dispatch", TOKENS, False, False, 2), ("dispatch", 128, True, False, 2), ("dispatch", TOKENS, False, True, 2),
-    ("dispatch", 128, True, False, 1), ("combine", TOKENS, False, False, 2)])
-def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, tmp_path):
+@pytest.mark.parametrize(("name", "tokens", "low_latency", "in_place", "sets", "route_ids"), [
+    ("dispatch", TOKENS, False, False, 2, None), ("dispatch", 128, True, False, 2, None),
+    ("dispatch", 128, True, False, 2, "int64"), ("dispatch", TOKENS, False, True, 2, None),
+    ("dispatch", 128, True, False, 1, None), ("combine", TOKENS, False, False, 2, None)])
+def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, route_ids, tmp_path):
     rows = ROWS if tokens == TOKENS else LL_ROWS
     with build_options(world_size=W):
         func = (moe.dispatch_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, PER_RANK, rows, "bfloat16", 132, low_latency,
-                                                in_place=in_place, sets=sets)
+                                                in_place=in_place, sets=sets, route_ids=route_ids)
                 if name == "dispatch"
                 else moe.combine_kernel.__wrapped__(W, tokens, HIDDEN, TOPK, rows, "bfloat16", 132))
     with coherent_reads():  # as ts.jit builds it
@@ -393,8 +396,15 @@ def test_kernels_lower_and_compile(name, tokens, low_latency, in_place, sets, tm
         assert "tilescale::block_wait((&(arrived[" in src and "tilescale::block_wait((&(progress[" in src
         # The layout, in every block: the sources' counts summed by a loop over sources (no
         # column-by-column warp scan), the experts' segments by a scan.
-        assert "CumSum2D" not in src and re.search(rf"for \(int src\w* = 1; src\w* < {W};", src)
+        assert "CumSum2D<128, 0" not in src and re.search(rf"for \(int src\w* = 1; src\w* < {W};", src)
         assert "CumSum1D<128, false>" in src
+        # A decode batch routed in the dispatch kernel (no routing launch): the ids as passed,
+        # scans along the tokens (ranks, the entries' experts), rank b's experts counted by
+        # shared-memory atomics, the bad ids' count stored for the host.
+        assert ("int64_t* __restrict__ topk_idx" in src or "int64_t* topk_idx" in src) == (route_ids == "int64")
+        assert (src.count("tl::CumSum2D<128, 1, false>::run(") == 2) == (route_ids is not None)
+        assert ("AtomicAdd((&(((int*)hist)[" in src) == (route_ids is not None)
+        assert ("bad_host" in src) == (route_ids is not None)
         # Rows are stored by TMA: into the grouped rows, or in place (no grouped row written)
         # only this rank's own rows, into its own receive rows.
         assert ("out_desc" in src) != in_place and ("tl::tma_store(recv_x_desc" in src) == in_place

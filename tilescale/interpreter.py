@@ -80,6 +80,7 @@ _MATH = {
 }
 # T.wait's comparisons by code.
 _COMPARE = {COMPARISONS[name]: getattr(operator, name) for name in COMPARISONS}
+_ELEMENT_ATOMICS = ("tl.atomic_add_elem_op", "tl.atomic_max_elem_op", "tl.atomic_min_elem_op")
 # A spinning wait sleeps this long between looks, doubling up to the most: the ranks and blocks
 # it waits for share the host's cores with it, and a wait that polls at the first pause for
 # long takes their CPU time (a few waits spinning each use a core's worth on two cores).
@@ -767,6 +768,8 @@ class _Block:
                 self.env[stmt.loop_var] = i
                 self.parallel_body(stmt.body)
             self.env.pop(stmt.loop_var, None)
+        elif isinstance(stmt, tirx.Evaluate) and self._element_atomic(stmt) is not None:
+            self.parallel_atomic(self._element_atomic(stmt), None)
         elif isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
             # Masked store: evaluate the condition per element, store where it holds.
             cond = self.eval(stmt.condition)
@@ -774,9 +777,12 @@ class _Block:
                 if bool(cond):
                     self.parallel_body(stmt.then_case)
                 return
-            if not isinstance(stmt.then_case, tirx.BufferStore):
+            if isinstance(stmt.then_case, tirx.BufferStore):
+                self.masked_store(stmt.then_case, cond)
+            elif self._element_atomic(stmt.then_case) is not None:
+                self.parallel_atomic(self._element_atomic(stmt.then_case), cond)
+            else:
                 raise self.unsupported("a conditional block inside T.Parallel")
-            self.masked_store(stmt.then_case, cond)
         else:
             raise self.unsupported(f"{type(stmt).__name__} inside T.Parallel")
 
@@ -800,6 +806,47 @@ class _Block:
         finally:
             self.env.update(saved)
 
+    def _element_atomic(self, stmt: Any) -> tirx.Call | None:
+        """The element atomic (``T.atomic_add(buf[i], v)`` and its max / min) ``stmt`` evaluates, else None."""
+        found = (isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tirx.Call)
+                 and self.nodes.call(stmt.value)[0] in _ELEMENT_ATOMICS)
+        return stmt.value if found else None
+
+    def parallel_atomic(self, call: tirx.Call, mask: torch.Tensor | None) -> None:
+        """An element atomic for every element of the T.Parallel nest (where ``mask`` holds):
+        each element's update applied, also where several name one address (as the GPU's
+        atomics are; a plain store would keep one of them)."""
+        name, args = self.nodes.call(call)
+        ptr = args[0]
+        if not (isinstance(ptr, tirx.Call) and ptr.op.name in ("tirx.address_of", "tl.access_ptr")):
+            raise self.unsupported(f"atomic on {ptr}")
+        load = ptr.args[0]
+        loops = [v for v in self._parallel_vars if isinstance(self.env.get(v), torch.Tensor)]
+        shape = torch.broadcast_shapes(*([] if mask is None else [mask.shape]), *[self.env[v].shape for v in loops])
+        keep = torch.ones(shape, dtype=torch.bool) if mask is None else mask.expand(shape)
+        saved = {v: self.env[v] for v in loops}
+        try:
+            for v in loops:
+                self.env[v] = saved[v].expand(shape)[keep]
+            n = int(keep.sum())
+            t = self.tensor(load.buffer)
+            idx = [self.eval(i) for i in self.nodes.items(load.indices)]
+            idx = [i.reshape(-1) if isinstance(i, torch.Tensor) else torch.full((n,), int(i)) for i in idx]
+            self._check_bounds(load.buffer, t, idx)
+            value = self.eval(args[1])
+            value = (value.reshape(-1) if isinstance(value, torch.Tensor) else torch.full((n,), value)).to(t.dtype)
+            flat = sum(i * s for i, s in zip(idx, t.stride(), strict=True)) if idx else torch.zeros(n, dtype=torch.long)
+            view = t.as_strided((t.numel(),), (1,), t.storage_offset()) if t.is_contiguous() else None
+            if view is None:
+                raise self.unsupported("an atomic on a non-contiguous tile inside T.Parallel")
+            with self.launch.kernel.atomic():
+                if name == "tl.atomic_add_elem_op":
+                    view.index_add_(0, flat.long(), value)
+                else:
+                    view.scatter_reduce_(0, flat.long(), value, "amax" if name == "tl.atomic_max_elem_op" else "amin")
+        finally:
+            self.env.update(saved)
+
     def evaluate(self, call: Any) -> None:
         if not isinstance(call, tirx.Call):
             self.eval(call)
@@ -819,7 +866,7 @@ class _Block:
             self.atomic_add(args[0], args[1])
         elif name == "tirx.call_extern":
             self.extern(str(args[0].value), args[1:])
-        elif name in ("tl.atomic_add_elem_op", "tl.atomic_max_elem_op", "tl.atomic_min_elem_op"):
+        elif name in _ELEMENT_ATOMICS:
             ptr, value = self.pointer(args[0]), self.eval(args[1])
             with self.launch.kernel.atomic():
                 old = ptr.flat[0].item()

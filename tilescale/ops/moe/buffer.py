@@ -62,6 +62,7 @@ from tilescale.ops.moe.routing import (
     id_dtype,
     raise_bad_ids,
     router,
+    routes_in_dispatch,
     watch_ids,
     withdraw_watch,
 )
@@ -462,13 +463,17 @@ class Buffer:
             received = self._received(hidden, dtype)
             routed = bool(tokens and id_dtype)
             layout = id_dtype is not None  # a re-dispatch's rows follow a layout its dispatch returned
+            ids_as = str(id_dtype).removeprefix("torch.")
+            # Decode batches: the dispatch kernel routes its own tokens (one launch, not two).
+            routes_itself = routed and routes_in_dispatch(self.max_tokens, low_latency)
             kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
-                                     low_latency, in_place=in_place, sets=self.sets, group=self.group)
-            route = router(world, tokens, topk, self.num_experts, str(id_dtype).removeprefix("torch."),
-                           group=self.group) if routed else None
+                                     low_latency, in_place=in_place, sets=self.sets,
+                                     route_ids=ids_as if routes_itself else None, group=self.group)
+            route = router(world, tokens, topk, self.num_experts, ids_as, group=self.group) if routed else None
             plan = self._plans.put(key, _SendPlan(
-                send=self._send_launch(kernel, route, held, received, self._flags_of(low_latency, received), in_place,
-                                       fp8_pair=self.fp8 and layout, layout=layout),
+                send=self._send_launch(kernel, None if routes_itself else route, held, received,
+                                       self._flags_of(low_latency, received), in_place, fp8_pair=self.fp8 and layout,
+                                       layout=layout, routes_itself=routes_itself),
                 routed=routed,
                 # The call's identity names what every rank must agree on (not this rank's token
                 # count): one set of receive rows, (ranks, max tokens, hidden), and their dtype.
@@ -482,18 +487,18 @@ class Buffer:
 
     def _send_launch(self, kernel: DistributedKernel, route: Routing | None, held: int, received: torch.Tensor,
                      flags: tuple[torch.Tensor, torch.Tensor], in_place: bool, fp8_pair: bool = False,
-                     layout: bool = True) -> OpLaunch:
-        """The routing kernels of ``route`` (None: the call passes known routes) and the dispatch
-        ``kernel``, in one ``OpLaunch`` with this buffer's ``received`` rows, ``flags`` and the rest
-        bound. ``held``: the rows of the call's tensors.
+                     layout: bool = True, routes_itself: bool = False) -> OpLaunch:
+        """The routing kernels of ``route`` (None: the call passes known routes, or the dispatch
+        kernel routes, ``routes_itself``) and the dispatch ``kernel``, in one ``OpLaunch`` with this
+        buffer's ``received`` rows, ``flags`` and the rest bound. ``held``: the rows of the call's tensors.
 
         Routed, a call passes ``(x, ids, weights)`` and ``(bad_host, identity)``; else ``(x, ids,
         weights, expert_slot, slot, send_counts, expert_counts)`` and ``(identity,)``. Its outputs
         are the grouped layout (counts, offsets, received_counts, position, weight, source_row,
         row_expert), then where routed the routes (dest, slot, send_counts, expert_slot,
-        expert_counts, bad, ids, the routing's chunk counts: ``route_count_kernel`` says what
-        each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r is its
-        order among this rank's tokens going to r), then the grouped rows unless
+        expert_counts, bad, ids, and with routing kernels their chunk counts: ``route_count_kernel``
+        says what each holds; pair (t, r) exists when token t has an expert on rank r, its slot at r
+        is its order among this rank's tokens going to r), then the grouped rows unless
         ``in_place`` (the kernel's rows argument is then one row it never writes). The small ones
         are packed in one allocation. A call returns them all but the chunk counts, ``bad`` only
         on the CPU path (a GPU's count reaches the host word ``watch_ids`` gave), and the
@@ -508,12 +513,13 @@ class Buffer:
         outputs = [Output(shape, dtype, packed=True, returned=layout) for shape, dtype in (
             ((self.per_rank,), i32), ((self.per_rank,), i32), ((world,), i32), ((world * self.max_tokens, topk), i32),
             ((rows,), torch.float32), ((rows,), i32), ((rows,), i32))]
-        if route is not None:
+        if route is not None or routes_itself:
             outputs += [Output(shape, i32, packed=True) for shape in (
                 (world, held), (world, held), (world,), (held, topk), (self.num_experts,))]
             # The count of bad ids: on GPUs the routing stores it in the call's pinned host word (watch_ids).
             outputs += [Output((1,), i32, packed=True, returned=not received.is_cuda), Output((held, topk), i32,
                                                                                            packed=True)]
+        if route is not None:
             outputs.append(Output(chunk_counts_shape(world, held, self.num_experts), i32, packed=True, returned=False))
         unused = torch.empty(1, received.shape[-1], dtype=received.dtype, device=received.device) if in_place else None
         views = []
@@ -525,6 +531,8 @@ class Buffer:
 
         def send(t: tuple, o: list, s: tuple) -> tuple:
             grouped = unused if in_place else o[-1]
+            if routes_itself:  # the ids as passed; the routes are outputs
+                return (*t, *o[7:14], *bound, *o[:7], grouped, board, s[0], s[1])
             if route is None:
                 return (*t, *bound, *o[:7], grouped, board, s[0])
             dest, slot, send_counts, expert_slot, expert_counts, bad, ids, chunk_counts = o[7:15]

@@ -1,6 +1,8 @@
 """The dispatch kernel: every token to the ranks of its experts, grouped by local expert on arrival.
 
-One launch, sending and receiving at once, after the routing kernel (``routing.py``). Block
+One launch, sending and receiving at once, after the routing kernels (``routing.py``; a
+low-latency dispatch of at most ``DECODE_TOKENS`` tokens per rank routes its own tokens first,
+``routing.route_block``, so a decode step's dispatch is one launch). Block
 d first sends rank d this rank's row count and per-expert entry counts, and raises rank d's
 ``arrived`` flag. Then each block walks its own range of tokens in groups of a few:
 
@@ -45,6 +47,7 @@ import tilescale.language as T
 from tilescale.jit import jit
 from tilescale.ops._common import element_bytes, vector_width
 from tilescale.ops.moe.layout import Layout, Segments, _rank, finish, place, segments
+from tilescale.ops.moe.routing import DECODE_TOKENS, route_block, routes_in_dispatch
 
 # Tokens a dispatch block reads at once and sends to a peer between two announcements (each
 # a fence and a flag): more rows in flight and fewer fences, against the receiver waiting
@@ -128,11 +131,11 @@ class _Group:
 
 @jit
 def dispatch_kernel(world: int, capacity: int, hidden: int, topk: int, per_rank: int, rows: int, dtype: str, sms: int,
-                    low_latency: bool, in_place: bool = False, sets: int = 2):
+                    low_latency: bool, in_place: bool = False, sets: int = 2, route_ids: str | None = None):
     """Send every token to the ranks of its experts and group what this rank receives by
     local expert, in one launch (see the module notes for the protocol).
 
-    Inputs are the routing kernel's outputs; ``recv_*``, ``ranges``, ``progress`` and
+    Inputs are the routing kernels' outputs (or, ``route_ids``, its own); ``recv_*``, ``ranges``, ``progress`` and
     ``arrived`` are symmetric; the rest are this rank's grouped layout, written here.
     This rank's token count is a dynamic size (the rows of ``x``; for no tokens the inputs
     hold one row routed nowhere), so one kernel sends any count; ``capacity`` is the most any
@@ -155,102 +158,152 @@ def dispatch_kernel(world: int, capacity: int, hidden: int, topk: int, per_rank:
             ``(2 * world * capacity, hidden)``. Needs two ``sets``.
         sets: Sets of receive buffers (1 or 2), the same on every rank; call number n (1, 2, ...)
             writes set ``(n - 1) % sets``. With one, each call ends with a barrier (module notes).
+        route_ids: The kernel routes its tokens itself (``routing.route_block``; only where
+            ``routing.routes_in_dispatch``): the dtype of the ids it takes as passed (``"int32"``
+            or ``"int64"``); the routes (``dest``, ``slot``, ``send_counts``, ``expert_slot``,
+            ``expert_counts``, ``bad``, ``ids``) are then its outputs, and ``bad_host`` the
+            routing kernel's. None: the routing kernels' outputs are its inputs.
 
     Returns:
         The kernel's ``T.prim_func``; a call through ``ts.jit`` gives the compiled kernel, cached per arguments.
     """
     if sets not in (1, 2) or (in_place and sets != 2):
         raise ValueError(f"dispatch_kernel: 1 or 2 sets of receive rows, 2 in place; got {sets}")
+    if route_ids is not None and not routes_in_dispatch(capacity, low_latency):
+        raise ValueError(f"dispatch_kernel: routes its tokens in low-latency mode for at most {DECODE_TOKENS} "
+                         f"tokens, not {capacity} (low_latency={low_latency})")
     held = T.dynamic("tokens")  # this rank's tokens, at least one row
     row_bytes = hidden * element_bytes(dtype)
     blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency, row_bytes)
     received = world * capacity
+    num_experts = world * per_rank
+
+    @T.macro
+    def exchange(b, x, topk_idx, topk_w, expert_slot, slot, send_counts, expert_counts, recv_x, recv_idx, recv_w,
+                 recv_slot, recv_counts, recv_expert_counts, ranges, progress, arrived, sends, counts, offsets,
+                 received_counts, position, weight, source_row, row_expert, out, board, ident):
+        """The kernel's body, after the routes are known (block b)."""
+        with T.Scale("device") as (rank, _):  # world: the kernel factory's
+            call = T.alloc_local((2,), "int32")
+            T.count_call(sends, 1, call)  # call[0]: this call's number, 1, 2, ...
+            recv = Received(recv_x, (call[0] - 1) % sets if sets > 1 else 0, recv_idx, recv_w, recv_slot,
+                            recv_counts, recv_expert_counts, ranges, progress)
+            layout = Layout(position, weight, source_row, row_expert, None if in_place else out, counts,
+                            offsets, received_counts, recv.set * received if in_place else 0)
+            # A group of rows with their entries' expert ids, weights and expert slots: read
+            # once from x (or a receive buffer), used for every destination.
+            tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
+                          T.alloc_shared((group, topk), "float32"), T.alloc_shared((group, topk), "int32"),
+                          T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"),
+                          vector_width(hidden, dtype))
+            span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
+            given = T.alloc_shared((world, per_rank), "int32")  # every source's entries of each expert
+            got = T.alloc_shared((world,), "int32")  # every source's rows
+            upto = T.alloc_shared((world, per_rank), "int32")
+            end = T.alloc_shared((per_rank,), "int32")
+            seg = Segments(given, got, upto, end, world, per_rank)
+            if b < world:  # the counts first: a receiver needs every source's to place any row
+                T.announce(board, ident)  # released by the signal below: the receiver checks it
+                T.copy(send_counts[b:b + 1], recv.counts[recv.set, rank:rank + 1], dst_pe=b)
+                T.copy(expert_counts[b * per_rank:b * per_rank + per_rank],
+                       recv.expert_counts[recv.set, rank, 0:per_rank], dst_pe=b)
+                T.signal(arrived[rank], call[0], pe=b)
+            for g in T.serial(groups + 1):
+                # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
+                # block b placed meanwhile (it has had a group's time to arrive).
+                if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
+                    _load(x, topk_idx, topk_w, expert_slot, b * chunk + g * group, tile)
+                if world > 1 and g < groups:
+                    for j in T.serial(world - 1):
+                        _put_group(tile, slot, span, recv, b * chunk + g * group,
+                                   _group_tokens(b, g, chunk, group, held), _peer(b, j, world), b, g)
+                    # Announced once every peer's rows are out: the first signal waits for all
+                    # of the block's stores to land, the others find nothing left to wait for.
+                    for j in T.serial(world - 1):
+                        T.signal(recv.progress[recv.set, rank, b], g + 1, pe=_peer(b, j, world))
+                if g == 0:
+                    for src in T.serial(world):  # "ge": a peer may be a call ahead (module notes)
+                        T.wait(arrived[src], "ge", call[0], agree=(board, ident))
+                    segments(recv.expert_counts, recv.counts, recv.set, seg)
+                if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
+                    for i in T.Parallel(group):  # this rank's own tokens among them: received rows
+                        tile.where[i] = T.if_then_else(
+                            i < _group_tokens(b, g, chunk, group, held)
+                            and slot[rank, T.min(b * chunk + g * group + i, held - 1)] >= 0,
+                            rank * capacity + slot[rank, T.min(b * chunk + g * group + i, held - 1)],
+                            -1)
+                    place(tile, seg, layout, capacity)
+                    if in_place:  # this rank's own rows join the peers' in its receive rows
+                        for i in T.serial(group):
+                            if tile.where[i] >= 0:
+                                T.copy(tile.rows[i, 0:hidden],
+                                       recv.x[recv.set, rank, tile.where[i] - rank * capacity, 0:hidden],
+                                       coalesced_width=tile.vector)
+                if world > 1 and g > 0:
+                    for j in T.serial(world - 1):
+                        _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
+            finish(b, blocks, seg, layout, capacity, topk, rows)
+            if sets == 1:
+                T.barrier()  # every rank has taken its rows out of the one set of receive buffers
+
+    if route_ids is None:
+        @T.prim_func
+        def main(x: T.Tensor((held, hidden), dtype), topk_idx: T.Tensor((held, topk), "int32"),
+                 topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
+                 slot: T.Tensor((world, held), "int32"), send_counts: T.Tensor((world,), "int32"),
+                 expert_counts: T.Tensor((world * per_rank,), "int32"),
+                 recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
+                 recv_idx: T.Tensor((sets, world, capacity, topk), "int32"),
+                 recv_w: T.Tensor((sets, world, capacity, topk), "float32"),
+                 recv_slot: T.Tensor((sets, world, capacity, topk), "int32"),
+                 recv_counts: T.Tensor((sets, world), "int32"),
+                 recv_expert_counts: T.Tensor((sets, world, per_rank), "int32"),
+                 ranges: T.Tensor((sets, world, blocks, groups, 2), "int32"),
+                 progress: T.Tensor((sets, world, blocks), "int32"),
+                 arrived: T.Tensor((world,), "int32"), sends: T.Tensor((3,), "int32"),
+                 counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
+                 received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
+                 weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
+                 row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((1 if in_place else rows, hidden), dtype),
+                 board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+            with T.Kernel(blocks, threads=128) as b:
+                T.annotate_min_blocks_per_sm(blocks_per_sm(row_bytes))  # registers for every block to be resident
+                exchange(b, x, topk_idx, topk_w, expert_slot, slot, send_counts, expert_counts, recv_x, recv_idx,
+                         recv_w, recv_slot, recv_counts, recv_expert_counts, ranges, progress, arrived, sends, counts,
+                         offsets, received_counts, position, weight, source_row, row_expert, out, board, ident)
+
+        return main
 
     @T.prim_func
-    def main(x: T.Tensor((held, hidden), dtype), topk_idx: T.Tensor((held, topk), "int32"),
-             topk_w: T.Tensor((held, topk), "float32"), expert_slot: T.Tensor((held, topk), "int32"),
-             slot: T.Tensor((world, held), "int32"), send_counts: T.Tensor((world,), "int32"),
-             expert_counts: T.Tensor((world * per_rank,), "int32"),
-             recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
-             recv_idx: T.Tensor((sets, world, capacity, topk), "int32"),
-             recv_w: T.Tensor((sets, world, capacity, topk), "float32"),
-             recv_slot: T.Tensor((sets, world, capacity, topk), "int32"),
-             recv_counts: T.Tensor((sets, world), "int32"),
-             recv_expert_counts: T.Tensor((sets, world, per_rank), "int32"),
-             ranges: T.Tensor((sets, world, blocks, groups, 2), "int32"),
-             progress: T.Tensor((sets, world, blocks), "int32"),
-             arrived: T.Tensor((world,), "int32"), sends: T.Tensor((3,), "int32"),
-             counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
-             received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
-             weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
-             row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((1 if in_place else rows, hidden), dtype),
-             board: T.Tensor((2 * world,), "int64"), ident: T.int64):
+    def routed(x: T.Tensor((held, hidden), dtype), topk_idx: T.Tensor((held, topk), route_ids),
+               topk_w: T.Tensor((held, topk), "float32"), dest: T.Tensor((world, held), "int32"),
+               slot: T.Tensor((world, held), "int32"), send_counts: T.Tensor((world,), "int32"),
+               expert_slot: T.Tensor((held, topk), "int32"), expert_counts: T.Tensor((num_experts,), "int32"),
+               bad: T.Tensor((1,), "int32"), ids: T.Tensor((held, topk), "int32"),
+               recv_x: T.Tensor((sets, world, capacity, hidden), dtype),
+               recv_idx: T.Tensor((sets, world, capacity, topk), "int32"),
+               recv_w: T.Tensor((sets, world, capacity, topk), "float32"),
+               recv_slot: T.Tensor((sets, world, capacity, topk), "int32"),
+               recv_counts: T.Tensor((sets, world), "int32"),
+               recv_expert_counts: T.Tensor((sets, world, per_rank), "int32"),
+               ranges: T.Tensor((sets, world, blocks, groups, 2), "int32"),
+               progress: T.Tensor((sets, world, blocks), "int32"),
+               arrived: T.Tensor((world,), "int32"), sends: T.Tensor((3,), "int32"),
+               counts: T.Tensor((per_rank,), "int32"), offsets: T.Tensor((per_rank,), "int32"),
+               received_counts: T.Tensor((world,), "int32"), position: T.Tensor((received, topk), "int32"),
+               weight: T.Tensor((rows,), "float32"), source_row: T.Tensor((rows,), "int32"),
+               row_expert: T.Tensor((rows,), "int32"), out: T.Tensor((1 if in_place else rows, hidden), dtype),
+               board: T.Tensor((2 * world,), "int64"), bad_host: T.int64, ident: T.int64):
         with T.Kernel(blocks, threads=128) as b:
-            T.annotate_min_blocks_per_sm(blocks_per_sm(row_bytes))  # registers for every block to be resident
-            with T.Scale("device") as (rank, _):  # world: the kernel factory's
-                call = T.alloc_local((2,), "int32")
-                T.count_call(sends, 1, call)  # call[0]: this call's number, 1, 2, ...
-                recv = Received(recv_x, (call[0] - 1) % sets if sets > 1 else 0, recv_idx, recv_w, recv_slot,
-                                recv_counts, recv_expert_counts, ranges, progress)
-                layout = Layout(position, weight, source_row, row_expert, None if in_place else out, counts,
-                                offsets, received_counts, recv.set * received if in_place else 0)
-                # A group of rows with their entries' expert ids, weights and expert slots: read
-                # once from x (or a receive buffer), used for every destination.
-                tile = _Group(T.alloc_shared((group, hidden), dtype), T.alloc_shared((group, topk), "int32"),
-                              T.alloc_shared((group, topk), "float32"), T.alloc_shared((group, topk), "int32"),
-                              T.alloc_shared((group,), "int32"), T.alloc_shared((group, topk), "int32"),
-                              vector_width(hidden, dtype))
-                span = T.alloc_shared((2,), "int32")  # a group's first slot and rows, at one destination
-                given = T.alloc_shared((world, per_rank), "int32")  # every source's entries of each expert
-                got = T.alloc_shared((world,), "int32")  # every source's rows
-                upto = T.alloc_shared((world, per_rank), "int32")
-                end = T.alloc_shared((per_rank,), "int32")
-                seg = Segments(given, got, upto, end, world, per_rank)
-                if b < world:  # the counts first: a receiver needs every source's to place any row
-                    T.announce(board, ident)  # released by the signal below: the receiver checks it
-                    T.copy(send_counts[b:b + 1], recv.counts[recv.set, rank:rank + 1], dst_pe=b)
-                    T.copy(expert_counts[b * per_rank:b * per_rank + per_rank],
-                           recv.expert_counts[recv.set, rank, 0:per_rank], dst_pe=b)
-                    T.signal(arrived[rank], call[0], pe=b)
-                for g in T.serial(groups + 1):
-                    # Group g read, sent to the peers, then placed here; group g - 1 of each peer's
-                    # block b placed meanwhile (it has had a group's time to arrive).
-                    if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
-                        _load(x, topk_idx, topk_w, expert_slot, b * chunk + g * group, tile)
-                    if world > 1 and g < groups:
-                        for j in T.serial(world - 1):
-                            _put_group(tile, slot, span, recv, b * chunk + g * group,
-                                       _group_tokens(b, g, chunk, group, held), _peer(b, j, world), b, g)
-                        # Announced once every peer's rows are out: the first signal waits for all
-                        # of the block's stores to land, the others find nothing left to wait for.
-                        for j in T.serial(world - 1):
-                            T.signal(recv.progress[recv.set, rank, b], g + 1, pe=_peer(b, j, world))
-                    if g == 0:
-                        for src in T.serial(world):  # "ge": a peer may be a call ahead (module notes)
-                            T.wait(arrived[src], "ge", call[0], agree=(board, ident))
-                        segments(recv.expert_counts, recv.counts, recv.set, seg)
-                    if g < groups and _group_tokens(b, g, chunk, group, held) > 0:
-                        for i in T.Parallel(group):  # this rank's own tokens among them: received rows
-                            tile.where[i] = T.if_then_else(
-                                i < _group_tokens(b, g, chunk, group, held)
-                                and slot[rank, T.min(b * chunk + g * group + i, held - 1)] >= 0,
-                                rank * capacity + slot[rank, T.min(b * chunk + g * group + i, held - 1)],
-                                -1)
-                        place(tile, seg, layout, capacity)
-                        if in_place:  # this rank's own rows join the peers' in its receive rows
-                            for i in T.serial(group):
-                                if tile.where[i] >= 0:
-                                    T.copy(tile.rows[i, 0:hidden],
-                                           recv.x[recv.set, rank, tile.where[i] - rank * capacity, 0:hidden],
-                                           coalesced_width=tile.vector)
-                    if world > 1 and g > 0:
-                        for j in T.serial(world - 1):
-                            _take_group(_peer(b, j, world), b, g - 1, groups, tile, span, seg, recv, layout, capacity)
-                finish(b, blocks, seg, layout, capacity, topk, rows)
-                if sets == 1:
-                    T.barrier()  # every rank has taken its rows out of the one set of receive buffers
+            T.annotate_min_blocks_per_sm(blocks_per_sm(row_bytes))
+            route_block(topk_idx, held, b, chunk, world, num_experts, dest, slot, send_counts, expert_slot,
+                        expert_counts, bad, ids, bad_host)
+            T.sync_threads()  # the block's routes, in global memory, seen by all its threads
+            exchange(b, x, ids, topk_w, expert_slot, slot, send_counts, expert_counts, recv_x, recv_idx, recv_w,
+                     recv_slot, recv_counts, recv_expert_counts, ranges, progress, arrived, sends, counts, offsets,
+                     received_counts, position, weight, source_row, row_expert, out, board, ident)
 
-    return main
+    return routed
 
 
 def _peer(b, j, world):

@@ -9,8 +9,9 @@ receiver adds its (source, expert) base to place the entry without a scan.
 
 Work in O(tokens x topk): each block routes its own chunk of tokens (a scan per bin along the
 chunk), and a second kernel adds what earlier chunks hold of each bin; a decode batch is one
-chunk, one kernel. (One block per bin scanning every token took 33 us at 4096 tokens, top-8 of
-256 experts, one H100.)
+chunk, one kernel, and in low-latency mode no kernel of its own: each dispatch block routes its
+own tokens from every token's ids (``route_block``), one launch less per call. (One block per
+bin scanning every token took 33 us at 4096 tokens, top-8 of 256 experts, one H100.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -266,6 +267,91 @@ def route_finish_kernel(world: int, chunk: int, topk: int, num_experts: int):
                                                      + base[world + ids[c * chunk + i, k]])
 
     return main
+
+
+def routes_in_dispatch(capacity: int, low_latency: bool) -> bool:
+    """Whether the dispatch kernel routes its own tokens (:func:`route_block`) instead of the
+    routing kernels running first: in low-latency mode, for at most ``DECODE_TOKENS`` tokens per
+    rank (every rank's ids fit a block's shared memory), which saves a kernel launch per call.
+
+    Args:
+        capacity: The most tokens a rank sends (the buffer's ``max_tokens``).
+        low_latency: The dispatch's mode.
+
+    Returns:
+        bool: True where the dispatch kernel routes.
+    """
+    return low_latency and capacity <= DECODE_TOKENS
+
+
+@T.macro
+def route_block(topk_idx, held, b, chunk, world, num_experts, dest, slot, send_counts, expert_slot, expert_counts,
+                bad, ids, bad_host):
+    """The routes of dispatch block ``b``'s own tokens ``b * chunk ..`` (``dest``, ``slot``,
+    ``expert_slot``, ``ids``, as :func:`route_count_kernel` defines them), and what the block
+    sends first: block b < world, rank b's totals (``send_counts[b]`` and its experts'
+    ``expert_counts``); block 0, the bad-id count (``bad``, and at host address ``bad_host``
+    where it is not 0). Every block reads every token's ids (at most ``DECODE_TOKENS`` x topk,
+    :func:`routes_in_dispatch`) and counts what it needs from them, so no block waits for
+    another. The caller syncs the block before reading what this writes.
+
+    Args:
+        topk_idx: (held, topk) expert ids as passed (int32 or int64).
+        held: This rank's tokens (a dynamic size, at least 1).
+        b: The block's index.
+        chunk: Tokens per block.
+        world: Ranks of the group.
+        num_experts: Experts over the whole group.
+        dest, slot, send_counts, expert_slot, expert_counts, bad, ids: The routes, written here.
+        bad_host: A pinned host word's address for the bad-id count, or 0.
+    """
+    capacity, topk = DECODE_TOKENS, topk_idx.shape[1]
+    per_rank = num_experts // world
+    own = T.alloc_shared((capacity, topk), "int32")  # every token's clamped ids; past the last token: none
+    upto = T.alloc_shared((world, capacity), "int32")  # tokens up to each going to each rank
+    before = T.alloc_shared((topk, capacity), "int32")  # one token's: earlier entries naming its entries' experts
+    hist = T.alloc_shared((per_rank,), "int32")  # rank b's experts' entries (b < world)
+    found = T.alloc_shared((1,), "int32")  # bad ids (block 0)
+    for t, k in T.Parallel(capacity, topk):
+        own[t, k] = T.if_then_else(t < held, _id(topk_idx, T.min(t, held - 1), k, num_experts), num_experts + 1)
+    for r, t in T.Parallel(world, capacity):
+        upto[r, t] = T.if_then_else(_entries(own, t, topk, r * per_rank, (r + 1) * per_rank) > 0, 1, 0)
+    T.cumsum(src=upto, dim=1)  # inclusive, along the tokens
+    for i in T.serial(chunk):
+        if b * chunk + i < held:
+            for r in T.Parallel(world):
+                dest[r, b * chunk + i] = T.if_then_else(
+                    _entries(own, b * chunk + i, topk, r * per_rank, (r + 1) * per_rank) > 0, r, -1)
+                slot[r, b * chunk + i] = T.if_then_else(
+                    _entries(own, b * chunk + i, topk, r * per_rank, (r + 1) * per_rank) > 0,
+                    upto[r, b * chunk + i] - 1, -1)
+            for k, u in T.Parallel(topk, capacity):
+                before[k, u] = T.if_then_else(
+                    u < b * chunk + i,
+                    _entries(own, u, topk, own[b * chunk + i, k], own[b * chunk + i, k] + 1), 0)
+            T.cumsum(src=before, dim=1)
+            for k in T.Parallel(topk):
+                ids[b * chunk + i, k] = T.if_then_else(_valid(own[b * chunk + i, k], num_experts),
+                                                       own[b * chunk + i, k], -1)
+                expert_slot[b * chunk + i, k] = T.if_then_else(
+                    _valid(own[b * chunk + i, k], num_experts),
+                    before[k, capacity - 1] + _earlier(own, b * chunk + i, k, own[b * chunk + i, k], topk), -1)
+    if b < world:
+        T.fill(hist, 0)
+        for t, k in T.Parallel(capacity, topk):
+            if b * per_rank <= own[t, k] and own[t, k] < (b + 1) * per_rank:
+                T.atomic_add(hist[own[t, k] - b * per_rank], 1)
+        for e in T.Parallel(per_rank):
+            expert_counts[b * per_rank + e] = hist[e]
+        send_counts[b] = upto[b, capacity - 1]
+    if b == 0:
+        T.fill(found, 0)
+        for t, k in T.Parallel(capacity, topk):
+            if _bad(own[t, k], num_experts):
+                T.atomic_add(found[0], 1)
+        bad[0] = found[0]
+        if bad_host != 0:
+            T.make_tensor_from_addr(bad_host, [1], "int32")[0] = found[0]
 
 
 @dataclass(frozen=True)
