@@ -411,8 +411,10 @@ def _op_kernels():
         "get": (p2p.transfer_kernel, ("bfloat16", 8, p2p.DEFAULT_PLAN, 132, True), None),
         "moe_dispatch": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False), None),
         "moe_dispatch_low_latency": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True), None),
-        "moe_dispatch_in_place": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False, None, True),
-                                  None),
+        "moe_dispatch_in_place": (moe.dispatch_kernel, (2, 64, 256, 4, 8, 1536, "bfloat16", 132, False, True), None),
+        # A decode batch routed by the dispatch kernel itself (int64 ids as passed).
+        "moe_dispatch_low_latency_routed": (moe.dispatch_kernel,
+                                            (2, 64, 256, 4, 8, 1536, "bfloat16", 132, True, False, 2, "int64"), None),
         # FP8 rows as the dispatch moves them: 256 channels packed with their scales into 264 bytes.
         "moe_dispatch_fp8": (moe.dispatch_kernel, (2, 64, 264, 2, 8, 1536, "uint8", 132, False), None),
         "moe_dispatch_fp8_low_latency": (moe.dispatch_kernel, (2, 64, 264, 2, 8, 1536, "uint8", 132, True), None),

@@ -26,8 +26,8 @@ The modules, by role:
 * ``buffer``: ``Buffer``, the symmetric buffers of one group sized up front (DeepEP's
   ``Buffer``), and its host API; ``api``: the functional ops over a per-group cached buffer.
 
-Three kernels per dispatch (two of routing, then the exchange; a decode batch of at most 128
-tokens in low-latency mode routes inside the exchange kernel: one) and one per combine, no host
+Three kernels per dispatch (two of routing, then the exchange; where ranks send at most 128
+tokens, a decode batch, the exchange kernel routes its own tokens: one) and one per combine, no host
 synchronisation, so a step can be captured in a CUDA graph and replayed. Ranks may pass
 different token counts (0 included) up to a ``max_tokens`` the same on every rank: the
 kernels' plans derive from it, and every call's agreement compares only what ranks must

@@ -465,7 +465,7 @@ class Buffer:
             layout = id_dtype is not None  # a re-dispatch's rows follow a layout its dispatch returned
             ids_as = str(id_dtype).removeprefix("torch.")
             # Decode batches: the dispatch kernel routes its own tokens (one launch, not two).
-            routes_itself = routed and routes_in_dispatch(self.max_tokens, low_latency)
+            routes_itself = routed and routes_in_dispatch(self.max_tokens)
             kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, in_place=in_place, sets=self.sets,
                                      route_ids=ids_as if routes_itself else None, group=self.group)

@@ -1,7 +1,7 @@
 """The dispatch kernel: every token to the ranks of its experts, grouped by local expert on arrival.
 
 One launch, sending and receiving at once, after the routing kernels (``routing.py``; a
-low-latency dispatch of at most ``DECODE_TOKENS`` tokens per rank routes its own tokens first,
+dispatch of at most ``DECODE_TOKENS`` tokens per rank routes its own tokens first,
 ``routing.route_block``, so a decode step's dispatch is one launch). Block
 d first sends rank d this rank's row count and per-expert entry counts, and raises rank d's
 ``arrived`` flag. Then each block walks its own range of tokens in groups of a few:
@@ -169,9 +169,8 @@ def dispatch_kernel(world: int, capacity: int, hidden: int, topk: int, per_rank:
     """
     if sets not in (1, 2) or (in_place and sets != 2):
         raise ValueError(f"dispatch_kernel: 1 or 2 sets of receive rows, 2 in place; got {sets}")
-    if route_ids is not None and not routes_in_dispatch(capacity, low_latency):
-        raise ValueError(f"dispatch_kernel: routes its tokens in low-latency mode for at most {DECODE_TOKENS} "
-                         f"tokens, not {capacity} (low_latency={low_latency})")
+    if route_ids is not None and not routes_in_dispatch(capacity):
+        raise ValueError(f"dispatch_kernel: routes its own tokens for at most {DECODE_TOKENS} per rank, not {capacity}")
     held = T.dynamic("tokens")  # this rank's tokens, at least one row
     row_bytes = hidden * element_bytes(dtype)
     blocks, chunk, group, groups = dispatch_plan(world, capacity, sms, low_latency, row_bytes)

@@ -9,8 +9,9 @@ receiver adds its (source, expert) base to place the entry without a scan.
 
 Work in O(tokens x topk): each block routes its own chunk of tokens (a scan per bin along the
 chunk), and a second kernel adds what earlier chunks hold of each bin; a decode batch is one
-chunk, one kernel, and in low-latency mode no kernel of its own: each dispatch block routes its
-own tokens from every token's ids (``route_block``), one launch less per call. (One block per
+chunk, one kernel, and where every rank sends at most a decode batch no kernel of its own: each
+dispatch block routes its own tokens from every token's ids (``route_block``), one launch less
+per call. (One block per
 bin scanning every token took 33 us at 4096 tokens, top-8 of 256 experts, one H100.)
 """
 
@@ -269,19 +270,18 @@ def route_finish_kernel(world: int, chunk: int, topk: int, num_experts: int):
     return main
 
 
-def routes_in_dispatch(capacity: int, low_latency: bool) -> bool:
+def routes_in_dispatch(capacity: int) -> bool:
     """Whether the dispatch kernel routes its own tokens (:func:`route_block`) instead of the
-    routing kernels running first: in low-latency mode, for at most ``DECODE_TOKENS`` tokens per
-    rank (every rank's ids fit a block's shared memory), which saves a kernel launch per call.
+    routing kernels running first: where a rank sends at most ``DECODE_TOKENS`` tokens (every
+    token's ids fit a block's shared memory), which saves a kernel launch per call.
 
     Args:
         capacity: The most tokens a rank sends (the buffer's ``max_tokens``).
-        low_latency: The dispatch's mode.
 
     Returns:
         bool: True where the dispatch kernel routes.
     """
-    return low_latency and capacity <= DECODE_TOKENS
+    return capacity <= DECODE_TOKENS
 
 
 @T.macro
