@@ -469,9 +469,10 @@ class Buffer:
             kernel = dispatch_kernel(world, self.max_tokens, hidden, topk, self.per_rank, rows, tl_dtype(x), self.sms,
                                      low_latency, in_place=in_place, sets=self.sets,
                                      route_ids=ids_as if routes_itself else None, group=self.group)
-            route = router(world, tokens, topk, self.num_experts, ids_as, group=self.group) if routed else None
+            route = (router(world, tokens, topk, self.num_experts, ids_as, group=self.group)
+                     if routed and not routes_itself else None)
             plan = self._plans.put(key, _SendPlan(
-                send=self._send_launch(kernel, None if routes_itself else route, held, received,
+                send=self._send_launch(kernel, route, held, received,
                                        self._flags_of(low_latency, received), in_place, fp8_pair=self.fp8 and layout,
                                        layout=layout, routes_itself=routes_itself),
                 routed=routed,
