@@ -12,7 +12,9 @@ median of ``--iters``, ranks released together by a barrier), eagerly and on GPU
 CUDA-graph replay (``graph_us``: its GPU time without the host's launch path), on the inputs
 the steps before it left; the table shows the slowest rank's median. ``send + group`` (the dispatch
 kernel) also shows the rate of the rows it puts on other ranks (bytes out of this rank over
-NVLink / time).
+NVLink / time). Where ranks send at most a decode batch (``moe.routing.routes_in_dispatch``),
+``moe_dispatch`` is one kernel that routes its own tokens: ``route`` and ``send + group`` then
+time the two-kernel path it replaced, and their sum against the call says what the one launch gains.
 """
 
 import argparse
@@ -85,6 +87,8 @@ def main() -> None:
     if rank == 0:
         print(f"world {world}, {tokens} tokens/rank, hidden {hidden}, top-{topk} of {num_experts} experts "
               f"({args.case}); rank 0 sends {remote_bytes / 1e6:.1f} MB to other ranks")
+        if moe.routing.routes_in_dispatch(tokens):
+            print("moe_dispatch routes in its kernel (one launch); route + send + group: the two-kernel path")
     report.print_table()
     report.save()
     ts.finalize()
