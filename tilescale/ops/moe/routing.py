@@ -11,8 +11,8 @@ Work in O(tokens x topk): each block routes its own chunk of tokens (a scan per 
 chunk), and a second kernel adds what earlier chunks hold of each bin; a decode batch is one
 chunk, one kernel, and where every rank sends at most a decode batch no kernel of its own: each
 dispatch block routes its own tokens from every token's ids (``route_block``), one launch less
-per call. (One block per
-bin scanning every token took 33 us at 4096 tokens, top-8 of 256 experts, one H100.)
+per call. (One block per bin scanning every token took 33 us at 4096 tokens, top-8 of 256
+experts, one H100.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations, which
@@ -305,7 +305,7 @@ def route_block(topk_idx, held, b, chunk, world, num_experts, dest, slot, send_c
         dest, slot, send_counts, expert_slot, expert_counts, bad, ids: The routes, written here.
         bad_host: A pinned host word's address for the bad-id count, or 0.
     """
-    capacity, topk = DECODE_TOKENS, topk_idx.shape[1]
+    capacity, topk = DECODE_TOKENS, topk_idx.shape[1]  # tiles of the class's most tokens, as its one routing chunk
     per_rank = num_experts // world
     own = T.alloc_shared((capacity, topk), "int32")  # every token's clamped ids; past the last token: none
     upto = T.alloc_shared((world, capacity), "int32")  # tokens up to each going to each rank
