@@ -36,13 +36,14 @@ semantics say; thread-level code (``T.get_thread_binding``) sees thread 0 only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import operator
 import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -768,8 +769,8 @@ class _Block:
                 self.env[stmt.loop_var] = i
                 self.parallel_body(stmt.body)
             self.env.pop(stmt.loop_var, None)
-        elif isinstance(stmt, tirx.Evaluate) and self._element_atomic(stmt) is not None:
-            self.parallel_atomic(self._element_atomic(stmt), None)
+        elif (atomic := self._element_atomic(stmt)) is not None:
+            self.parallel_atomic(atomic, None)
         elif isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
             # Masked store: evaluate the condition per element, store where it holds.
             cond = self.eval(stmt.condition)
@@ -779,32 +780,43 @@ class _Block:
                 return
             if isinstance(stmt.then_case, tirx.BufferStore):
                 self.masked_store(stmt.then_case, cond)
-            elif self._element_atomic(stmt.then_case) is not None:
-                self.parallel_atomic(self._element_atomic(stmt.then_case), cond)
+            elif (atomic := self._element_atomic(stmt.then_case)) is not None:
+                self.parallel_atomic(atomic, cond)
             else:
                 raise self.unsupported("a conditional block inside T.Parallel")
         else:
             raise self.unsupported(f"{type(stmt).__name__} inside T.Parallel")
 
-    def masked_store(self, node: tirx.BufferStore, mask: torch.Tensor) -> None:
-        # As on the GPU, the store's indices and value are evaluated only where the mask holds
-        # (a guarded load past a row's end reads nothing): the loop variables become the
-        # index tensors of those elements while the store runs.
+    @contextlib.contextmanager
+    def _elements_where(self, mask: torch.Tensor | None) -> Iterator[int]:
+        """While the block runs, the T.Parallel nest's loop variables are the index tensors of
+        the elements where ``mask`` holds (None: every element); yields their count. As on the
+        GPU, a guarded statement evaluates its indices and value only there (a guarded load past
+        a row's end reads nothing)."""
         loops = [v for v in self._parallel_vars if isinstance(self.env.get(v), torch.Tensor)]
-        shape = torch.broadcast_shapes(mask.shape, *[self.env[v].shape for v in loops])
-        mask = mask.expand(shape)
+        shape = torch.broadcast_shapes(*([] if mask is None else [mask.shape]), *[self.env[v].shape for v in loops])
+        keep = torch.ones(shape, dtype=torch.bool) if mask is None else mask.expand(shape)
         saved = {v: self.env[v] for v in loops}
         try:
             for v in loops:
-                self.env[v] = saved[v].expand(shape)[mask]
-            t = self.tensor(node.buffer)
-            idx = [self.eval(i) for i in self.nodes.items(node.indices)]
-            idx = [i if isinstance(i, torch.Tensor) else torch.full((int(mask.sum()),), int(i)) for i in idx]
-            self._check_bounds(node.buffer, t, idx)
-            value = self.eval(node.value)
-            t[tuple(idx)] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
+                self.env[v] = saved[v].expand(shape)[keep]
+            yield int(keep.sum())
         finally:
             self.env.update(saved)
+
+    def _element_indices(self, buf: tirx.Buffer, t: torch.Tensor, indices: Any, n: int) -> list[torch.Tensor]:
+        """``indices`` of ``buf`` (its tensor ``t``) for the ``n`` elements of :meth:`_elements_where`, checked."""
+        idx = [self.eval(i) for i in self.nodes.items(indices)]
+        idx = [i if isinstance(i, torch.Tensor) else torch.full((n,), int(i)) for i in idx]
+        self._check_bounds(buf, t, idx)
+        return idx
+
+    def masked_store(self, node: tirx.BufferStore, mask: torch.Tensor) -> None:
+        with self._elements_where(mask) as n:
+            t = self.tensor(node.buffer)
+            idx = self._element_indices(node.buffer, t, node.indices, n)
+            value = self.eval(node.value)
+            t[tuple(idx)] = torch.as_tensor(value).to(t.dtype) if isinstance(value, torch.Tensor) else value
 
     def _element_atomic(self, stmt: Any) -> tirx.Call | None:
         """The element atomic (``T.atomic_add(buf[i], v)`` and its max / min) ``stmt`` evaluates, else None."""
@@ -821,31 +833,20 @@ class _Block:
         if not (isinstance(ptr, tirx.Call) and ptr.op.name in ("tirx.address_of", "tl.access_ptr")):
             raise self.unsupported(f"atomic on {ptr}")
         load = ptr.args[0]
-        loops = [v for v in self._parallel_vars if isinstance(self.env.get(v), torch.Tensor)]
-        shape = torch.broadcast_shapes(*([] if mask is None else [mask.shape]), *[self.env[v].shape for v in loops])
-        keep = torch.ones(shape, dtype=torch.bool) if mask is None else mask.expand(shape)
-        saved = {v: self.env[v] for v in loops}
-        try:
-            for v in loops:
-                self.env[v] = saved[v].expand(shape)[keep]
-            n = int(keep.sum())
-            t = self.tensor(load.buffer)
-            idx = [self.eval(i) for i in self.nodes.items(load.indices)]
-            idx = [i.reshape(-1) if isinstance(i, torch.Tensor) else torch.full((n,), int(i)) for i in idx]
-            self._check_bounds(load.buffer, t, idx)
+        t = self.tensor(load.buffer)
+        if not t.is_contiguous():
+            raise self.unsupported("an atomic on a non-contiguous tile inside T.Parallel")
+        with self._elements_where(mask) as n:
+            idx = self._element_indices(load.buffer, t, load.indices, n)
             value = self.eval(args[1])
             value = (value.reshape(-1) if isinstance(value, torch.Tensor) else torch.full((n,), value)).to(t.dtype)
-            flat = sum(i * s for i, s in zip(idx, t.stride(), strict=True)) if idx else torch.zeros(n, dtype=torch.long)
-            view = t.as_strided((t.numel(),), (1,), t.storage_offset()) if t.is_contiguous() else None
-            if view is None:
-                raise self.unsupported("an atomic on a non-contiguous tile inside T.Parallel")
+            flat = sum(i.long() * s for i, s in zip(idx, t.stride(), strict=True)).reshape(-1)
+            view = t.view(-1)
             with self.launch.kernel.atomic():
                 if name == "tl.atomic_add_elem_op":
-                    view.index_add_(0, flat.long(), value)
+                    view.index_add_(0, flat, value)
                 else:
-                    view.scatter_reduce_(0, flat.long(), value, "amax" if name == "tl.atomic_max_elem_op" else "amin")
-        finally:
-            self.env.update(saved)
+                    view.scatter_reduce_(0, flat, value, "amax" if name == "tl.atomic_max_elem_op" else "amin")
 
     def evaluate(self, call: Any) -> None:
         if not isinstance(call, tirx.Call):
