@@ -150,6 +150,8 @@ def test_moe_zero_tokens_give_empty_results(moe_job):
     # Signed with the receive buffers (ranks, max tokens, hidden) and dtype, not this rank's count.
     ("moe_dispatch", "moe_dispatch (2, 8, 32) float32", "moe_dispatch (2, 16, 32) float32"),
     ("moe_combine", "moe_combine (2, 2, 16, 32) float32", "moe_combine (2, 2, 16, 16) float32"),
+    # A decode batch's dispatch (one kernel that routes) against a larger one's (after the routing kernels).
+    ("moe_dispatch_across_decode", "moe_dispatch (2, 128, 32) float32", "moe_dispatch (2, 129, 32) float32"),
 ])
 def test_moe_disagreement_raises_on_every_rank(moe_job, op, mine, theirs):
     assert moe_job.returncode == 0, moe_job.stdout[-3000:] + moe_job.stderr[-3000:]

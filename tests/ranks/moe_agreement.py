@@ -16,6 +16,7 @@ import torch
 from expect import expect_mismatch
 
 import tilescale as ts
+from tilescale.ops.moe.routing import DECODE_TOKENS
 from tilescale.testing import assert_close
 
 HIDDEN, TOPK, EXPERTS = 32, 2, 4
@@ -90,6 +91,13 @@ def main() -> None:
     recv_x, recv_w, _, handle = handles[16]
     out = recv_x if rank == 0 else recv_x[:, :16].contiguous()  # hidden 32 on rank 0, 16 on rank 1
     expect_mismatch("moe_combine", lambda: ts.ops.moe_combine(out, recv_w, handle))
+    # Counts on either side of a decode batch: rank 0's dispatch kernel routes its own tokens, rank
+    # 1's runs after the two routing kernels; different kernels, the same agreement check.
+    for tokens in (DECODE_TOKENS, DECODE_TOKENS + 1):
+        x, idx, w = routing(tokens, rank)
+        ts.ops.moe_dispatch(x, idx, w, EXPERTS)
+    x, idx, w = routing(DECODE_TOKENS + rank, rank)
+    expect_mismatch("moe_dispatch_across_decode", lambda: ts.ops.moe_dispatch(x, idx, w, EXPERTS))
 
     # Two dispatches of the same shapes; rank 0 combines the first, rank 1 the second: the
     # routes differ, so the sums would be wrong; the combine signs which dispatch it brings back.
