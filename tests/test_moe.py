@@ -139,14 +139,14 @@ def test_dispatches_back_to_back_under_scheduling_jitter():
     # ahead of its peers as a GPU's schedule lets it. With the two sets of receive buffers merged
     # into one, this failed 4 runs in 4 (wrong rows, or a flag lost and a wait timing out); 2
     # ranks met that window in 1 run of 3 with the jitter, 0 of 6 without.
-    proc = run_cpu("tests/ranks/moe_check.py", 3, env={"TILESCALE_CPU_JITTER_S": "0.05"}, args=("--back-to-back",))
+    proc = run_cpu("tests/ranks/moe_check.py", 3, env={"TILESCALE_CPU_JITTER_S": "0.05"}, args=("back-to-back",))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("dispatches back to back: MOE-OK") == 3
 
 
 def test_the_explicit_buffer_section_runs_alone():
-    # GPU runs short of time check it alone (moe_check.py --buffers); the full run reaches it last.
-    proc = run_cpu("tests/ranks/moe_check.py", 2, args=("--buffers",))
+    # GPU runs short of time check it alone (moe_check.py buffers); the full run reaches it last.
+    proc = run_cpu("tests/ranks/moe_check.py", 2, args=("buffers",))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("BUFFER-OK") == 2 and "MOE-OK" not in proc.stdout, proc.stdout[-2000:]
 
