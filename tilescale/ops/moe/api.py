@@ -122,11 +122,12 @@ def moe_dispatch(x: Rows, topk_idx: torch.Tensor,
     check expert ids (out-of-range ids are still routed nowhere).
 
     Host cost: from the third eager call of a layout on, a call goes straight to the kernels'
-    launch learned at its first two (``tilescale.op_launch.Direct``: 0.99-1.00x the budget of
-    1.3 torch launches per kernel on one H100, FP8 rows 1.11x, README "Eager host cost") where ``x`` is a
+    launch learned at its first two (``tilescale.op_launch.Direct``) where ``x`` is a
     contiguous tensor or a pair ``quantize_fp8`` or a dispatch made, ``topk_idx`` int32 or
     int64 and ``topk_weights`` float32, both contiguous (a torch ``topk``'s outputs are);
-    other tensors are converted on every call first, and take the longer path.
+    other tensors are converted on every call first, and take the longer path. On one H100 a
+    decode batch's dispatch (one kernel) then costs ~2.3 torch kernel launches of host time
+    (README "Eager host cost").
     """
     last = _last_buffer.get((group, num_experts, max_tokens))
     if last is not None:  # a layout learned there: its first call made every check but the ranks' (the kernels')
